@@ -56,7 +56,8 @@ def clean_number(s):
     """Strip the decorations a number may carry in a box or a label: ',', '$', spaces, a
     trailing '.', '%', and a wrapping \\text{...}."""
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
-    s = s.replace(",", "").replace("$", "").replace(" ", "").replace("\\%", "").replace("%", "")
+    for junk in ("\\$", "$", ",", " ", "\\%", "%", "\\!"):
+        s = s.replace(junk, "")
     return s.rstrip(".")
 
 
@@ -302,10 +303,21 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
         logp[:, j] = lp
     bad = ~torch.isfinite(logp)
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
-    v = torch.tensor([float(ev["weight"]) for ev in evaluators])
-    w = torch.tensor([float(m["weight"]) for m in meta_questions])
-    reward = (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
+    reward = weighted_reward(logp, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
     return {"reward": reward, "logp": logp, "nonfinite": int(bad.sum())}
+
+
+def weighted_reward(logp, v, w):
+    """r = sum_j v_j sum_k w_k log p_{j,k}  (RLME Eq. 3).
+
+    Args:
+        logp: FloatTensor [N, J, K]; v: J evaluator weights; w: K meta-question weights.
+    Returns:
+        FloatTensor [N].
+    """
+    v = torch.as_tensor(v, dtype=logp.dtype)
+    w = torch.as_tensor(w, dtype=logp.dtype)
+    return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
 
 
 # ----------------------------------------------------------------------------------------------

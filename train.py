@@ -455,6 +455,89 @@ def load_evaluators(cfg, policy, tokenizer, device):
 # The loop
 
 
+def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, ref_model=None):
+    """One rollout batch's worth of optimizer steps (SPEC §4.4): `algo.updates_per_batch` passes,
+    each split into `algo.minibatches` optimizer steps over whole groups, each accumulated over
+    micro-batches of `train.micro_batch_size` sequences.
+
+    The loss of an optimizer step is sum(per-token loss) / normaliser with ONE normaliser
+    counted over all its micro-batches on all ranks, so 1 rank x 4 micro-batches, 2 ranks x 2 and
+    1 rank x 1 give the same update (tests/test_train.py).
+
+    Args:
+        model: the policy, DDP-wrapped when world > 1 (used for the forward with grad).
+        policy: the unwrapped policy (no-grad forwards, grad clipping).
+        batch: dict with "prompt_ids" list[list[int]] (N), "completion_ids" LongTensor [N, L],
+            "completion_mask" FloatTensor [N, L], "advantages" FloatTensor [N], and optionally
+            "valid" BoolTensor [N] (False rows are left out of the loss and the normaliser).
+        cfg: full config (reads algo, train, optim, rollout.temperature/max_new_tokens/group_size).
+    Returns:
+        dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
+        (list[float], before clipping), "is_weight" / "clipped" (FloatTensor [N], last pass).
+    """
+    algo, o, ro = cfg["algo"], cfg["optim"], cfg["rollout"]
+    G, per_mb, temperature = ro["group_size"], cfg["train"]["micro_batch_size"], ro["temperature"]
+    prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+    mask = batch["completion_mask"].float()
+    if "valid" in batch:
+        mask = mask * batch["valid"].float()[:, None]
+    advantages = batch["advantages"]
+    n_local = len(prompt_ids)
+    model.train()
+
+    def forward(m, rows):
+        width = max(1, int(mask[rows].sum(-1).max()))  # trim columns that are padding everywhere
+        return rollout.completion_logprobs(m, [prompt_ids[i] for i in rows], completion_ids[rows, :width],
+                                           pad_id, temperature), width
+
+    # Behaviour log-probs: with one optimizer step per batch, pi_theta == pi_b at the update, so
+    # the ratio is exactly 1 and we skip a whole forward pass; otherwise recompute them with the
+    # training model before the first update, without grad (SPEC §4.4). Same for the reference.
+    off_policy = algo["updates_per_batch"] > 1 or algo["minibatches"] > 1
+    behaviour, ref = [None] * n_local, [None] * n_local
+    with torch.no_grad():
+        for s in range(0, n_local, per_mb):
+            rows = list(range(s, min(s + per_mb, n_local)))
+            if off_policy:
+                lp, _ = forward(policy, rows)
+                for i, row in zip(rows, lp.cpu()):
+                    behaviour[i] = row
+            if ref_model is not None:
+                lp, _ = forward(ref_model, rows)
+                for i, row in zip(rows, lp.cpu()):
+                    ref[i] = row
+
+    mb_groups = n_local // G // algo["minibatches"]
+    loss_total, grad_norms = 0.0, []
+    is_weights, clipped = torch.ones(n_local), torch.zeros(n_local)
+    for _ in range(algo["updates_per_batch"]):
+        for m in range(algo["minibatches"]):
+            idx = list(range(m * mb_groups * G, (m + 1) * mb_groups * G))
+            # the one global normaliser of this optimizer step: all micro-batches, all ranks
+            n_seq = all_sum((mask[idx].sum(-1) > 0).sum(), world)
+            n_tok = all_sum(mask[idx].sum(), world)
+            norm = max(loss_normaliser(algo, n_seq, n_tok, ro["max_new_tokens"]), 1.0)
+            chunks = [idx[s:s + per_mb] for s in range(0, len(idx), per_mb)]
+            for c, rows in enumerate(chunks):
+                # DDP all-reduces gradients on the last micro-batch only.
+                last = c == len(chunks) - 1
+                with model.no_sync() if world > 1 and not last else torch.enable_grad():
+                    lp, width = forward(model, rows)
+                    beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if off_policy else None
+                    rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref_model is not None else None
+                    loss_sum, st = policy_loss(lp, beh, advantages[rows].to(device), mask[rows, :width].to(device), algo, rl)
+                    # DDP averages gradients over ranks; x world turns that into a global sum / norm.
+                    (loss_sum * world / norm).backward()
+                loss_total += float(loss_sum.detach()) / norm
+                is_weights[rows] = st["is_weight"].float().cpu()
+                clipped[rows] = st["clipped"].float().cpu()
+            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else float("inf"))
+            grad_norms.append(float(gn))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped}
+
+
 def lr_lambda(cfg):
     o, total = cfg["optim"], cfg["run"]["total_steps"]
 
@@ -552,60 +635,11 @@ def train(cfg):
         # --- 3. advantages: r - mean of the group (RLME Eq. 5); groups never straddle ranks ---
         advantages = group_advantages(rewards, G, std=algo["advantage_std"])
 
-        # --- 4./5. update -------------------------------------------------------------------
-        model.train()
-        n_local = len(samples)
-        per_mb = cfg["train"]["micro_batch_size"]
-        # Behaviour log-probs: with one update per batch, pi_theta == pi_b at the update, so the
-        # ratio is exactly 1 and we skip a full forward pass (SPEC §4.4); otherwise recompute
-        # them with the training model before the first update (no grad).
-        off_policy = algo["updates_per_batch"] > 1 or algo["minibatches"] > 1
-        behaviour = [None] * n_local
-        ref = [None] * n_local
-        with torch.no_grad():
-            for s in range(0, n_local, per_mb):
-                rows = slice(s, s + per_mb)
-                width = int(mask[rows].sum(-1).max())
-                if off_policy:
-                    lp = rollout.completion_logprobs(policy, ro_out["prompt_ids"][rows], ro_out["completion_ids"][rows, :width],
-                                                     tokenizer.pad_token_id, ro["temperature"])
-                    behaviour[rows] = list(lp.cpu())
-                if ref_model is not None:
-                    lp = rollout.completion_logprobs(ref_model, ro_out["prompt_ids"][rows], ro_out["completion_ids"][rows, :width],
-                                                     tokenizer.pad_token_id, ro["temperature"])
-                    ref[rows] = list(lp.cpu())
-        groups_local = n_local // G
-        mb_groups = groups_local // algo["minibatches"]
-        loss_total, grad_norms, is_weights, clipped = 0.0, [], torch.ones(n_local), torch.zeros(n_local)
-        for _ in range(algo["updates_per_batch"]):
-            for m in range(algo["minibatches"]):
-                idx = list(range(m * mb_groups * G, (m + 1) * mb_groups * G))
-                # one global normaliser for this optimizer step: all micro-batches, all ranks
-                n_seq = all_sum(len(idx), world)
-                n_tok = all_sum(mask[idx].sum(), world)
-                norm = loss_normaliser(algo, n_seq, n_tok, ro["max_new_tokens"])
-                chunks = [idx[s:s + per_mb] for s in range(0, len(idx), per_mb)]
-                for c, rows in enumerate(chunks):
-                    width = int(mask[rows].sum(-1).max())
-                    mb_mask = mask[rows, :width].to(device)
-                    sync = c == len(chunks) - 1 or world == 1
-                    ctx = model.no_sync() if (world > 1 and not sync) else torch.enable_grad()
-                    with ctx:
-                        lp = rollout.completion_logprobs(model, [ro_out["prompt_ids"][i] for i in rows],
-                                                         ro_out["completion_ids"][rows, :width], tokenizer.pad_token_id,
-                                                         ro["temperature"])
-                        beh = None if not off_policy else torch.stack([behaviour[i][:width] for i in rows]).to(device)
-                        rl = None if ref_model is None else torch.stack([ref[i][:width] for i in rows]).to(device)
-                        loss_sum, st = policy_loss(lp, beh, advantages[rows].to(device), mb_mask, algo, rl)
-                        # DDP averages gradients over ranks; x world makes it a global sum / norm.
-                        (loss_sum * world / norm).backward()
-                    loss_total += float(loss_sum.detach()) / norm
-                    is_weights[rows] = st["is_weight"].float().cpu()
-                    clipped[rows] = st["clipped"].float().cpu()
-                gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else float("inf"))
-                grad_norms.append(float(gn))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        # --- 4./5. CISPO update (RLME Eq. 6-8) --------------------------------------------------
+        batch = {"prompt_ids": ro_out["prompt_ids"], "completion_ids": ro_out["completion_ids"],
+                 "completion_mask": mask, "advantages": advantages}
+        upd = update_policy(model, policy, optimizer, batch, cfg, world, device, tokenizer.pad_token_id, ref_model)
+        is_weights, clipped = upd["is_weight"], upd["clipped"]
         scheduler.step()
         t3 = time.perf_counter()
 
@@ -624,7 +658,8 @@ def train(cfg):
                                for j, ev in enumerate(evaluators)}
             records.append(rec)
         records = gather_records(records, world)
-        loss_total = all_sum(loss_total, world)
+        loss_total = all_sum(upd["loss"], world)
+        grad_norms = upd["grad_norms"]
         nonfinite = all_sum(nonfinite, world)
         gen_tokens = all_sum(mask.sum(), world)
         if is_main:
