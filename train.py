@@ -83,6 +83,11 @@ def _merge(base, new, prefix=""):
         if isinstance(base[k], dict):
             _merge(base[k], v, key + ".")
         else:
+            if isinstance(base[k], float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
             _check_type(key, v, base[k])
             base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
 
@@ -194,12 +199,15 @@ def load_dataset_rows(source, config_name=None, split="train"):
     if source.endswith((".jsonl", ".json")) or os.path.exists(source):
         if not os.path.isfile(source):
             raise SystemExit(f"data file {source} does not exist")
+        with open(source) as f:
+            if not f.read(4096).strip():
+                raise SystemExit(f"data file {source} is empty")
         if source.endswith(".jsonl"):
             read_jsonl_checked(source)
         try:
             ds = datasets.load_dataset("json", data_files=source, split="train")
         except Exception as e:  # datasets wraps parser errors in many types
-            raise SystemExit(f"data file {source}: could not be read ({str(e).splitlines()[0]})")
+            raise SystemExit(f"data file {source}: could not be read ({(str(e).splitlines() or [type(e).__name__])[0]})")
         if len(ds) == 0:
             raise SystemExit(f"data file {source} is empty")
         return ds
