@@ -441,20 +441,24 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
                 time.sleep(1)
         else:
             pytest.fail("transformers serve did not come up in 120 s")
+        # a 2-core CPU makes ~2-3 tokens/s here: one short answer, one retry, bounded by timeout_s
         judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": smollm2_path,
-                                   "max_retries": 1, "timeout_s": 60, "max_tokens": 48, "concurrency": 2,
+                                   "max_retries": 1, "timeout_s": 30, "max_tokens": 12, "concurrency": 2,
                                    "backoff_base_s": 0.1})
         item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly; Response A is right."}
-        parsed = [reward.parse_grm_output("<critics>Response B miscounts 2+3.</critics><choice>[[A]]</choice>")] * 2
+        parsed = [reward.parse_grm_output("<critics>Response B miscounts 2+3.</critics><choice>[[A]]</choice>"),
+                  reward.parse_grm_output("<critics>Response A is wrong.</critics><choice>[[B]]</choice>")]
         t0 = time.time()
         samples = reward.score_dh(parsed, [item] * 2, judge)
-        assert time.time() - t0 < 100
+        assert time.time() - t0 < 2 * 30 + 5
+        assert samples[1]["reward"] == 0.0 and not samples[1]["judged"]  # wrong verdict: no judge call
+        samples = samples[:1]
         for smp in samples:  # a 135M judge rarely follows the tag format: a score or a counted failure
             assert smp["judged"] and smp["judge_attempts"] >= 1
             assert (smp["f1"] is not None and 0 <= smp["f1"] <= 1 and smp["reward"] in (1.0, 1.5)) or \
                    (smp["f1"] is None and smp["reward"] is None and smp["judge_why"])
         m = reward.nlhf_metrics(samples)
-        assert m["judge/calls"] == 2 and 0.0 <= m["judge/fail_rate"] <= 1.0
+        assert m["judge/calls"] == 1 and 0.0 <= m["judge/fail_rate"] <= 1.0
     finally:
         proc.terminate()
         try:
