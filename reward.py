@@ -379,7 +379,7 @@ def detect_schema(row, where):
                      f"known: {', '.join(PAIR_SCHEMAS)}")
 
 
-def _read_rows(path, split="train"):
+def _read_rows(path, split="train", config_name=None):
     """Rows of a local .jsonl/.json file, a folder of them, or a hub dataset.
 
     Returns list[(file, where, row)] with where = 'file:line' (or 'hub_id[split] row N') so every
@@ -390,7 +390,7 @@ def _read_rows(path, split="train"):
         files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
         if not files:
             raise SystemExit(f"{path}: folder has no .jsonl or .json files")
-        return [r for f in files for r in _read_rows(f, split)]
+        return [r for f in files for r in _read_rows(f, split, config_name)]
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise SystemExit(f"{path}: file does not exist")
@@ -424,7 +424,7 @@ def _read_rows(path, split="train"):
         elif path.startswith((".", "/", "~")):
             raise SystemExit(f"{path}: file does not exist")
         else:
-            ds = datasets.load_dataset(path, split=split)
+            ds = datasets.load_dataset(path, config_name, split=split)
     except SystemExit:
         raise
     except Exception as e:  # the hub, the network or the file format: one line, no trace
@@ -614,12 +614,13 @@ def finalize_pair(raw, seed, shuffle=True):
 
 
 def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
-                  stats=None):
+                  stats=None, config_name=None):
     """Load pairwise preference items (SPEC §5.1).
 
     Args:
         path_or_hub_id: local .jsonl/.json (or .parquet/.csv), a folder of .jsonl/.json files, or
-            a Hugging Face dataset id (read with datasets.load_dataset(id, split=split)).
+            a Hugging Face dataset id (read with datasets.load_dataset(id, config_name, split=split);
+            HelpSteer3: 'nvidia/HelpSteer3', its default config is the preference subset).
         schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
             helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
             individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
@@ -640,7 +641,7 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
     """
     if schema != "auto" and schema not in PAIR_SCHEMAS:
         raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
-    rows = _read_rows(path_or_hub_id, split)
+    rows = _read_rows(path_or_hub_id, split, config_name)
     if not rows:
         raise SystemExit(f"{path_or_hub_id}: no rows")
     by_file = {}  # a folder may mix schemas: one schema per file

@@ -467,3 +467,14 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
+    """Hub ids and non-JSON files are read with datasets.load_dataset; same items as from JSONL."""
+    import datasets
+    rows = [hs3(-2), hs3(0), hs3(1)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hs3.parquet"))
+    from_parquet = reward.load_pairwise(str(tmp_path / "hs3.parquet"))
+    from_jsonl = reward.load_pairwise(write_jsonl(tmp_path / "hs3.jsonl", rows))
+    assert [(it["id"], it["winner"], it["critique"]) for it in from_parquet] == \
+           [(it["id"], it["winner"], it["critique"]) for it in from_jsonl]
