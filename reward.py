@@ -804,7 +804,14 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     Returns:
         list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
         recall, judge_why, judge_attempts, judged (bool), r_process, reward (float or None).
+    Raises:
+        ValueError (a caller bug, before any judge call): lengths differ or an item has no critique.
+        Judge failures never raise: they give reward None.
     """
+    if len(parsed) != len(items):
+        raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
+    if any(not it.get("critique") for it in items):
+        raise ValueError("score_dh: an item has no human critique (D_O items go to score_do)")
     samples, need = [], []
     for i, (p, it) in enumerate(zip(parsed, items)):
         correct = p["valid"] and p["choice"] == it["winner"]
@@ -815,7 +822,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         # outcome regularisation: the judge only sees valid, right verdicts (SPEC §5.3)
         if p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
-    results = judge_scores(judge, [(items[i].get("critique") or "", parsed[i]["critique"]) for i in need],
+    results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"]) for i in need],
                            sleep=sleep, rand=rand)
     for i, r in zip(need, results):
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
@@ -839,7 +846,10 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
 
 
 def nlhf_metrics(samples):
-    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples (rates are means)."""
+    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples.
+
+    format_error_rate and outcome_acc are over all samples (an invalid verdict counts as wrong);
+    judge/fail_rate = failed / judged calls; process_rate and f1_mean over successful calls."""
     n = max(len(samples), 1)
     judged = [s for s in samples if s.get("judged")]
     ok = [s for s in judged if s["f1"] is not None]

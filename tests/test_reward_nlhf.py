@@ -478,3 +478,12 @@ def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
     from_jsonl = reward.load_pairwise(write_jsonl(tmp_path / "hs3.jsonl", rows))
     assert [(it["id"], it["winner"], it["critique"]) for it in from_parquet] == \
            [(it["id"], it["winner"], it["critique"]) for it in from_jsonl]
+
+
+def test_score_dh_rejects_items_without_critique():
+    judge = reward.make_judge({"backend": "proxy"})
+    p = [reward.parse_grm_output("<critics>x</critics><choice>[[A]]</choice>")]
+    with pytest.raises(ValueError, match="no human critique"):
+        reward.score_dh(p, [{"winner": "A", "critique": None}], judge)
+    with pytest.raises(ValueError, match="1 parse results for 2 items"):
+        reward.score_dh(p, [{"winner": "A", "critique": "c"}] * 2, judge)
