@@ -454,7 +454,8 @@ def vllm_push_weights(engine, named_tensors):
         name = vllm_weight_name(name, engine["tied"])
         if name is not None:
             model.load_weights([(name, t.to(device, non_blocking=True))])
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies above are asynchronous
     if engine["asleep"]:
         llm.wake_up(tags=["kv_cache"])
         engine["asleep"] = False

@@ -131,6 +131,7 @@ def synthetic_data(out_path, n=256):
 
 def report(out_path, engine_json, run_dirs):
     res = {"measured": True, "note": "scripts/gpu_check.sh on one GPU; see docs_scale.md"}
+    res["engine"] = {"error": "no engine.json (the engine checks failed; see engine.log)"}
     if os.path.exists(engine_json):
         with open(engine_json) as f:
             res["engine"] = json.load(f)
@@ -145,7 +146,9 @@ def report(out_path, engine_json, run_dirs):
             rows = [json.loads(line) for line in f if line.strip()]
         later = rows[1:] or rows  # step 1 includes CUDA-graph capture / warm-up
         res[os.path.basename(d)] = {"steps": len(rows), "per_step": [{k: r.get(k) for k in keys} for r in rows],
-                                    "mean_after_first": {k: sum(r.get(k) or 0 for r in later) / len(later) for k in keys}}
+                                    "mean_after_first": {k: sum(r[k] for r in later) / len(later)
+                                                         if all(r.get(k) is not None for r in later) else None
+                                                         for k in keys}}
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
@@ -157,7 +160,7 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--out", required=True)
     ap.add_argument("inputs", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     if a.what == "engine":
         engine_checks(a.model, a.out)
     elif a.what == "data":

@@ -309,9 +309,37 @@ def test_vllm_sampling_kwargs():
     assert rollout.vllm_sampling_kwargs(1, 8, 1.0, 0.9, 50, 0, [2])["top_k"] == 50
 
 
-def test_vllm_never_imported_on_cpu():
+def test_vllm_sleep_and_push_order():
+    # the engine's calls around a weight push, recorded on a stand-in engine object
+    calls, loaded = [], {}
+    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]),
+                            load_weights=lambda ws: [loaded.__setitem__(n, t.clone()) for n, t in ws])
+    llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                          wake_up=lambda tags=None: calls.append(("wake_up", tuple(tags))),
+                          reset_prefix_cache=lambda: calls.append(("reset_prefix_cache",)),
+                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
+    engine = {"llm": llm, "asleep": False, "sleep_level": 2, "tied": True}
+    rollout.vllm_sleep(engine)
+    rollout.vllm_sleep(engine)  # already asleep: no second call
+    weights = [("model.embed_tokens.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2)),
+               ("model.norm.weight", torch.full((2,), 3.0))]
+    rollout.vllm_push_weights(engine, iter(weights))
+    assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert sorted(loaded) == ["model.embed_tokens.weight", "model.norm.weight"]  # tied lm_head skipped
+    assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
+    rollout.vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
+    assert calls[4:] == [("reset_prefix_cache",)]
+
+
+def test_importing_the_stages_never_imports_vllm():
+    # a fresh interpreter: on a GPU machine with vllm installed this fails if a module-level
+    # `import vllm` creeps in (SPEC §7: nothing may need it to import)
+    import subprocess
     import sys
-    assert "vllm" not in sys.modules  # importing rollout/train must not pull it in
+    code = "import sys, rollout, train, reward; sys.exit('vllm' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0
 
 
 # --- GPU (skipped here: no CUDA) ------------------------------------------------------------------
