@@ -5,13 +5,15 @@
     python train.py --config configs/cpu.yaml run.total_steps=3           # same, without torchrun
 
 One training step, top to bottom in `train()`:
-  1. this rank's P/world prompts -> G completions each              (rollout.generate)
+  1. this rank's P/world prompts -> G completions each              (rollout_batch: HF or vLLM)
   2. rewards: RLME meta-evaluation log p(Yes), or RLVR 0/1           (reward.rlme_reward)
   3. advantages: r - mean(group), optionally / std                    (RLME Eq. 5)
-  4. behaviour log-probs (only needed when the update is off-policy)
+  4. behaviour log-probs (when the update is off-policy, or to log the vLLM gap)
   5. CISPO update: detached clipped IS weight x advantage x sum of token log-probs (Eq. 6-8),
-     one global normaliser across micro-batches and ranks, grad clip, AdamW
+     one global normaliser across micro-batches and ranks, grad clip, AdamW; then the new
+     weights into the vLLM engine                                    (push_weights)
   6. metrics.jsonl / samples.jsonl on rank 0, atomic checkpoints
+Parallelism (train.parallel: ddp | fsdp2), the vLLM backend and the memory plan: docs_scale.md.
 """
 import argparse
 import contextlib
@@ -568,7 +570,9 @@ def unsharded(model):
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            # back to fully_shard's behaviour: layers free their gathered weights after forward;
+            # the root keeps them (FSDP2 makes the root not reshard: backward needs them at once)
+            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def full_state_items(policy):
