@@ -1,0 +1,65 @@
+"""Did the run learn? Reward and a targeted behaviour per step, for one or several runs.
+
+    python scripts/learning_check.py runs/learn-s0 runs/learn-s1 --out runs/learning_check.png
+
+The behaviour of configs/cpu_learn.yaml is "shows its calculations as equations", measured
+from samples.jsonl as the mean number of '=' signs per completion. Prints, per run, the mean of
+the first and the last `--window` steps, and plots both quantities per step (thin: raw, thick:
+EMA 0.9 as in the paper's curves).
+"""
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def per_step(run_dir, behaviour):
+    """{step: (reward mean, behaviour mean)} from a run's samples.jsonl."""
+    steps = {}
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        for line in f:
+            s = json.loads(line)
+            steps.setdefault(s["step"], []).append((s["reward"], behaviour(s["completion"])))
+    return {k: (sum(r for r, _ in v) / len(v), sum(b for _, b in v) / len(v)) for k, v in sorted(steps.items())}
+
+
+def ema(xs, alpha=0.9):
+    out = []
+    for x in xs:
+        out.append(x if not out else alpha * out[-1] + (1 - alpha) * x)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--out", default="learning_check.png")
+    a = ap.parse_args()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    print(f"{'run':24s} {'reward first':>12s} {'reward last':>12s} {'= first':>8s} {'= last':>8s}")
+    for run in a.runs:
+        data = per_step(run, lambda text: text.count("="))
+        steps = list(data)
+        reward = [data[s][0] for s in steps]
+        eq = [data[s][1] for s in steps]
+        w = a.window
+        print(f"{run:24s} {sum(reward[:w]) / w:12.3f} {sum(reward[-w:]) / w:12.3f} "
+              f"{sum(eq[:w]) / w:8.2f} {sum(eq[-w:]) / w:8.2f}")
+        for ax, ys in zip(axes, (reward, eq)):
+            line, = ax.plot(steps, ys, alpha=0.3)
+            ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
+    axes[0].set(title="reward (sum of log P(Yes))", xlabel="step")
+    axes[1].set(title="'=' signs per completion", xlabel="step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=100)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
