@@ -514,6 +514,20 @@ def load_do_items(cfg):
     return items[:nl["max_items"]] if nl["max_items"] else items
 
 
+def keep_short_pairs(items, tokenizer, chat, nl, key):
+    """Items whose GRM prompt has at most nlhf.max_prompt_tokens tokens (0 = all): long pairs
+    cost memory quadratically in attention and linearly in the [tokens x vocab] logits of the
+    update. SystemExit (one line) when none is left. `key` names the data key in the message."""
+    if not nl["max_prompt_tokens"] or not items:
+        return items
+    lengths = [len(grm_prompt_ids(tokenizer, it, chat, nl)) for it in items]
+    kept = [it for it, n in zip(items, lengths) if n <= nl["max_prompt_tokens"]]
+    if not kept:
+        raise SystemExit(f"config key nlhf.max_prompt_tokens={nl['max_prompt_tokens']}: no item of {key} is that "
+                         f"short (shortest GRM prompt: {min(lengths)} tokens)")
+    return kept
+
+
 def nlhf_step_items(dh, do, step, cfg, rank, world):
     """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
     rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
@@ -810,6 +824,9 @@ def train(cfg):
     if cfg["model"]["gradient_checkpointing"]:
         policy.gradient_checkpointing_enable()
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
+    if task == "rm_nlhf":
+        dh_items = keep_short_pairs(dh_items, tokenizer, chat, cfg["nlhf"], "nlhf.dh")
+        do_items = keep_short_pairs(do_items, tokenizer, chat, cfg["nlhf"], "nlhf.do")
     model = policy
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
