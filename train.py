@@ -5,15 +5,18 @@
     python train.py --config configs/cpu.yaml run.total_steps=3           # same, without torchrun
 
 One training step, top to bottom in `train()`:
-  1. this rank's P/world prompts -> G completions each              (rollout.generate)
+  1. this rank's P/world prompts -> G completions each              (rollout_batch: HF or vLLM)
   2. rewards: RLME meta-evaluation log p(Yes), or RLVR 0/1           (reward.rlme_reward)
   3. advantages: r - mean(group), optionally / std                    (RLME Eq. 5)
-  4. behaviour log-probs (only needed when the update is off-policy)
+  4. behaviour log-probs (when the update is off-policy, or to log the vLLM gap)
   5. CISPO update: detached clipped IS weight x advantage x sum of token log-probs (Eq. 6-8),
-     one global normaliser across micro-batches and ranks, grad clip, AdamW
+     one global normaliser across micro-batches and ranks, grad clip, AdamW; then the new
+     weights into the vLLM engine                                    (push_weights)
   6. metrics.jsonl / samples.jsonl on rank 0, atomic checkpoints
+Parallelism (train.parallel: ddp | fsdp2), the vLLM backend and the memory plan: docs_scale.md.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -48,6 +51,7 @@ CHOICES = {
     "algo.aggregation": ["seq_sum", "token_mean", "dr_grpo"],
     "optim.schedule": ["constant", "cosine"],
     "train.parallel": ["ddp", "fsdp2"],
+    "rollout.vllm_sleep_level": [1, 2],
     "train.device": ["auto", "cpu", "cuda"],
     "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
     "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
@@ -159,6 +163,23 @@ def validate_config(cfg, world_size=1):
                 t = fields[f]
                 if not (isinstance(v, t) or t is float and isinstance(v, int) and not isinstance(v, bool)):
                     raise SystemExit(f"config key {key}[{i}].{f}: bad value {v!r}")
+    # Fill the defaults of list items, so each meta-question carries its own weight and target
+    # (a question list and a weight list of different lengths cannot happen by construction).
+    for i, mq in enumerate(cfg["reward"]["meta_questions"]):
+        if not mq.get("question"):
+            raise SystemExit(f"config key reward.meta_questions[{i}].question: missing")
+        mq.setdefault("weight", 1.0)
+        mq.setdefault("target", "Yes")
+        mq.setdefault("negative", "No")
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        ev.setdefault("kind", "live")
+        ev.setdefault("name", f"{ev['kind']}{i}")
+        ev.setdefault("weight", 1.0)
+        ev.setdefault("path", None)
+        ev.setdefault("chat_template", "auto")
+    names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         if ev.get("kind", "live") not in ("live", "frozen_self", "frozen"):
             raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen")
@@ -195,6 +216,24 @@ def validate_config(cfg, world_size=1):
         if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
             raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
                              f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")
+
+
+def check_scale_config(cfg, device):
+    """Combinations that depend on the device (SPEC §7); one-line SystemExit naming the key."""
+    t, ro = cfg["train"], cfg["rollout"]
+    if t["cpu_offload"] and t["parallel"] != "fsdp2":
+        raise SystemExit("config key train.cpu_offload=true needs train.parallel=fsdp2")
+    if t["cpu_offload"] and device.type != "cuda":
+        raise SystemExit("config key train.cpu_offload=true needs a CUDA device (on CPU the shards already live in CPU memory)")
+    if ro["backend"] == "vllm":
+        if device.type != "cuda":
+            raise SystemExit("config key rollout.backend=vllm needs a CUDA device; use rollout.backend=hf on CPU")
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise SystemExit("config key rollout.backend=vllm: the vllm package is not installed "
+                             "(pip install -r requirements-gpu.txt)")
+    if not 0.0 < ro["vllm_gpu_memory_utilization"] < 1.0:
+        raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,8 +416,15 @@ def k3_kl(logp, ref_logp):
 # Distributed helpers
 
 
-def setup_distributed(device_setting):
+def setup_distributed(device_setting, always_group=False, cpu_collectives=False):
     """Init the process group when launched by torchrun (gloo on CPU, nccl on CUDA).
+
+    Args:
+        always_group: also make a 1-process group when not launched by torchrun (FSDP2 needs a
+            process group even for world size 1; an in-memory store needs no port).
+        cpu_collectives: on CUDA, give CPU tensors a gloo backend next to nccl
+            ("cpu:gloo,cuda:nccl"): FSDP2 CPU offload keeps gradients on the CPU, and clipping
+            them all-reduces CPU tensors.
     Returns (rank, world, device)."""
     use_cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -386,9 +432,30 @@ def setup_distributed(device_setting):
     local = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local)
+    backend = ("cpu:gloo,cuda:nccl" if cpu_collectives else "nccl") if use_cuda else "gloo"
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend)
+    elif always_group and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, world, torch.device("cuda", local) if use_cuda else torch.device("cpu")
+
+
+def all_max(x, world):
+    """Max of a float over ranks (returns a float)."""
+    if world == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def sampling_seed(run_seed, step, rank):
+    """The rollout sampling seed of (run seed, step, rank) (SPEC §7: distinct seeds per rank).
+    Ranks and steps never collide within a run (rank < 10_007), and a resumed run samples the
+    same completions as an uninterrupted one."""
+    return run_seed * 1_000_003 + step * 10_007 + rank
 
 
 def all_sum(x, world):
@@ -418,6 +485,156 @@ def peak_memory_mb(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# Parallelism (SPEC §7): DDP for small models, FSDP2 (`fully_shard`) for 4B+. update_policy only
+# needs grad_sync() and clip_grad_norm() to be the same code for both.
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def master_dtype(cfg):
+    """dtype the trained policy is loaded in. FSDP2 keeps float32 master weights (sharded, so
+    1/world of them per GPU) and computes in model.dtype through its MixedPrecisionPolicy; DDP
+    keeps every parameter in model.dtype, as before."""
+    return "float32" if cfg["train"]["parallel"] == "fsdp2" else cfg["model"]["dtype"]
+
+
+def decoder_layers(policy):
+    """The repeated transformer blocks of an HF causal LM (its `_no_split_modules` classes:
+    LlamaDecoderLayer, Qwen3DecoderLayer, ...): the unit FSDP2 shards and gathers."""
+    names = set(getattr(policy, "_no_split_modules", None) or [])
+    layers = [m for m in policy.modules() if type(m).__name__ in names]
+    if not layers:
+        raise SystemExit(f"train.parallel=fsdp2: found no decoder layers in {type(policy).__name__}")
+    return layers
+
+
+def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=False,
+                gradient_checkpointing=False):
+    """Wrap the policy for training (SPEC §7).
+
+    ddp: DistributedDataParallel when world > 1, else the model itself.
+    fsdp2: `fully_shard` each decoder layer, then the root (embeddings, final norm, lm_head;
+        tied weights stay one parameter). On GPU with dtype != float32 a MixedPrecisionPolicy
+        computes in `dtype` (bf16) and reduces gradients in float32; on CPU everything stays
+        float32 (gloo). cpu_offload keeps the shards, gradients and the AdamW step on the CPU.
+        fully_shard changes the class of `policy` in place, so the returned model IS policy.
+    gradient_checkpointing: recompute activations in backward (non-reentrant: the variant that
+        works under FSDP2 and with DDP no_sync).
+
+    Returns:
+        the module to run forward/backward on (DDP wrapper, or the policy).
+    """
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if parallel == "ddp":
+        if world == 1:
+            return policy
+        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {"mesh": init_device_mesh(device.type, (world,))}
+    if device.type == "cuda" and dtype != "float32":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=rollout.DTYPES[dtype], reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(policy):
+        fully_shard(layer, **kw)
+    fully_shard(policy, **kw)
+    return policy
+
+
+@contextlib.contextmanager
+def grad_sync(model, world, sync):
+    """Gradient accumulation over micro-batches: communicate gradients only when `sync` (the
+    last micro-batch). DDP: `no_sync()` otherwise. FSDP2: `set_requires_gradient_sync(sync)`;
+    unsynced micro-batches accumulate unsharded gradients, the last one reduce-scatters them."""
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif world > 1 and not sync:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_grad_norm(policy, max_norm):
+    """Clip the global gradient norm (max_norm <= 0: measure only). Returns the norm before
+    clipping as a float. Under FSDP2 the gradients are DTensor shards; clip_grad_norm_ reduces
+    their norms over the mesh, so the norm is the global one (tests/test_scale.py)."""
+    from torch.distributed.tensor import DTensor
+    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
+    if isinstance(gn, DTensor):
+        gn = gn.full_tensor()
+    return float(gn)
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Full parameters on every rank for generation (SPEC §7, HF backend under FSDP2).
+
+    HF `generate` runs a data-dependent number of forwards (it stops when every row hit EOS),
+    so per-layer FSDP2 all-gathers would deadlock when ranks stop at different steps. Gather
+    every layer once (`unshard()`), keep them gathered through the forwards
+    (`reshard_after_forward=False`), then free them. Costs one full copy of the weights in the
+    compute dtype while generating. A no-op for DDP / plain models."""
+    if not is_fsdp(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            # back to fully_shard's behaviour: layers free their gathered weights after forward;
+            # the root keeps them (FSDP2 makes the root not reshard: backward needs them at once)
+            m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def full_state_items(policy):
+    """(name, full tensor) for every entry of the policy's state dict, one at a time, so that
+    pushing weights to vLLM never holds more than one gathered tensor (SPEC §7). Under FSDP2
+    each `full_tensor()` is an all-gather: every rank must iterate the same way."""
+    from torch.distributed.tensor import DTensor
+    for name, t in policy.state_dict().items():
+        if isinstance(t, DTensor):
+            if t.device.type == "cpu" and torch.cuda.is_available():  # CPU offload: gather over nccl
+                t = t.to("cuda")
+            t = t.full_tensor()
+        yield name, t
+
+
+def logp_gap(trainer_rows, rollout_lp, mask):
+    """|trainer - rollout engine| per-token log-prob over masked tokens (SPEC §7).
+
+    Args:
+        trainer_rows: list (N) of FloatTensor [>= L_i], the trainer's behaviour log-probs.
+        rollout_lp: FloatTensor [N, L], the engine's (vLLM) log-probs of the same tokens.
+        mask: FloatTensor [N, L], a prefix mask per row (SPEC §4.1).
+    Returns:
+        (sum of |gap|, number of tokens, max |gap|) as floats; the caller reduces over ranks.
+    """
+    total, count, worst = 0.0, 0, 0.0
+    for i, row in enumerate(trainer_rows):
+        n = int(mask[i].sum())
+        if n == 0:
+            continue
+        d = (row[:n].float() - rollout_lp[i, :n].float()).abs()
+        total += float(d.sum())
+        count += n
+        worst = max(worst, float(d.max()))
+    return total, count, worst
+
+
+# ----------------------------------------------------------------------------------------------
 # Checkpoints: plain save_pretrained folders, written atomically (tmp folder, then rename).
 
 
@@ -431,17 +648,34 @@ def latest_checkpoint(out_dir):
     return os.path.join(root, f"step_{max(steps):06d}") if steps else None
 
 
-def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, extra=None):
-    """Write out_dir/checkpoints/step_NNNNNN atomically (rank 0 only): a crash mid-write leaves
-    a .tmp folder that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes
-    more state into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/)."""
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None):
+    """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
+    that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
+    into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
+
+    Every rank calls this (under FSDP2 gathering the state is a collective); rank 0 writes.
+    The checkpoint is layout-agnostic (SPEC §7): the full model state dict as a plain
+    save_pretrained folder (FSDP2: float32 master weights), and the optimizer state as a full,
+    parameter-name-keyed dict (torch.distributed.checkpoint.state_dict), so a run with any
+    world size and either of ddp/fsdp2 resumes from it (load_trainer_state).
+
+    Args:
+        model: the unwrapped policy (plain, or FSDP2-sharded; never the DDP wrapper).
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
+    model_sd = get_model_state_dict(model, options=opts)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if rank != 0:
+        return
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+    torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict()},
                os.path.join(tmp, "trainer_state.pt"))
     if extra is not None:
         extra(tmp)
@@ -450,6 +684,25 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
     for d in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def load_trainer_state(ckpt, policy, optimizer, scheduler):
+    """Restore optimizer and scheduler from ckpt/trainer_state.pt; returns the step.
+
+    The optimizer state is the full name-keyed dict written by save_checkpoint; each rank reads
+    the file (memory-mapped, so ranks on one node share the pages) and keeps its own shard
+    (FSDP2) or all of it (DDP / one process). Call after wrap_policy and after the optimizer
+    was built on the wrapped parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)
+    osd = state["optimizer"]
+    if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):
+        optimizer.load_state_dict(osd)  # a checkpoint from before name-keyed optimizer states
+    else:
+        set_optimizer_state_dict(policy, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
 
 
 def truncate_jsonl(path, last_step):
@@ -574,11 +827,16 @@ def setup_metarm(cfg, ckpt, start_step, policy, tokenizer, chat, dh, judge, devi
                                  m["online_lr"], m["weight_decay"])
         if m["cold_start"]:
             items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
+            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
+            # a plain copy of the same base weights, freed after the cold start)
+            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
+                rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
             stats = metarm.cold_start(mrm, cfg["model"]["policy"], items, judge, m["rollouts_per_prompt"],
                                       m["max_new_tokens"], m["temperature"], m["epochs"], m["lr"], m["warmup_frac"],
                                       m["weight_decay"], nl, cfg["model"]["chat_template"], cfg["run"]["seed"],
                                       cfg["rollout"]["micro_batch_size"] or None, log=lambda s: print(f"[train] {s}", flush=True),
-                                      grm=(policy, tokenizer))
+                                      grm=grm)
+            del grm
             metarm.save(mrm, path)
     if world > 1:
         dist.barrier()
@@ -722,7 +980,9 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
         cfg: full config (reads algo, train, optim, rollout.temperature/max_new_tokens/group_size).
     Returns:
         dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
-        (list[float], before clipping), "is_weight" / "clipped" (FloatTensor [N], last pass).
+        (list[float], global, before clipping), "is_weight" / "clipped" (FloatTensor [N], last
+        pass), "logp_gap": (sum |trainer - rollout| log-prob, token count, max) over this rank's
+        masked tokens when batch has "rollout_logprobs" [N, L] (vLLM), else None.
     """
     algo, o, ro = cfg["algo"], cfg["optim"], cfg["rollout"]
     G, per_mb, temperature = ro["group_size"], cfg["train"]["micro_batch_size"], ro["temperature"]
@@ -743,11 +1003,14 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
     # the ratio is exactly 1 and we skip a whole forward pass; otherwise recompute them with the
     # training model before the first update, without grad (SPEC §4.4). Same for the reference.
     off_policy = algo["updates_per_batch"] > 1 or algo["minibatches"] > 1
+    # With vLLM rollouts the trainer recomputes them anyway, to log the vLLM-trainer gap (SPEC §7).
+    rollout_lp = batch.get("rollout_logprobs")
+    need_behaviour = off_policy or rollout_lp is not None
     behaviour, ref = [None] * n_local, [None] * n_local
     with torch.no_grad():
         for s in range(0, n_local, per_mb):
             rows = list(range(s, min(s + per_mb, n_local)))
-            if off_policy:
+            if need_behaviour:
                 lp, _ = forward(policy, rows)
                 for i, row in zip(rows, lp.cpu()):
                     behaviour[i] = row
@@ -768,23 +1031,65 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
             norm = max(loss_normaliser(algo, n_seq, n_tok, ro["max_new_tokens"]), 1.0)
             chunks = [idx[s:s + per_mb] for s in range(0, len(idx), per_mb)]
             for c, rows in enumerate(chunks):
-                # DDP all-reduces gradients on the last micro-batch only.
+                # DDP all-reduces / FSDP2 reduce-scatters gradients on the last micro-batch only.
                 last = c == len(chunks) - 1
-                with model.no_sync() if world > 1 and not last else torch.enable_grad():
+                with grad_sync(model, world, last):
                     lp, width = forward(model, rows)
                     beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if off_policy else None
                     rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref_model is not None else None
                     loss_sum, st = policy_loss(lp, beh, advantages[rows].to(device), mask[rows, :width].to(device), algo, rl)
-                    # DDP averages gradients over ranks; x world turns that into a global sum / norm.
+                    # DDP and FSDP2 average gradients over ranks; x world turns that into a global sum / norm.
                     (loss_sum * world / norm).backward()
                 loss_total += float(loss_sum.detach()) / norm
                 is_weights[rows] = st["is_weight"].float().cpu()
                 clipped[rows] = st["clipped"].float().cpu()
-            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else float("inf"))
-            grad_norms.append(float(gn))
+            grad_norms.append(clip_grad_norm(policy, o["grad_clip"]))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped}
+    gap = logp_gap(behaviour, rollout_lp, mask) if rollout_lp is not None else None
+    return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped,
+            "logp_gap": gap}
+
+
+def make_rollout_engine(cfg, model_path, policy, rank):
+    """None for the HF backend; for vLLM (SPEC §7) this rank's in-process engine as a dict
+    {"llm", "asleep", "sleep_level", "tied"}, started from the same weights as the policy
+    (`model_path`: the checkpoint being resumed, or model.policy)."""
+    ro = cfg["rollout"]
+    if ro["backend"] != "vllm":
+        return None
+    llm = rollout.make_vllm_engine(rollout.resolve_model_path(model_path), cfg["model"]["dtype"],
+                                   ro["vllm_gpu_memory_utilization"], ro["vllm_max_model_len"],
+                                   ro["vllm_enforce_eager"], seed=cfg["run"]["seed"] * 1_000_003 + rank)
+    return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
+            "tied": bool(getattr(policy.config, "tie_word_embeddings", False))}
+
+
+def rollout_batch(engine, model, policy, tokenizer, prompt_ids, cfg, seed):
+    """G completions per prompt with this run's backend (SPEC §4.1, §7); the rollout dict.
+
+    HF: `generate` on the policy; under FSDP2 inside `unsharded` (gathered once, no per-step
+    collectives). vLLM: the engine samples, then sleeps so that reward scoring and the update
+    get its GPU memory; push_weights wakes it with the new weights."""
+    ro = cfg["rollout"]
+    eos = rollout.eos_ids(policy, tokenizer)
+    if engine is None:
+        with unsharded(model):
+            return rollout.generate(policy, tokenizer, prompt_ids, ro["group_size"], ro["max_new_tokens"],
+                                    ro["temperature"], ro["top_p"], ro["top_k"], seed=seed,
+                                    micro_batch_size=ro["micro_batch_size"] or None)
+    out = rollout.generate_vllm(engine["llm"], tokenizer, prompt_ids, ro["group_size"], ro["max_new_tokens"],
+                                ro["temperature"], ro["top_p"], ro["top_k"], seed=seed, eos=eos)
+    rollout.vllm_sleep(engine)
+    return out
+
+
+def push_weights(engine, policy):
+    """After the update: the new weights into the vLLM engine (gathered from FSDP2 shards one
+    tensor at a time), then its prefix cache reset (SPEC §7). No-op for the HF backend, which
+    samples from the policy itself."""
+    if engine is not None:
+        rollout.vllm_push_weights(engine, full_state_items(policy))
 
 
 def lr_lambda(cfg):
@@ -800,16 +1105,14 @@ def lr_lambda(cfg):
 
 
 def train(cfg):
-    rank, world, device = setup_distributed(cfg["train"]["device"])
+    tc = cfg["train"]
+    rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
+                                            cpu_collectives=tc["cpu_offload"])
     validate_config(cfg, world)
+    check_scale_config(cfg, device)
     run, ro, rw, algo = cfg["run"], cfg["rollout"], cfg["reward"], cfg["algo"]
     out_dir = run["out_dir"]
     is_main = rank == 0
-    if ro["backend"] == "vllm":
-        raise SystemExit("config key rollout.backend=vllm: the vLLM backend is not available in this "
-                         "version; use rollout.backend=hf")
-    if cfg["train"]["parallel"] != "ddp":
-        raise SystemExit("config key train.parallel=fsdp2: not available in this version; use ddp")
 
     # --- data, models, optimizer -------------------------------------------------------------
     task = cfg["task"]
@@ -820,16 +1123,14 @@ def train(cfg):
     else:
         items = load_train_items(cfg)
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
-    policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], cfg["model"]["dtype"], device)
-    if cfg["model"]["gradient_checkpointing"]:
-        policy.gradient_checkpointing_enable()
+    policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], master_dtype(cfg), device)
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
     if task == "rm_nlhf":
         dh_items = keep_short_pairs(dh_items, tokenizer, chat, cfg["nlhf"], "nlhf.dh")
         do_items = keep_short_pairs(do_items, tokenizer, chat, cfg["nlhf"], "nlhf.do")
-    model = policy
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    model = wrap_policy(policy, tc["parallel"], world, device, cfg["model"]["dtype"], tc["cpu_offload"],
+                        cfg["model"]["gradient_checkpointing"])
+    engine = make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank)
     evaluators = load_evaluators(cfg, policy, tokenizer, device) if task == "rlme" and rw["kind"] == "rlme" else []
     ref_model = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0:
@@ -841,10 +1142,7 @@ def train(cfg):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start_step = 0
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
+        start_step = load_trainer_state(ckpt, policy, optimizer, scheduler)
     mrm = None
     if task == "rm_nlhf":  # the MetaRM (SPEC §5.4): restored with the checkpoint, loaded, or cold-started
         mrm, mrm_source, cold = setup_metarm(cfg, ckpt, start_step, policy, tokenizer, chat, dh_items, judge,
@@ -879,9 +1177,8 @@ def train(cfg):
             batch = step_items(items, step, ro["prompts_per_step"], run["seed"], rank, world)
             prompt_ids = [rollout.build_prompt_ids(tokenizer, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                           for it in batch]
-        ro_out = rollout.generate(policy, tokenizer, prompt_ids, G, ro["max_new_tokens"], ro["temperature"],
-                                  ro["top_p"], ro["top_k"], seed=run["seed"] * 1_000_003 + step * 10_007 + rank,
-                                  micro_batch_size=ro["micro_batch_size"] or None)
+        ro_out = rollout_batch(engine, model, policy, tokenizer, prompt_ids, cfg,
+                               sampling_seed(run["seed"], step, rank))
         mask = ro_out["completion_mask"]
         samples = [it for it in batch for _ in range(G)]
         t1 = time.perf_counter()
@@ -913,7 +1210,10 @@ def train(cfg):
                  "completion_mask": mask, "advantages": advantages}
         if valid is not None:
             batch["valid"] = valid
+        if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and the gap is logged
+            batch["rollout_logprobs"] = ro_out["logprobs"]
         upd = update_policy(model, policy, optimizer, batch, cfg, world, device, tokenizer.pad_token_id, ref_model)
+        push_weights(engine, policy)  # the next rollout samples from the updated policy (SPEC §7)
         is_weights, clipped = upd["is_weight"], upd["clipped"]
         scheduler.step()
         t3 = time.perf_counter()
@@ -941,6 +1241,9 @@ def train(cfg):
         grad_norms = upd["grad_norms"]
         nonfinite = all_sum(nonfinite, world)
         gen_tokens = all_sum(mask.sum(), world)
+        gap = upd["logp_gap"]
+        if gap is not None:
+            gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
         if is_main:
             # reward statistics over the samples whose reward is known (a failed judge call gives None)
             rew = torch.tensor([r["reward"] for r in records if r["reward"] is not None] or [0.0])
@@ -967,6 +1270,8 @@ def train(cfg):
                 metrics["completion/boxed_frac"] = sum(r["extracted"] is not None for r in records) / len(records)
             else:  # SPEC §9, RM-NLHF part; the judge's and MetaRM's own seconds are inside time/reward
                 metrics.update(nlhf_step_metrics(records, nlhf["metrics"]))
+            if gap is not None:
+                metrics["rollout/logp_gap_mean"], metrics["rollout/logp_gap_max"] = gap
             if logp_q is not None:
                 for ev in evaluators:
                     for mq in rw["meta_questions"]:
@@ -983,16 +1288,15 @@ def train(cfg):
                              s=f"{metrics['time/step']:.0f}")
         done = step + 1
         if (run["save_every"] and done % run["save_every"] == 0) or done == run["total_steps"]:
-            if is_main:
-                save_checkpoint(out_dir, done, policy, tokenizer, optimizer, scheduler, run["keep_checkpoints"],
-                                extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
+            save_checkpoint(out_dir, done, policy, tokenizer, optimizer, scheduler, run["keep_checkpoints"], rank,
+                            extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
             if world > 1:
                 dist.barrier()
         if run["stop_after"] and done - start_step >= run["stop_after"]:
             break
     if pbar is not None:
         pbar.close()
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

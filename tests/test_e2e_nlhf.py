@@ -139,9 +139,8 @@ def force_verdicts(monkeypatch, pairs):
     few dozen tokens, so every reward would be -1 and nothing past the parser (judge, MetaRM
     update and prediction, non-zero GRPO advantages) would run. Ids and masks are rebuilt from
     the text, so the update trains on exactly what is logged."""
-    by_a = {}
-    for it in pairs:
-        by_a.setdefault(it["response_a"].strip()[:300], it)
+    def find(text):  # the pair whose context and both responses all appear in the decoded prompt
+        return next(it for it in pairs if all(it[k].strip()[:300] in text for k in ("context", "response_a", "response_b")))
     real = rollout.generate
 
     def generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw):
@@ -149,7 +148,7 @@ def force_verdicts(monkeypatch, pairs):
         rows = []
         for g, ids in enumerate(prompt_ids):
             text = tok.decode(ids)
-            it = next(v for k, v in by_a.items() if k in text)
+            it = find(text)
             crit = it["critique"].splitlines()[0] if it["critique"] else f"Response {it['winner']} is more helpful."
             rows.append((g * group_size, verdict(crit, it["winner"])))
         ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
