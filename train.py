@@ -1,4 +1,4 @@
-"""RLME / RLVR training loop under torchrun: rollout -> reward -> advantage -> CISPO update.
+"""RLME / RLVR / RM-NLHF training loop under torchrun: rollout -> reward -> advantage -> CISPO/GRPO update.
 
     torchrun --nproc_per_node 8 train.py --config config.yaml            # GPU node (nccl)
     torchrun --nproc_per_node 1 train.py --config configs/cpu.yaml       # this laptop (gloo)
@@ -13,6 +13,9 @@ One training step, top to bottom in `train()`:
      one global normaliser across micro-batches and ranks, grad clip, AdamW; then the new
      weights into the vLLM engine                                    (push_weights)
   6. metrics.jsonl / samples.jsonl on rank 0, atomic checkpoints
+task: rm_nlhf (SPEC §5, configs/rm_nlhf.yaml) runs the same loop and update with GRPO; only the
+prompts (GRM prompts for D_H + D_O pairs, nlhf_step_items) and step 2 differ: judge rewards for
+D_H, MetaRM update, MetaRM prediction for D_O, D_O rewards, in that order (nlhf_rewards, §5.4).
 Parallelism (train.parallel: ddp | fsdp2), the vLLM backend and the memory plan: docs_scale.md.
 """
 import argparse
@@ -801,7 +804,7 @@ def grm_prompt_ids(tokenizer, item, chat, nl):
     return rollout.build_prompt_ids(tokenizer, text, chat)
 
 
-def setup_metarm(cfg, ckpt, start_step, policy, tokenizer, chat, dh, judge, device, rank, world):
+def setup_metarm(cfg, ckpt, policy, tokenizer, dh, judge, device, rank, world):
     """The MetaRM of an rm_nlhf run (SPEC §5.4), or None for metarm.mode none. Taken from, in order:
     (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
     (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
@@ -1145,8 +1148,7 @@ def train(cfg):
         start_step = load_trainer_state(ckpt, policy, optimizer, scheduler)
     mrm = None
     if task == "rm_nlhf":  # the MetaRM (SPEC §5.4): restored with the checkpoint, loaded, or cold-started
-        mrm, mrm_source, cold = setup_metarm(cfg, ckpt, start_step, policy, tokenizer, chat, dh_items, judge,
-                                             device, rank, world)
+        mrm, mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh_items, judge, device, rank, world)
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:

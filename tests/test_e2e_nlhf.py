@@ -284,3 +284,49 @@ def test_startup_errors_are_one_line(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])
         assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+
+
+# ---- torchrun: the MetaRM update over 2 ranks ---------------------------------------------------
+
+def _metarm_rank(rank, world, model_path, port, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same fresh head on both ranks (train.setup_metarm loads one saved folder)
+    mrm = metarm.load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    items, samples = _rank_samples(rank)
+    m = train.metarm_online_update(mrm, items, samples, world, seed=5)
+    pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"pred": pred, "updates": mrm["updates"], "n": m["metarm/n"]}, f)
+    dist.destroy_process_group()
+
+
+def _rank_samples(rank):
+    """Two D_H samples per rank, different on each rank (rewards 1.5/0 and 1/0)."""
+    items = [pair(2 * rank), pair(2 * rank + 1)]
+    samples = [{"valid": True, "reward": [1.5, 0.0, 1.0, 0.0][2 * rank + k], "critique": f"critique {rank} {k}"}
+               for k in range(2)]
+    return items, samples
+
+
+@pytest.mark.slow
+def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_path):
+    """metarm_online_update under 2 gloo ranks: every rank ends with the MetaRM that ONE process
+    gets from all 4 D_H samples (gathered in rank order), so D_O is scored identically everywhere."""
+    import socket
+    import torch.multiprocessing as mp
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    mp.spawn(_metarm_rank, args=(2, tiny_model_path, port, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    ref = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    (i0, s0), (i1, s1) = _rank_samples(0), _rank_samples(1)
+    m = metarm.update(ref, i0 + i1, s0 + s1, seed=5)
+    want = metarm.predict(ref, [pair(9)], ["Response B is wrong."])[0]
+    for rank in (0, 1):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert got["updates"] == 1 and got["pred"] == pytest.approx(want, abs=1e-5)
+    assert json.load(open(tmp_path / "rank0.json"))["n"] == m["metarm/n"] == 4
