@@ -27,7 +27,8 @@ The MetaRM state is a plain dict:
     mrm = {"model", "tokenizer", "optimizer" (online AdamW, created on first update), "mode",
            "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates"}
 
-Run alone:  python metarm.py --config configs/rm_nlhf_cpu.yaml cold-start
+Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
+            where train.py picks it up instead of cold-starting itself)
 """
 import argparse
 import json
@@ -46,6 +47,7 @@ import rollout
 METARM_DEFAULTS = {
     "mode": "online",              # none | offline | online | metarm_only | binary | classifier (see top)
     "model": None,                 # base weights; None = the GRM's base (model.policy)
+    "cold_start": True,            # train.py: cold-start at step 0 when no saved MetaRM exists
     "rollouts_per_prompt": 4,      # N cold-start rollouts per D_H prompt (SPEC default 4; paper text 8)
     "cold_start_items": 0,         # D_H items used for the cold start; 0 = all
     "epochs": 3,                   # cold start
@@ -341,11 +343,13 @@ def load(path, device="cpu", dtype="float32"):
 
 def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, nlhf=None, chat_template="auto",
-               seed=0, micro_batch_size=None, log=print):
+               seed=0, micro_batch_size=None, log=print, grm=None):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     Args:
         mrm: load_metarm(...) dict. grm_path: the base GRM (model.policy).
+        grm: optional (model, tokenizer) of the base GRM already in memory (train.py passes its
+            policy at step 0); None = load grm_path on the CPU.
         dh_items: pairwise dicts with human critiques. judge: reward.make_judge(...) dict.
         nlhf: dict with lam, threshold, gate_on_outcome, max_critique_lines, max_critique_chars
             (defaults: 0.5, 0.5, True, 4, 1500).
@@ -357,7 +361,7 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     nl = {"lam": 0.5, "threshold": 0.5, "gate_on_outcome": True, "max_critique_lines": 4,
           "max_critique_chars": 1500, **(nlhf or {})}
     t0 = time.time()
-    grm, tok = rollout.load_model(grm_path)
+    grm, tok = grm or rollout.load_model(grm_path)
     chat = rollout.use_chat_template(tok, chat_template)
     prompts = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(it["context"], it["response_a"], it["response_b"],
                                                                      nl["max_critique_lines"]), chat) for it in dh_items]
@@ -383,29 +387,6 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
 # CLI
 
 
-def load_config(paths):
-    """Merge plain YAML files (later ones win, nested dicts merged). Kept tiny on purpose: train.py's
-    load_config (schema-checked against config.yaml) replaces it once config.yaml has the
-    nlhf/judge/metarm sections."""
-    import yaml
-
-    def merge(a, b):
-        for k, v in b.items():
-            a[k] = merge(dict(a.get(k) or {}), v) if isinstance(v, dict) else v
-        return a
-
-    cfg = {}
-    for p in paths:
-        try:
-            with open(p) as f:
-                cfg = merge(cfg, yaml.safe_load(f) or {})
-        except OSError as e:
-            raise SystemExit(f"--config {p}: {e.strerror}")
-        except yaml.YAMLError as e:
-            raise SystemExit(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})")
-    return cfg
-
-
 def metarm_settings(cfg):
     """The `metarm:` section with defaults; unknown keys and modes fail with one line."""
     sec = cfg.get("metarm") or {}
@@ -423,31 +404,26 @@ def main(argv=None):
     ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
     ap.add_argument("command", choices=["cold-start"])
     ap.add_argument("--out", default=None, help="save folder (default metarm.path or <run.out_dir>/metarm)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), as for train.py")
     a = ap.parse_args(argv)
-    cfg = load_config(a.config)
+    import train  # lazily: train.py imports this module at its top
+    cfg = train.load_config(a.config, a.overrides)  # config.yaml is the schema (SPEC §3)
     m = metarm_settings(cfg)
     if m["mode"] == "none":
         raise SystemExit("metarm.mode is 'none': there is no MetaRM to cold-start")
-    nl = cfg.get("nlhf") or {}
-    if not nl.get("dh"):
-        raise SystemExit("nlhf.dh: required (path or hub id of the D_H pairwise data with human critiques)")
-    base = m["model"] or (cfg.get("model") or {}).get("policy")
-    if not base:
-        raise SystemExit("metarm.model (or model.policy): required, the base weights of the MetaRM")
-    seed = (cfg.get("run") or {}).get("seed", 0)
-    out = a.out or m["path"] or os.path.join((cfg.get("run") or {}).get("out_dir", "runs/metarm"), "metarm")
-    judge = reward.make_judge(cfg.get("judge") or {})  # start-up checks (key variable, model name) first
-    items = [it for it in reward.load_pairwise(nl["dh"], nl.get("dh_schema", "auto"), seed=seed) if it["critique"]]
+    nl = cfg["nlhf"]
+    base = m["model"] or cfg["model"]["policy"]
+    seed = cfg["run"]["seed"]
+    out = a.out or m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
+    judge = reward.make_judge(cfg["judge"])  # start-up checks (key variable, model name) first
+    items = train.load_dh_items(cfg)
     if m["cold_start_items"]:
         items = items[:m["cold_start_items"]]
-    if not items:
-        raise SystemExit(f"nlhf.dh: {nl['dh']} has no items with a human critique")
-    mrm = load_metarm(base, m["mode"], nl.get("lam", 0.5), m["dtype"], "cpu", m["batch_size"], m["max_length"],
+    mrm = load_metarm(base, m["mode"], nl["lam"], m["dtype"], "cpu", m["batch_size"], m["max_length"],
                       m["online_lr"], m["weight_decay"])
-    grm = (cfg.get("model") or {}).get("policy") or base
-    stats = cold_start(mrm, grm, items, judge, m["rollouts_per_prompt"], m["max_new_tokens"],
+    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, m["rollouts_per_prompt"], m["max_new_tokens"],
                        m["temperature"], m["epochs"], m["lr"], m["warmup_frac"], m["weight_decay"], nl,
-                       (cfg.get("model") or {}).get("chat_template", "auto"), seed)
+                       cfg["model"]["chat_template"], seed)
     save(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

@@ -1,4 +1,4 @@
-"""RLME / RLVR training loop under torchrun: rollout -> reward -> advantage -> CISPO update.
+"""RLME / RLVR / RM-NLHF training loop under torchrun: rollout -> reward -> advantage -> CISPO/GRPO update.
 
     torchrun --nproc_per_node 8 train.py --config config.yaml            # GPU node (nccl)
     torchrun --nproc_per_node 1 train.py --config configs/cpu.yaml       # this laptop (gloo)
@@ -13,6 +13,9 @@ One training step, top to bottom in `train()`:
      one global normaliser across micro-batches and ranks, grad clip, AdamW; then the new
      weights into the vLLM engine                                    (push_weights)
   6. metrics.jsonl / samples.jsonl on rank 0, atomic checkpoints
+task: rm_nlhf (SPEC §5, configs/rm_nlhf.yaml) runs the same loop and update with GRPO; only the
+prompts (GRM prompts for D_H + D_O pairs, nlhf_step_items) and step 2 differ: judge rewards for
+D_H, MetaRM update, MetaRM prediction for D_O, D_O rewards, in that order (nlhf_rewards, §5.4).
 Parallelism (train.parallel: ddp | fsdp2), the vLLM backend and the memory plan: docs_scale.md.
 """
 import argparse
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+import metarm
 import reward as R
 import rollout
 
@@ -39,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Config (SPEC §3): config.yaml is the schema; presets and key=value overrides layer on top.
 
 CHOICES = {
+    "task": ["rlme", "rm_nlhf"],
     "model.dtype": ["float32", "bfloat16", "float16"],
     "model.chat_template": ["auto", True, False],
     "data.label_format": ["gsm8k", "plain"],
@@ -51,6 +56,11 @@ CHOICES = {
     "train.parallel": ["ddp", "fsdp2"],
     "rollout.vllm_sleep_level": [1, 2],
     "train.device": ["auto", "cpu", "cuda"],
+    "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
+    "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
+    "judge.backend": ["openai", "proxy"],
+    "metarm.mode": list(R.METARM_MODES),
+    "metarm.dtype": ["float32", "bfloat16", "float16"],
 }
 # Keys allowed inside list items (the list itself replaces the default list).
 LIST_ITEM_KEYS = {
@@ -73,7 +83,15 @@ def _check_type(key, value, default):
         raise SystemExit(f"config key {key}: expected {type(default).__name__}, got {value!r}")
 
 
-NULLABLE = {"reward.evaluator_template"}
+NULLABLE = {"reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
+            "judge.api_key_env", "metarm.model", "metarm.path"}
+
+
+def _get(cfg, key):
+    """cfg value of a dotted key ('task', 'algo.loss')."""
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
 
 
 def _merge(base, new, prefix=""):
@@ -132,9 +150,8 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
 def validate_config(cfg, world_size=1):
     """Choices, list items and batch shapes; one-line SystemExit naming the key."""
     for key, allowed in CHOICES.items():
-        sec, k = key.split(".")
-        if cfg[sec][k] not in allowed:
-            raise SystemExit(f"config key {key}: {cfg[sec][k]!r} is not one of {allowed}")
+        if _get(cfg, key) not in allowed:
+            raise SystemExit(f"config key {key}: {_get(cfg, key)!r} is not one of {allowed}")
     for key, fields in LIST_ITEM_KEYS.items():
         sec, k = key.split(".")
         items = cfg[sec][k]
@@ -192,6 +209,16 @@ def validate_config(cfg, world_size=1):
         raise SystemExit("config key rollout.temperature: must be > 0 for RL sampling")
     if "{question}" not in cfg["data"]["prompt_template"]:
         raise SystemExit("config key data.prompt_template: must contain {question}")
+    nl = cfg["nlhf"]
+    for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, float("inf"))]:
+        if not lo <= nl[key] <= hi:
+            raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
+    if cfg["task"] == "rm_nlhf":
+        if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
+            raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")
+        if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
+            raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
+                             f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")
 
 
 def check_scale_config(cfg, device):
@@ -624,9 +651,10 @@ def latest_checkpoint(out_dir):
     return os.path.join(root, f"step_{max(steps):06d}") if steps else None
 
 
-def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0):
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
-    that resume ignores, never a half checkpoint.
+    that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
+    into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
 
     Every rank calls this (under FSDP2 gathering the state is a collective); rank 0 writes.
     The checkpoint is layout-agnostic (SPEC §7): the full model state dict as a plain
@@ -652,6 +680,8 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict()},
                os.path.join(tmp, "trainer_state.pt"))
+    if extra is not None:
+        extra(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
@@ -710,6 +740,225 @@ def load_evaluators(cfg, policy, tokenizer, device):
                            "chat": rollout.use_chat_template(tok, ev.get("chat_template", "auto")),
                            "weight": float(ev.get("weight", 1.0))})
     return evaluators
+
+
+# ----------------------------------------------------------------------------------------------
+# RM-NLHF (SPEC §5): the data and reward parts of a step when task == rm_nlhf. The loop, the
+# advantages and update_policy are the same as for RLME; only these functions differ.
+
+
+def load_dh_items(cfg):
+    """D_H (SPEC §5.1): pairwise items WITH a human critique, from nlhf.dh; items without one are
+    dropped. Returns list of reward.load_pairwise dicts. SystemExit (one line) on bad data or
+    when no item has a critique."""
+    nl = cfg["nlhf"]
+    items = [it for it in R.load_pairwise(nl["dh"], nl["dh_schema"], seed=cfg["run"]["seed"], split=nl["dh_split"],
+                                          config_name=nl["dh_config"]) if it["critique"]]
+    if not items:
+        raise SystemExit(f"config key nlhf.dh={nl['dh']}: no item has a human critique (D_H needs them)")
+    return items[:nl["max_items"]] if nl["max_items"] else items
+
+
+def load_do_items(cfg):
+    """D_O (SPEC §5.1): pairwise items from nlhf.do with any critique removed (their process
+    reward comes from the MetaRM). [] when nlhf.do is null."""
+    nl = cfg["nlhf"]
+    if not nl["do"]:
+        return []
+    items = [dict(it, critique=None) for it in R.load_pairwise(nl["do"], nl["do_schema"], seed=cfg["run"]["seed"],
+                                                               split=nl["do_split"], config_name=nl["do_config"])]
+    return items[:nl["max_items"]] if nl["max_items"] else items
+
+
+def keep_short_pairs(items, tokenizer, chat, nl, key):
+    """Items whose GRM prompt has at most nlhf.max_prompt_tokens tokens (0 = all): long pairs
+    cost memory quadratically in attention and linearly in the [tokens x vocab] logits of the
+    update. SystemExit (one line) when none is left. `key` names the data key in the message."""
+    if not nl["max_prompt_tokens"] or not items:
+        return items
+    lengths = [len(grm_prompt_ids(tokenizer, it, chat, nl)) for it in items]
+    kept = [it for it, n in zip(items, lengths) if n <= nl["max_prompt_tokens"]]
+    if not kept:
+        raise SystemExit(f"config key nlhf.max_prompt_tokens={nl['max_prompt_tokens']}: no item of {key} is that "
+                         f"short (shortest GRM prompt: {min(lengths)} tokens)")
+    return kept
+
+
+def nlhf_step_items(dh, do, step, cfg, rank, world):
+    """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
+    rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
+    same prompts), then the P prompts shuffled by (seed, step) so every rank gets a mix of both.
+    Returns list of item dicts tagged "set": "dh" | "do"."""
+    P, seed = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"]
+    n_dh = round(cfg["nlhf"]["dh_per_step"] * P) if do else P
+    both = ([dict(it, set="dh") for it in step_items(dh, step, n_dh, seed, 0, 1)]
+            + [dict(it, set="do") for it in step_items(do, step, P - n_dh, seed + 1, 0, 1)])
+    order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
+    per_rank = P // world
+    return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
+
+
+def grm_prompt_ids(tokenizer, item, chat, nl):
+    """Token ids of the GRM prompt for one pairwise item (SPEC §5.2; chat template when `chat`)."""
+    text = R.build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"])
+    return rollout.build_prompt_ids(tokenizer, text, chat)
+
+
+def setup_metarm(cfg, ckpt, policy, tokenizer, dh, judge, device, rank, world):
+    """The MetaRM of an rm_nlhf run (SPEC §5.4), or None for metarm.mode none. Taken from, in order:
+    (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
+    (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
+    from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
+    metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
+    Rank 0 does (3) and saves; the other ranks then load the same folder, so all ranks start equal.
+    Returns (mrm dict or None, source str, cold-start stats dict or None).
+    Raises SystemExit when a resumed checkpoint has no MetaRM (the GRM and its MetaRM move together)."""
+    m, nl = cfg["metarm"], cfg["nlhf"]
+    if m["mode"] == "none":
+        return None, "none", None
+    path = m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
+    if ckpt:
+        if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
+            raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
+        return metarm.load(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
+    if os.path.isfile(os.path.join(path, "metarm.json")):
+        return metarm.load(path, device, m["dtype"]), path, None
+    base = m["model"] or cfg["model"]["policy"]
+    stats = None
+    if rank == 0:
+        mrm = metarm.load_metarm(base, m["mode"], nl["lam"], m["dtype"], device, m["batch_size"], m["max_length"],
+                                 m["online_lr"], m["weight_decay"])
+        if m["cold_start"]:
+            items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
+            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
+            # a plain copy of the same base weights, freed after the cold start)
+            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
+                rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+            stats = metarm.cold_start(mrm, cfg["model"]["policy"], items, judge, m["rollouts_per_prompt"],
+                                      m["max_new_tokens"], m["temperature"], m["epochs"], m["lr"], m["warmup_frac"],
+                                      m["weight_decay"], nl, cfg["model"]["chat_template"], cfg["run"]["seed"],
+                                      cfg["rollout"]["micro_batch_size"] or None, log=lambda s: print(f"[train] {s}", flush=True),
+                                      grm=grm)
+            del grm
+            metarm.save(mrm, path)
+    if world > 1:
+        dist.barrier()
+        if not m["cold_start"]:  # a fresh head is random: take rank 0's
+            mrm = mrm if rank == 0 else metarm.load_metarm(base, m["mode"], nl["lam"], m["dtype"], device, m["batch_size"],
+                                                           m["max_length"], m["online_lr"], m["weight_decay"])
+            broadcast_parameters(mrm["model"])
+        elif rank != 0:
+            mrm = metarm.load(path, device, m["dtype"])
+    return mrm, "cold_start" if m["cold_start"] else "fresh", stats
+
+
+def broadcast_parameters(model, src=0):
+    """Copy rank `src`'s parameters and buffers into every rank's model (in place)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src)
+
+
+def metarm_online_update(mrm, items, samples, world, seed):
+    """SPEC §5.4 step 3: update the MetaRM on this step's D_H samples of ALL ranks.
+
+    Under torchrun the (item, sample) pairs are all-gathered, rank 0 alone runs metarm.update (it
+    holds the online optimizer state, which is saved with its checkpoints) and then broadcasts the
+    new parameters, so every rank predicts D_O with the same, updated MetaRM. Returns the update's
+    metrics (rank 0's) plus metarm/updates, the count after this step's update, on every rank."""
+    if world > 1:
+        pairs = gather_records(list(zip(items, samples)), world)
+        items, samples = [p[0] for p in pairs], [p[1] for p in pairs]
+    out = metarm.update(mrm, items, samples, seed=seed) if (world == 1 or dist.get_rank() == 0) else None
+    if world > 1:
+        box = [out, mrm["updates"]]
+        dist.broadcast_object_list(box, src=0)
+        out, mrm["updates"] = box
+        broadcast_parameters(mrm["model"])
+    return dict(out, **{"metarm/updates": mrm["updates"]})
+
+
+def nlhf_rewards(items, completions, judge, mrm, cfg, world, step, t0):
+    """Rewards of one step's GRM completions, SPEC §5.4 steps 2-5, in this order:
+      (2) D_H: parse, judge (only valid+right verdicts), r = -1 | 0 | 1 + λ·1[F1 >= τ]  (RM-NLHF Eq. 4, 5, 8)
+      (3) MetaRM update on those D_H samples (all ranks' samples, metarm_online_update)
+      (4) MetaRM prediction R̂ for the D_O samples with the UPDATED MetaRM
+      (5) D_O: r = -1 | 0 | 1 + clip(max(0, R̂ - 1), 0, λ)  (reward.do_reward; other ablation modes there)
+
+    Args:
+        items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated).
+        completions: list[str] (N). judge: reward.make_judge dict. mrm: MetaRM dict or None (mode none).
+        t0: time.perf_counter() at the start of the step; the "order/*" metrics are seconds since it.
+    Returns:
+        dict: reward FloatTensor [N] (0.0 where the judge failed), valid BoolTensor [N] (False =
+        judge failure: left out of group statistics and of the loss), samples list (N) of per-sample
+        dicts for samples.jsonl, metrics dict (MetaRM loss/agreement, order of operations, times).
+    """
+    nl, mode = cfg["nlhf"], cfg["metarm"]["mode"]
+    parsed = [R.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in completions]
+    dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
+    do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
+    samples = [None] * len(items)
+    metrics = {}
+    # (2) D_H rewards from the judge
+    dh = R.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, nl["lam"], nl["threshold"],
+                    nl["gate_on_outcome"])
+    for i, s in zip(dh_idx, dh):
+        s["f1_why"] = s["judge_why"] if s["judged"] else ("invalid format" if not s["valid"] else "wrong verdict: judge not called")
+        samples[i] = dict(s, set="dh", r_hat=None)
+    metrics["order/judge_done_s"] = time.perf_counter() - t0
+    # (3) MetaRM update on the D_H samples, BEFORE it scores D_O
+    updates_before = mrm["updates"] if mrm is not None else 0
+    if mrm is not None:
+        metrics.update(metarm_online_update(mrm, [items[i] for i in dh_idx], dh, world, seed=cfg["run"]["seed"] * 7_919 + step))
+    metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
+    # (4) MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
+    metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
+    critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
+    r_hat = metarm.predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
+    metrics["metarm/updated_before_predict"] = mrm is None or metrics["order/metarm_update_done_s"] <= metrics["order/metarm_predict_start_s"]
+    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
+    # (5) D_O rewards
+    do = R.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, nl["lam"], mode)
+    for i, s in zip(do_idx, do):
+        samples[i] = dict(s, set="do", human_critique=None, f1=None, precision=None, recall=None, judged=False,
+                          judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
+                          metarm_updates=mrm["updates"] if mrm is not None else None)
+    metrics["order/do_reward_done_s"] = time.perf_counter() - t0
+    reward_t = torch.tensor([s["reward"] if s["reward"] is not None else 0.0 for s in samples])
+    valid = torch.tensor([s["reward"] is not None for s in samples])
+    return {"reward": reward_t, "valid": valid, "samples": samples, "metrics": metrics}
+
+
+def nlhf_record(step, rank, group, item, s, ro_out, i, advantage, is_weight, clipped):
+    """One samples.jsonl line of task rm_nlhf (the audit trail, SPEC §2): the pair's id and
+    winner, the completion, its parsed verdict and critique, the judge's F1 (or None and why),
+    the MetaRM prediction R̂ (D_O), the final reward (None = judge failure, masked) and advantage."""
+    keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged", "f1", "precision", "recall",
+            "judge_why", "judge_attempts", "f1_why", "r_process", "r_hat", "reward")
+    rec = {"step": step, "rank": rank, "item": item["id"], "group": group, "set": item["set"],
+           "source": item["source"], "winner": item["winner"], "completion": ro_out["completions"][i],
+           "truncated": bool(ro_out["truncated"][i]), "length": int(ro_out["completion_mask"][i].sum())}
+    rec.update({k: s.get(k) for k in keep})
+    rec.update(metarm_updates=s.get("metarm_updates"), advantage=advantage, importance_weight=is_weight, clipped=clipped)
+    return rec
+
+
+def nlhf_step_metrics(records, step_metrics):
+    """SPEC §9 RM-NLHF metrics of one step from all ranks' sample records (rank 0): format-error
+    rate, outcome accuracy (all and per set), process-reward rate, judge fail rate, mean R̂, plus
+    the MetaRM loss/agreement and order-of-operations entries of `step_metrics`."""
+    out = R.nlhf_metrics(records)
+    for name in ("dh", "do"):
+        part = [r for r in records if r["set"] == name]
+        if part:
+            out[f"nlhf/{name}/outcome_acc"] = sum(r["correct"] for r in part) / len(part)
+            out[f"nlhf/{name}/reward_mean"] = (sum(r["reward"] for r in part if r["reward"] is not None)
+                                               / max(1, sum(r["reward"] is not None for r in part)))
+    hats = [r["r_hat"] for r in records if r["r_hat"] is not None]
+    out["metarm/r_hat_mean"] = sum(hats) / len(hats) if hats else None
+    out["judge/failed"] = sum(r["judged"] and r["f1"] is None for r in records)
+    out.update(step_metrics)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -869,14 +1118,23 @@ def train(cfg):
     is_main = rank == 0
 
     # --- data, models, optimizer -------------------------------------------------------------
-    items = load_train_items(cfg)
+    task = cfg["task"]
+    if task == "rm_nlhf":
+        # start-up checks first (judge model name, API key variable), then D_H / D_O
+        judge = R.make_judge(cfg["judge"])
+        dh_items, do_items = load_dh_items(cfg), load_do_items(cfg)
+    else:
+        items = load_train_items(cfg)
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], master_dtype(cfg), device)
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
+    if task == "rm_nlhf":
+        dh_items = keep_short_pairs(dh_items, tokenizer, chat, cfg["nlhf"], "nlhf.dh")
+        do_items = keep_short_pairs(do_items, tokenizer, chat, cfg["nlhf"], "nlhf.do")
     model = wrap_policy(policy, tc["parallel"], world, device, cfg["model"]["dtype"], tc["cpu_offload"],
                         cfg["model"]["gradient_checkpointing"])
     engine = make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank)
-    evaluators = load_evaluators(cfg, policy, tokenizer, device) if rw["kind"] == "rlme" else []
+    evaluators = load_evaluators(cfg, policy, tokenizer, device) if task == "rlme" and rw["kind"] == "rlme" else []
     ref_model = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0:
         ref_model, _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
@@ -888,6 +1146,9 @@ def train(cfg):
     start_step = 0
     if ckpt:
         start_step = load_trainer_state(ckpt, policy, optimizer, scheduler)
+    mrm = None
+    if task == "rm_nlhf":  # the MetaRM (SPEC §5.4): restored with the checkpoint, loaded, or cold-started
+        mrm, mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh_items, judge, device, rank, world)
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
@@ -897,7 +1158,9 @@ def train(cfg):
                 truncate_jsonl(os.path.join(out_dir, name), start_step)
             elif os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
-        print(f"[train] {rw['kind']} | policy {cfg['model']['policy']} | {len(items)} items | world {world} | "
+        what = (f"rm_nlhf | D_H {len(dh_items)} items, D_O {len(do_items)} | MetaRM {mrm_source}" if task == "rm_nlhf"
+                else f"{rw['kind']} | {len(items)} items")
+        print(f"[train] {what} | policy {cfg['model']['policy']} | world {world} | "
               f"{'resuming from ' + ckpt if ckpt else 'fresh start'}", flush=True)
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
     G = ro["group_size"]
@@ -909,20 +1172,28 @@ def train(cfg):
     for step in range(start_step, run["total_steps"]):
         t0 = time.perf_counter()
         # --- 1. rollout: G completions for each of this rank's prompts (SPEC §4.1) -----------
-        batch = step_items(items, step, ro["prompts_per_step"], run["seed"], rank, world)
-        prompt_ids = [rollout.build_prompt_ids(tokenizer, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
-                      for it in batch]
+        if task == "rm_nlhf":  # GRM prompts for a mix of D_H and D_O pairs (SPEC §5.2)
+            batch = nlhf_step_items(dh_items, do_items, step, cfg, rank, world)
+            prompt_ids = [grm_prompt_ids(tokenizer, it, chat, cfg["nlhf"]) for it in batch]
+        else:
+            batch = step_items(items, step, ro["prompts_per_step"], run["seed"], rank, world)
+            prompt_ids = [rollout.build_prompt_ids(tokenizer, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
+                          for it in batch]
         ro_out = rollout_batch(engine, model, policy, tokenizer, prompt_ids, cfg,
                                sampling_seed(run["seed"], step, rank))
         mask = ro_out["completion_mask"]
         samples = [it for it in batch for _ in range(G)]
         t1 = time.perf_counter()
 
-        # --- 2. rewards (RLME Eq. 2-3 or RLVR) --------------------------------------------------
-        rlvr = torch.tensor([R.rlvr_reward(c, it["label"]) for c, it in zip(ro_out["completions"], samples)])
+        # --- 2. rewards (RLME Eq. 2-3, RLVR, or RM-NLHF SPEC §5.4 steps 2-5) --------------------
+        rlvr = torch.tensor([R.rlvr_reward(c, it["label"]) for c, it in zip(ro_out["completions"], samples)]) if task == "rlme" else None
         logp_q = None
         nonfinite = 0
-        if rw["kind"] == "rlme":
+        valid = None  # False = reward unknown (judge failure): out of group statistics and loss
+        if task == "rm_nlhf":
+            nlhf = nlhf_rewards(samples, ro_out["completions"], judge, mrm, cfg, world, step, t0)
+            rewards, valid = nlhf["reward"], nlhf["valid"]
+        elif rw["kind"] == "rlme":
             out = R.rlme_reward(evaluators, rw["meta_questions"], [it["question"] for it in samples],
                                 ro_out["completions"], [it["label"] for it in samples],
                                 [it["anchored"] for it in samples], template, rw["answer_stub"],
@@ -932,12 +1203,15 @@ def train(cfg):
             rewards = rlvr.clone()
         t2 = time.perf_counter()
 
-        # --- 3. advantages: r - mean of the group (RLME Eq. 5); groups never straddle ranks ---
-        advantages = group_advantages(rewards, G, std=algo["advantage_std"])
+        # --- 3. advantages: r - mean of the group (RLME Eq. 5), / std for GRPO (SPEC §4.5);
+        #        groups never straddle ranks; invalid (judge-failed) samples get 0 -------------
+        advantages = group_advantages(rewards, G, std=algo["advantage_std"], valid=valid)
 
-        # --- 4./5. CISPO update (RLME Eq. 6-8) --------------------------------------------------
+        # --- 4./5. CISPO (RLME Eq. 6-8) or GRPO (SPEC §4.5, k3 KL to ref_model) update --------
         batch = {"prompt_ids": ro_out["prompt_ids"], "completion_ids": ro_out["completion_ids"],
                  "completion_mask": mask, "advantages": advantages}
+        if valid is not None:
+            batch["valid"] = valid
         if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and the gap is logged
             batch["rollout_logprobs"] = ro_out["logprobs"]
         upd = update_policy(model, policy, optimizer, batch, cfg, world, device, tokenizer.pad_token_id, ref_model)
@@ -949,6 +1223,10 @@ def train(cfg):
         # --- 6. logging (rank 0 sees every rank's samples) -----------------------------------
         records = []
         for i, it in enumerate(samples):
+            if task == "rm_nlhf":
+                records.append(nlhf_record(step + 1, rank, i // G, it, nlhf["samples"][i], ro_out, i,
+                                           float(advantages[i]), float(is_weights[i]), float(clipped[i])))
+                continue
             rec = {"step": step + 1, "rank": rank, "item": it["index"], "group": i // G,
                    "problem": it["question"], "completion": ro_out["completions"][i],
                    "extracted": R.extract_boxed(ro_out["completions"][i]), "label": it["label"],
@@ -969,18 +1247,17 @@ def train(cfg):
         if gap is not None:
             gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
         if is_main:
-            rew = torch.tensor([r["reward"] for r in records])
+            # reward statistics over the samples whose reward is known (a failed judge call gives None)
+            rew = torch.tensor([r["reward"] for r in records if r["reward"] is not None] or [0.0])
             lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
-            grp = rew.view(-1, G)
+            groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None} for g in range(0, len(records), G)]
             metrics = {
                 "step": step + 1, "reward/mean": rew.mean().item(), "reward/std": rew.std(unbiased=False).item(),
                 "accuracy": sum(r["correct"] for r in records) / len(records),
-                "rlvr_reward/mean": sum(r["rlvr_reward"] for r in records) / len(records),
                 "advantage/abs_mean": sum(abs(r["advantage"]) for r in records) / len(records),
-                "groups/zero_variance_frac": (grp.amax(1) == grp.amin(1)).float().mean().item(),
+                "groups/zero_variance_frac": sum(len(g) <= 1 for g in groups) / len(groups),
                 "completion/length_mean": lens.mean().item(), "completion/length_max": lens.max().item(),
                 "completion/truncated_frac": sum(r["truncated"] for r in records) / len(records),
-                "completion/boxed_frac": sum(r["extracted"] is not None for r in records) / len(records),
                 "is_weight/mean": sum(r["importance_weight"] for r in records) / len(records),
                 "is_weight/max": max(r["importance_weight"] for r in records),
                 "is_weight/clip_frac": sum(r["clipped"] for r in records) / len(records),
@@ -990,6 +1267,11 @@ def train(cfg):
                 "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0,
                 "rollout/tokens_per_s": gen_tokens / max(t1 - t0, 1e-9), "memory/peak_mb": peak_memory_mb(device),
             }
+            if task == "rlme":
+                metrics["rlvr_reward/mean"] = sum(r["rlvr_reward"] for r in records) / len(records)
+                metrics["completion/boxed_frac"] = sum(r["extracted"] is not None for r in records) / len(records)
+            else:  # SPEC §9, RM-NLHF part; the judge's and MetaRM's own seconds are inside time/reward
+                metrics.update(nlhf_step_metrics(records, nlhf["metrics"]))
             if gap is not None:
                 metrics["rollout/logp_gap_mean"], metrics["rollout/logp_gap_max"] = gap
             if logp_q is not None:
@@ -1008,7 +1290,8 @@ def train(cfg):
                              s=f"{metrics['time/step']:.0f}")
         done = step + 1
         if (run["save_every"] and done % run["save_every"] == 0) or done == run["total_steps"]:
-            save_checkpoint(out_dir, done, policy, tokenizer, optimizer, scheduler, run["keep_checkpoints"], rank)
+            save_checkpoint(out_dir, done, policy, tokenizer, optimizer, scheduler, run["keep_checkpoints"], rank,
+                            extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
             if world > 1:
                 dist.barrier()
         if run["stop_after"] and done - start_step >= run["stop_after"]:

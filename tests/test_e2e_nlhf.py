@@ -1,0 +1,332 @@
+"""RM-NLHF end to end (SPEC §5): train.py with task rm_nlhf, the order of SPEC §5.4, resume with the
+MetaRM, judge failures inside a run, and one-line start-up errors through the CLI."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, SMOLLM2, data_path
+import metarm
+import reward
+import rollout
+import train
+
+CPU_PRESET = os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")
+NLHF_METRICS = {"nlhf/format_error_rate", "nlhf/outcome_acc", "nlhf/process_rate", "judge/fail_rate", "judge/calls",
+                "metarm/loss", "metarm/agreement", "metarm/updates", "metarm/updated_before_predict",
+                "order/judge_done_s", "order/metarm_update_done_s", "order/metarm_predict_start_s",
+                "order/do_reward_done_s", "reward/mean", "advantage/abs_mean", "loss", "grad_norm",
+                "time/rollout", "time/reward", "time/update"}
+NLHF_SAMPLE = {"step", "set", "item", "winner", "completion", "choice", "valid", "why", "correct", "critique",
+               "human_critique", "f1", "f1_why", "judge_why", "r_process", "r_hat", "reward", "advantage"}
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def pair(i, winner="A", critique="Response B adds 2 and 3 wrongly. Response A is right."):
+    return {"id": f"p{i}", "context": f"What is {i}+3?", "response_a": f"{i + 3}", "response_b": f"{i + 4}",
+            "winner": winner, "critique": critique, "source": "t", "meta": {}}
+
+
+def verdict(critique, choice):
+    return f"<critics>{critique}</critics>\n<choice>[[{choice}]]</choice>"
+
+
+def small_cfg(**over):
+    cfg = train.load_config([CPU_PRESET])
+    for k, v in over.items():
+        sec, key = k.split(".")
+        cfg[sec][key] = v
+    return cfg
+
+
+# ---- fast: the pieces of a step ------------------------------------------------------------------
+
+def test_config_schema_has_the_nlhf_sections():
+    cfg = train.load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
+    assert cfg["task"] == "rm_nlhf" and cfg["algo"]["loss"] == "grpo" and cfg["algo"]["kl_coef"] == 0.001
+    assert set(cfg["judge"]) == set(reward.JUDGE_DEFAULTS)
+    assert set(cfg["metarm"]) == set(metarm.METARM_DEFAULTS)
+    with pytest.raises(SystemExit, match=r"config key task: 'rlhf' is not one of \['rlme', 'rm_nlhf'\]"):
+        train.load_config([], ["task=rlhf"])
+    with pytest.raises(SystemExit, match="config key nlhf.dh_schema: 'nope' is not one of"):
+        train.load_config([CPU_PRESET], ["nlhf.dh_schema=nope"])
+    with pytest.raises(SystemExit, match=r"nlhf.dh_per_step=0.2: gives no D_H prompt"):
+        train.load_config([CPU_PRESET], ["nlhf.dh_per_step=0.2"])  # round(0.2 x 2) = 0
+    with pytest.raises(SystemExit, match=r"config key nlhf.threshold: must be in \[0.0, 1.0\]"):
+        train.load_config([CPU_PRESET], ["nlhf.threshold=1.5"])
+
+
+def test_step_items_mix_sets_and_split_ranks():
+    cfg = small_cfg()
+    cfg["rollout"]["prompts_per_step"] = 8
+    cfg["nlhf"]["dh_per_step"] = 0.25
+    dh, do = [pair(i) for i in range(5)], [dict(pair(100 + i), critique=None) for i in range(7)]
+    whole = train.nlhf_step_items(dh, do, 3, cfg, 0, 1)
+    assert sum(it["set"] == "dh" for it in whole) == 2 and sum(it["set"] == "do" for it in whole) == 6
+    halves = train.nlhf_step_items(dh, do, 3, cfg, 0, 2) + train.nlhf_step_items(dh, do, 3, cfg, 1, 2)
+    assert [it["id"] for it in halves] == [it["id"] for it in whole]  # ranks partition the same global batch
+    assert [it["id"] for it in train.nlhf_step_items(dh, do, 3, cfg, 0, 1)] == [it["id"] for it in whole]
+    cfg["nlhf"]["do"] = None
+    assert all(it["set"] == "dh" for it in train.nlhf_step_items(dh, [], 3, cfg, 0, 1))
+
+
+def test_keep_short_pairs(tiny_model_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    nl = dict(small_cfg()["nlhf"])
+    items = [pair(0), dict(pair(1), response_b="very long " * 300)]
+    n0 = len(train.grm_prompt_ids(tok, items[0], True, nl))
+    nl["max_prompt_tokens"] = n0
+    assert [it["id"] for it in train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")] == ["p0"]
+    nl["max_prompt_tokens"] = 0
+    assert len(train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")) == 2
+    nl["max_prompt_tokens"] = n0 - 1
+    with pytest.raises(SystemExit, match=f"nlhf.max_prompt_tokens={n0 - 1}: no item of nlhf.dh is that short "
+                                         rf"\(shortest GRM prompt: {n0} tokens\)"):
+        train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")
+
+
+def test_rewards_without_metarm_hand_numbers():
+    """metarm.mode none: D_O gets the outcome only. D_H: a copied human critique has proxy F1 1 ->
+    1 + 0.5; a wrong verdict 0 without a judge call; no tags -1."""
+    cfg = small_cfg()
+    cfg["metarm"]["mode"] = "none"
+    h = "Response B adds 2 and 3 wrongly. Response A is right."
+    items = [dict(pair(0, critique=h), set="dh")] * 3 + [dict(pair(1, "B", None), set="do")] * 2
+    comps = [verdict(h, "A"), verdict(h, "B"), "no tags", verdict("B is right.", "B"), verdict("A.", "A")]
+    out = train.nlhf_rewards(items, comps, reward.make_judge({"backend": "proxy"}), None, cfg, 1, 0, 0.0)
+    assert out["reward"].tolist() == [1.5, 0.0, -1.0, 1.0, 0.0] and out["valid"].all()
+    s = out["samples"]
+    assert s[0]["f1"] == 1.0 and s[0]["judged"] and not s[1]["judged"] and s[1]["f1_why"].startswith("wrong verdict")
+    assert s[2]["f1_why"] == "invalid format" and s[3]["r_hat"] is None and s[3]["f1"] is None
+
+
+def test_metarm_updated_before_it_scores_do(tiny_model_path):
+    """SPEC §5.4 order: the R̂ used for D_O is the prediction of the MetaRM AFTER this step's update
+    on the D_H samples, not before; D_O reward = 1 + clip(R̂ - 1, 0, λ) for a right verdict."""
+    cfg = small_cfg()
+    h = "Response B adds 2 and 3 wrongly. Response A is right."
+    mrm = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
+    before = copy.deepcopy(mrm)
+    items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
+    comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
+    out = train.nlhf_rewards(items, comps, reward.make_judge({"backend": "proxy"}), mrm, cfg, 1, 4, 0.0)
+    r_hat = out["samples"][2]["r_hat"]
+    assert r_hat == pytest.approx(metarm.predict(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)
+    assert abs(r_hat - metarm.predict(before, [items[2]], ["Response B is right."])[0]) > 1e-4
+    assert out["reward"].tolist()[:2] == [1.5, 0.0] and out["reward"][3] == -1.0
+    assert out["reward"][2].item() == pytest.approx(1.0 + min(max(r_hat - 1.0, 0.0), 0.5), abs=1e-6)
+    m = out["metrics"]
+    assert m["metarm/n"] == 2 and m["metarm/updates"] == 1 and m["metarm/trained_this_step"]
+    assert m["order/judge_done_s"] <= m["order/metarm_update_done_s"] <= m["order/metarm_predict_start_s"]
+    assert out["samples"][2]["metarm_updates"] == 1
+
+
+# ---- end to end: train.main in this process --------------------------------------------------------
+
+def force_verdicts(monkeypatch, pairs):
+    """Replace the FIRST completion of every group by a well-formed verdict for the human winner
+    (D_H: the first line of the human critique; D_O: a one-line critique); the other completions
+    stay the model's own. Why: SmolLM2-135M does not write <critics>...<choice>[[X]]</choice> in a
+    few dozen tokens, so every reward would be -1 and nothing past the parser (judge, MetaRM
+    update and prediction, non-zero GRPO advantages) would run. Ids and masks are rebuilt from
+    the text, so the update trains on exactly what is logged."""
+    def find(text):  # the pair whose context and both responses all appear in the decoded prompt
+        return next(it for it in pairs if all(it[k].strip()[:300] in text for k in ("context", "response_a", "response_b")))
+    real = rollout.generate
+
+    def generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw):
+        out = real(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw)
+        rows = []
+        for g, ids in enumerate(prompt_ids):
+            text = tok.decode(ids)
+            it = find(text)
+            crit = it["critique"].splitlines()[0] if it["critique"] else f"Response {it['winner']} is more helpful."
+            rows.append((g * group_size, verdict(crit, it["winner"])))
+        ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
+        width = max([out["completion_ids"].shape[1]] + [len(x) for x in ids])
+        cids = torch.full((out["completion_ids"].shape[0], width), tok.pad_token_id, dtype=torch.long)
+        cmask = torch.zeros(cids.shape)
+        cids[:, :out["completion_ids"].shape[1]] = out["completion_ids"]
+        cmask[:, :out["completion_ids"].shape[1]] = out["completion_mask"]
+        for (r, t), x in zip(rows, ids):
+            cids[r], cmask[r] = tok.pad_token_id, 0.0
+            cids[r, :len(x)], cmask[r, :len(x)] = torch.tensor(x), 1.0
+            out["completions"][r] = t
+            out["truncated"][r] = False
+        return dict(out, completion_ids=cids, completion_mask=cmask)
+
+    monkeypatch.setattr(rollout, "generate", generate)
+
+
+def nlhf_args(out, model, extra=()):
+    return ["--config", CPU_PRESET, f"model.policy={model}", f"run.out_dir={out}", "run.total_steps=2",
+            f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}",
+            f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}",
+            "rollout.max_new_tokens=16", "metarm.max_new_tokens=16", *extra]
+
+
+def load_pairs():
+    return (reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"), seed=0)
+            + [dict(it, critique=None) for it in reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), seed=0)])
+
+
+@pytest.mark.slow
+def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
+    """2 GRPO steps of the real SmolLM2 GRM on Mr-Ben D_H + hh-rlhf D_O with the proxy judge and a
+    MetaRM cold start: step 1 then stop (run.stop_after=1), then a second process-like call resumes."""
+    pairs = load_pairs()
+    force_verdicts(monkeypatch, pairs)
+    out = str(tmp_path / "run")
+    args = nlhf_args(out, SMOLLM2, ["metarm.online_lr=1e-4"])
+    train.main(args + ["run.stop_after=1"])
+    assert os.path.isfile(os.path.join(out, "metarm", "metarm.json"))  # the cold start, saved before step 1
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_000001", "metarm", "metarm.json"))
+    assert [m["step"] for m in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1]
+    capsys.readouterr()
+    train.main(args)
+    log = capsys.readouterr().out
+    assert "MetaRM " + os.path.join(out, "checkpoints", "step_000001", "metarm") in log and "resuming from" in log
+    assert "cold start" not in log
+
+    metrics = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert NLHF_METRICS <= set(m), NLHF_METRICS - set(m)
+        assert all(v == v for v in m.values() if isinstance(v, float))
+        assert m["metarm/updated_before_predict"] is True and m["metarm/trained_this_step"] is True
+        assert m["order/judge_done_s"] <= m["order/metarm_update_done_s"] <= m["order/metarm_predict_start_s"] \
+            <= m["order/do_reward_done_s"] <= m["time/rollout"] + m["time/reward"] + 1e-6
+        assert m["judge/calls"] == 1 and m["judge/fail_rate"] == 0.0
+    # the MetaRM came back from the checkpoint: its update count continues (cold start again would say 1)
+    assert [m["metarm/updates"] for m in metrics] == [1, 2]
+
+    samples = read_jsonl(os.path.join(out, "samples.jsonl"))
+    assert len(samples) == 8 and all(NLHF_SAMPLE <= set(s) for s in samples)
+    for s in samples:  # every reward recomputed by hand from the logged fields (SPEC §5.3-5.4)
+        if not s["valid"]:
+            assert s["reward"] == -1.0
+        elif s["set"] == "dh":
+            assert s["correct"] and s["reward"] == 1.0 + 0.5 * (s["f1"] >= 0.5)
+        else:
+            assert s["correct"] and s["reward"] == pytest.approx(1.0 + min(max(s["r_hat"] - 1.0, 0.0), 0.5))
+    for st in (1, 2):  # GRPO advantages: (r - mean) / (population std + 1e-6), groups of 2
+        for g in (0, 1):
+            grp = [s for s in samples if s["step"] == st and s["group"] == g]
+            r = torch.tensor([s["reward"] for s in grp])
+            expect = (r - r.mean()) / (r.std(unbiased=False) + 1e-6) if r[0] != r[1] else torch.zeros(2)
+            assert [s["advantage"] for s in grp] == pytest.approx(expect.tolist(), abs=1e-5)
+    # order of SPEC §5.4: step 2's R̂ is what the MetaRM saved AFTER step 2's update predicts; the
+    # MetaRM before step 2 (in the step-1 checkpoint) predicts something else
+    by_id = {it["id"]: it for it in pairs}
+    s2 = next(s for s in samples if s["step"] == 2 and s["set"] == "do" and s["valid"])
+    after = metarm.load(os.path.join(out, "checkpoints", "step_000002", "metarm"))
+    item = by_id[s2["item"]]
+    assert metarm.predict(after, [item], [s2["critique"]])[0] == pytest.approx(s2["r_hat"], abs=1e-4)
+    # the step-1 checkpoint was deleted by keep_checkpoints=2? no: 2 kept; compare with it
+    earlier = metarm.load(os.path.join(out, "checkpoints", "step_000001", "metarm"))
+    assert abs(metarm.predict(earlier, [item], [s2["critique"]])[0] - s2["r_hat"]) > 1e-4
+    cfg_text = open(os.path.join(out, "config.yaml")).read()
+    assert "task: rm_nlhf" in cfg_text
+
+
+@pytest.mark.slow
+def test_refused_judge_is_counted_and_key_never_written(tmp_path, monkeypatch, tiny_model_path):
+    """A judge URL that refuses connections: the D_H sample is masked (reward None, advantage 0),
+    judge/fail_rate counts it, the run goes on. The API key is in no file the run writes."""
+    secret = "sk-test-DO-NOT-LOG-4242"
+    monkeypatch.setenv("RLME_TEST_JUDGE_KEY", secret)
+    force_verdicts(monkeypatch, load_pairs())
+    out = str(tmp_path / "run")
+    train.main(nlhf_args(out, tiny_model_path, [
+        "run.total_steps=1", "judge.backend=openai", "judge.base_url=http://127.0.0.1:9/v1", "judge.model=m",
+        "judge.api_key_env=RLME_TEST_JUDGE_KEY", "judge.max_retries=1", "judge.backoff_base_s=0.01",
+        "metarm.cold_start=false", "rollout.max_new_tokens=4"]))
+    m = read_jsonl(os.path.join(out, "metrics.jsonl"))[0]
+    assert m["judge/calls"] == 1 and m["judge/fail_rate"] == 1.0 and m["judge/failed"] == 1
+    failed = [s for s in read_jsonl(os.path.join(out, "samples.jsonl")) if s["judged"]]
+    assert len(failed) == 1 and failed[0]["reward"] is None and failed[0]["advantage"] == 0.0
+    assert failed[0]["f1"] is None and failed[0]["judge_why"].startswith("connection error")
+    assert m["metarm/n"] == 0  # a failed judge call is no training example
+    for root, _, files in os.walk(out):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                assert secret.encode() not in fh.read(), os.path.join(root, f)
+    assert "RLME_TEST_JUDGE_KEY" in open(os.path.join(out, "config.yaml")).read()
+
+
+# ---- bad input through the command line: one line, no traceback ---------------------------------
+
+def test_startup_errors_are_one_line(tmp_path):
+    (tmp_path / "nofields.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    (tmp_path / "norejected.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "RLME_UNSET_KEY_VAR"}
+    base = [sys.executable, os.path.join(REPO, "train.py"), "--config", CPU_PRESET, f"run.out_dir={tmp_path}/o",
+            f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}", f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}"]
+    cases = {
+        "judge.api_key_env: environment variable RLME_UNSET_KEY_VAR is not set":
+            ["judge.backend=openai", "judge.model=m", "judge.api_key_env=RLME_UNSET_KEY_VAR"],
+        "config key nlhf.do_schema: 'helpsteer4' is not one of": ["nlhf.do_schema=helpsteer4"],
+        "nofields.jsonl": [f"nlhf.do={tmp_path}/nofields.jsonl"],
+        "'rejected'": [f"nlhf.do={tmp_path}/norejected.jsonl", "nlhf.do_schema=chosen_rejected"],
+    }
+    procs = {msg: subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                   env=env) for msg, extra in cases.items()}
+    for msg, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])
+        assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+
+
+# ---- torchrun: the MetaRM update over 2 ranks ---------------------------------------------------
+
+def _metarm_rank(rank, world, model_path, port, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same fresh head on both ranks (train.setup_metarm loads one saved folder)
+    mrm = metarm.load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    items, samples = _rank_samples(rank)
+    m = train.metarm_online_update(mrm, items, samples, world, seed=5)
+    pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"pred": pred, "updates": mrm["updates"], "n": m["metarm/n"]}, f)
+    dist.destroy_process_group()
+
+
+def _rank_samples(rank):
+    """Two D_H samples per rank, different on each rank (rewards 1.5/0 and 1/0)."""
+    items = [pair(2 * rank), pair(2 * rank + 1)]
+    samples = [{"valid": True, "reward": [1.5, 0.0, 1.0, 0.0][2 * rank + k], "critique": f"critique {rank} {k}"}
+               for k in range(2)]
+    return items, samples
+
+
+@pytest.mark.slow
+def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_path):
+    """metarm_online_update under 2 gloo ranks: every rank ends with the MetaRM that ONE process
+    gets from all 4 D_H samples (gathered in rank order), so D_O is scored identically everywhere."""
+    import socket
+    import torch.multiprocessing as mp
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    mp.spawn(_metarm_rank, args=(2, tiny_model_path, port, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    ref = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    (i0, s0), (i1, s1) = _rank_samples(0), _rank_samples(1)
+    m = metarm.update(ref, i0 + i1, s0 + s1, seed=5)
+    want = metarm.predict(ref, [pair(9)], ["Response B is wrong."])[0]
+    for rank in (0, 1):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert got["updates"] == 1 and got["pred"] == pytest.approx(want, abs=1e-5)
+    assert json.load(open(tmp_path / "rank0.json"))["n"] == m["metarm/n"] == 4
