@@ -310,3 +310,761 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
 
 # ----------------------------------------------------------------------------------------------
 # RM-NLHF (SPEC §5.1-5.3): pairwise data, GRM prompt and parsing, critique judge, rewards
+#
+# Data flow (one GRPO step, SPEC §5.4):
+#   items    = load_pairwise(...)                       plain dicts, A/B already shuffled
+#   prompt   = build_grm_prompt(context, a, b)          the user message; rollout.py adds the template
+#   parsed   = parse_grm_output(completion)             {critique, choice, valid, why}
+#   D_H:  samples = score_dh(parsed, items, judge, ...)        judge F1 -> R (Eq. 4, 5, 8)
+#   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction -> R
+#   nlhf_metrics(samples)                               format errors, accuracy, judge fail rate
+#
+# A sample whose judge call failed gets reward None. It must be EXCLUDED from its group's mean/std
+# and from the loss (advantage 0, loss mask 0, not counted in the token-mean denominator); it is
+# counted in judge/fail_rate. We never substitute 0 (it would look like a real "no match" score).
+
+import concurrent.futures
+import glob
+import json
+import os
+import random
+import time
+
+
+# ---- pairwise data (SPEC §5.1) -------------------------------------------------------------
+
+# Required fields per schema; `detect_schema` tries them in this order (HelpSteer3 before the
+# generic one: some HelpSteer3 derivatives also carry `chosen`/`rejected`).
+PAIR_SCHEMAS = {
+    "helpsteer3": ("context", "response1", "response2", "overall_preference"),
+    "mr_ben": ("Question_UUID", "Question", "Model_Solution_Steps", "Model_Solution_Correctness"),
+    "pandalm": ("instruction", "response1", "response2", "annotator1", "annotator2", "annotator3"),
+    "llmbar": ("input", "output_1", "output_2", "label"),
+    "judgebench": ("question", "response_A", "response_B", "label"),
+    "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles
+    "chosen_rejected": ("chosen", "rejected"),          # + optional prompt, optional critique
+}
+
+
+def detect_schema(row, where):
+    """Schema name of one row from its field names (SPEC §5.1).
+
+    Args:
+        row: dict, the first row of a file. where: str, 'file:line' for the error message.
+    Returns:
+        str, a key of PAIR_SCHEMAS.
+    Raises:
+        SystemExit naming the file and the fields found when nothing matches.
+    """
+    if not isinstance(row, dict):
+        raise SystemExit(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+    for name, fields in PAIR_SCHEMAS.items():
+        if all(f in row for f in fields):
+            if name == "rm_bench" and not isinstance(row["chosen"], list):
+                continue  # plain chosen/rejected strings with a prompt field: the generic schema
+            return name
+    raise SystemExit(f"{where}: unknown pairwise schema, fields found: {sorted(row)}; "
+                     f"known: {', '.join(PAIR_SCHEMAS)}")
+
+
+def _read_rows(path, split="train"):
+    """Rows of a local .jsonl/.json file, a folder of them, or a hub dataset.
+
+    Returns list[(file, where, row)] with where = 'file:line' (or 'hub_id[split] row N') so every
+    later error can name the exact place. Local JSON is read with the json module (datasets would
+    lose the line numbers); other local formats and hub ids go through datasets.load_dataset.
+    """
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
+        if not files:
+            raise SystemExit(f"{path}: folder has no .jsonl or .json files")
+        return [r for f in files for r in _read_rows(f, split)]
+    if path.endswith(".jsonl"):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: file does not exist")
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((path, f"{path}:{n}", json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+        return rows
+    if path.endswith(".json"):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: file does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
+        if isinstance(data, list):
+            return [(path, f"{path} element {i}", r) for i, r in enumerate(data)]
+        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+            # upstream Mr-Ben layout: {Question_UUID: [solution records]}
+            return [(path, f"{path} [{k!r}][{j}]", r) for k, v in data.items() for j, r in enumerate(v)]
+        raise SystemExit(f"{path}: expected a JSON array of rows (or JSONL)")
+    import datasets
+    try:
+        if os.path.isfile(path):  # .parquet / .csv / ...
+            ds = datasets.load_dataset(path.rsplit(".", 1)[-1], data_files=path, split="train")
+        elif path.startswith((".", "/", "~")):
+            raise SystemExit(f"{path}: file does not exist")
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except SystemExit:
+        raise
+    except Exception as e:  # the hub, the network or the file format: one line, no trace
+        raise SystemExit(f"{path}: could not be loaded with datasets ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})")
+    return [(path, f"{path}[{split}] row {i}", r) for i, r in enumerate(ds)]
+
+
+def _need(row, field, where, schema, kind=str):
+    """row[field], checked to be present and of type `kind`; else a one-line SystemExit.
+    For kind=str a JSON scalar is turned into text (6 PandaLM rows hold `true` as a response)."""
+    v = row.get(field)
+    if v is None:
+        raise SystemExit(f"{where}: missing field {field!r} (schema {schema})")
+    if kind is str and isinstance(v, (bool, int, float)):
+        return str(v)
+    if kind is not None and not isinstance(v, kind):
+        raise SystemExit(f"{where}: field {field!r} must be {getattr(kind, '__name__', kind)}, "
+                         f"got {type(v).__name__} (schema {schema})")
+    return v
+
+
+def render_turns(turns, where):
+    """A conversation as plain text. str -> itself; list of {role, content} -> 'User: ...' /
+    'Assistant: ...' blocks separated by blank lines (HelpSteer3 `context`)."""
+    if isinstance(turns, str):
+        return turns
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "content" in t for t in turns):
+        raise SystemExit(f"{where}: field 'context' must be a string or a list of {{role, content}} turns")
+    names = {"user": "User", "assistant": "Assistant", "system": "System"}
+    return "\n\n".join(f"{names.get(t.get('role'), str(t.get('role')).title())}: {t['content']}" for t in turns)
+
+
+def _split_hh(chosen, rejected):
+    """hh-rlhf: the prompt is embedded in both transcripts ('\\n\\nHuman: ...\\n\\nAssistant: ...').
+    Context = the common part up to the last '\\n\\nAssistant:' that both share; responses = what
+    follows it. Using the longest common prefix (not chosen.rfind) handles the 5 rows of the
+    harmless-base test split whose chosen response itself contains '\\n\\nAssistant:'."""
+    marker = "\n\nAssistant:"
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    cut = chosen.rfind(marker, 0, k)
+    if cut < 0:
+        return None
+    context = chosen[:cut].strip()
+    return context, chosen[cut + len(marker):].strip(), rejected[cut + len(marker):].strip()
+
+
+def _raw_pairs(schema, where, row, stem, n):
+    """One row (the n-th of its file, 0-based; default id '<stem>:<n>') -> list of 'raw' pairs in the row's own order: {id, context, r1, r2, winner: 1|2,
+    critique (refers to 'Response 1'/'Response 2') or None, source, meta}. [] = dropped (tie).
+    Mr-Ben is built per question in `_mr_ben_pairs` instead."""
+    src = f"{schema}/{stem}"
+    base = {"critique": None, "source": src, "meta": {}}
+    if schema == "helpsteer3":
+        pref = _need(row, "overall_preference", where, schema, int)
+        if isinstance(pref, bool) or not -3 <= pref <= 3:
+            raise SystemExit(f"{where}: field 'overall_preference' must be an integer in -3..3, got {pref!r}")
+        if pref == 0:
+            return []  # tie: no winner to learn (SPEC §5.1)
+        reasons = [p.get("reasoning") for p in row.get("individual_preference") or [] if isinstance(p, dict)]
+        critique = "\n".join(r.strip() for r in reasons if isinstance(r, str) and r.strip()) or None
+        return [dict(base, id=str(row.get("id", f"{stem}:{n}")),
+                     context=render_turns(_need(row, "context", where, schema, None), where),
+                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
+                     winner=1 if pref < 0 else 2,  # negative = response1 better (HelpSteer3 card)
+                     critique=critique, meta={"overall_preference": pref})]
+    if schema == "pandalm":
+        votes = [_need(row, f"annotator{k}", where, schema, int) for k in (1, 2, 3)]
+        if any(v not in (0, 1, 2) for v in votes):
+            raise SystemExit(f"{where}: annotator labels must be 0, 1 or 2, got {votes}")
+        top = max((1, 2), key=votes.count)
+        if votes.count(top) < 2:
+            return []  # no majority for either response (or majority tie '0'): dropped
+        context = _need(row, "instruction", where, schema)
+        if row.get("input"):
+            context += "\n\n" + row["input"]
+        return [dict(base, id=f"pandalm:{row.get('idx', n)}", context=context,
+                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
+                     winner=top, meta={"votes": votes})]
+    if schema == "llmbar":
+        label = _need(row, "label", where, schema, int)
+        if label not in (1, 2):
+            raise SystemExit(f"{where}: field 'label' must be 1 or 2, got {label!r}")
+        return [dict(base, id=f"{stem}:{n}", context=_need(row, "input", where, schema),
+                     r1=_need(row, "output_1", where, schema), r2=_need(row, "output_2", where, schema),
+                     winner=label)]
+    if schema == "judgebench":
+        label = _need(row, "label", where, schema)
+        if label not in ("A>B", "B>A"):
+            if label in ("A=B", "B=A"):
+                return []
+            raise SystemExit(f"{where}: field 'label' must be 'A>B' or 'B>A', got {label!r}")
+        return [dict(base, id=str(row.get("pair_id", f"{stem}:{n}")), context=_need(row, "question", where, schema),
+                     r1=_need(row, "response_A", where, schema), r2=_need(row, "response_B", where, schema),
+                     winner=1 if label == "A>B" else 2, meta={"category": row.get("source")})]
+    if schema == "rm_bench":
+        chosen, rejected = _need(row, "chosen", where, schema, list), _need(row, "rejected", where, schema, list)
+        if not chosen or len(chosen) != len(rejected) or not all(isinstance(s, str) for s in chosen + rejected):
+            raise SystemExit(f"{where}: fields 'chosen'/'rejected' must be equal-length lists of strings")
+        # the full style grid (upstream scoring): i > j easy, i == j normal, i < j hard accuracy,
+        # with 0 concise, 1 detailed plain, 2 detailed markdown
+        return [dict(base, id=f"{stem}:{row.get('id', n)}:{i}{j}", context=_need(row, "prompt", where, schema),
+                     r1=c, r2=r, winner=1, meta={"subset": row.get("subset"), "chosen_style": i, "rejected_style": j})
+                for i, c in enumerate(chosen) for j, r in enumerate(rejected)]
+    if schema == "chosen_rejected":
+        chosen, rejected = _need(row, "chosen", where, schema), _need(row, "rejected", where, schema)
+        if row.get("prompt") is not None:
+            context = render_turns(row["prompt"], where)
+        else:  # hh-rlhf: prompt embedded in the transcripts
+            split = _split_hh(chosen, rejected)
+            if split is None:
+                raise SystemExit(f"{where}: no 'prompt' field and no '\\n\\nAssistant:' turn in "
+                                 f"'chosen'/'rejected' (schema {schema})")
+            context, chosen, rejected = split
+        if chosen == rejected:
+            return []
+        critique = row.get("critique")
+        return [dict(base, id=str(row.get("id", f"{stem}:{n}")), context=context,
+                     r1=chosen, r2=rejected, winner=1,
+                     critique=critique.strip() or None if isinstance(critique, str) else None)]
+    raise SystemExit(f"{where}: schema {schema!r} unknown; known: {', '.join(PAIR_SCHEMAS)}")
+
+
+def _mr_ben_pairs(rows, stem):
+    """Mr-Ben math as D_H: for every question, every (correct, incorrect) pair of its solutions.
+    Critique = the human error reasons (`Model_Solution_Error_Reason`, one per annotator) of the
+    incorrect solution, with its first error step. 306 questions on disk give 192 pairs
+    (58 questions with 1 correct of 3 and 38 with 2 of 3, each giving 2 pairs)."""
+    by_q = {}
+    for where, row in rows:
+        for f in PAIR_SCHEMAS["mr_ben"]:
+            _need(row, f, where, "mr_ben", None)
+        if row["Model_Solution_Correctness"] not in ("correct", "incorrect"):
+            raise SystemExit(f"{where}: field 'Model_Solution_Correctness' must be 'correct' or "
+                             f"'incorrect', got {row['Model_Solution_Correctness']!r}")
+        if row["Model_Solution_Correctness"] == "incorrect":
+            reasons = row.get("Model_Solution_Error_Reason")
+            if not isinstance(reasons, list) or not any(isinstance(r, str) and r.strip() for r in reasons):
+                raise SystemExit(f"{where}: incorrect solution without 'Model_Solution_Error_Reason' texts")
+        by_q.setdefault(row["Question_UUID"], []).append((where, row))
+    pairs = []
+    for qid, sols in by_q.items():
+        good = [r for _, r in sols if r["Model_Solution_Correctness"] == "correct"]
+        bad = [r for _, r in sols if r["Model_Solution_Correctness"] == "incorrect"]
+        for g in good:
+            for b in bad:
+                step = b.get("Model_Solution_First_Error_Step")
+                reasons = [r.strip() for r in b["Model_Solution_Error_Reason"] if isinstance(r, str) and r.strip()]
+                critique = (f"Response 2 is incorrect; its first error is in step {step}. Response 1 is correct.\n"
+                            + "\n".join(reasons))
+                context = g["Question"] + ("\n\nOptions:\n" + g["Options"].strip() if g.get("Options") else "")
+                pairs.append({"id": f"{qid}:{g.get('Sampled_Model')}>{b.get('Sampled_Model')}",
+                              "context": context, "r1": "\n".join(g["Model_Solution_Steps"]),
+                              "r2": "\n".join(b["Model_Solution_Steps"]), "winner": 1, "critique": critique,
+                              "source": f"mr_ben/{stem}",
+                              "meta": {"first_error_step": step, "subject": g.get("Subject")}})
+    return pairs
+
+
+def _relabel(text, one, two):
+    """Rewrite '(@)Response 1/2' references in a critique to the final letters (HelpSteer3
+    reasonings say '@Response 1'); the judge matches stance per response, so the letters in the
+    human critique must follow the A/B shuffle."""
+    return re.sub(r"@?\b[Rr]esponse\s*([12])\b", lambda m: f"Response {one if m.group(1) == '1' else two}", text)
+
+
+def finalize_pair(raw, seed, shuffle=True):
+    """Raw pair (r1, r2, winner 1|2) -> the public dict, A/B order randomised per item.
+
+    The coin for an item is random.Random(f'{seed}:{id}') (string seeds are hashed with SHA-512,
+    so the order is stable across runs and independent of which other rows were loaded).
+
+    Returns:
+        {"id", "context", "response_a", "response_b", "winner": "A"|"B", "critique": str|None,
+         "source", "meta"}
+    """
+    swap = shuffle and random.Random(f"{seed}:{raw['id']}").random() < 0.5
+    a, b = (raw["r2"], raw["r1"]) if swap else (raw["r1"], raw["r2"])
+    winner = ("A" if raw["winner"] == 1 else "B") if not swap else ("B" if raw["winner"] == 1 else "A")
+    critique = raw["critique"]
+    if critique is not None:
+        critique = _relabel(critique, "B", "A") if swap else _relabel(critique, "A", "B")
+    return {"id": raw["id"], "context": raw["context"], "response_a": a, "response_b": b, "winner": winner,
+            "critique": critique, "source": raw["source"], "meta": dict(raw["meta"], swapped=swap)}
+
+
+def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
+                  stats=None):
+    """Load pairwise preference items (SPEC §5.1).
+
+    Args:
+        path_or_hub_id: local .jsonl/.json (or .parquet/.csv), a folder of .jsonl/.json files, or
+            a Hugging Face dataset id (read with datasets.load_dataset(id, split=split)).
+        schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
+            helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
+            individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
+            pairs, critique = human error reasons), pandalm (majority of 3 annotators; no
+            majority or majority tie dropped), llmbar (label 1|2), judgebench ('A>B'|'B>A'),
+            rm_bench (3x3 style grid per row, meta holds the styles), chosen_rejected (prompt +
+            chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field).
+        seed: int, the A/B shuffling seed. shuffle: False keeps the dataset's own order (response1
+            / chosen first), e.g. for evaluating both orders.
+        max_items: keep the first N items (after dropping ties), None = all.
+        stats: optional dict, filled with {'rows', 'items', 'dropped' (rows giving no item: ties,
+            Mr-Ben questions without a correct/incorrect pair), 'schema' (list of names)}.
+    Returns:
+        list of {"id", "context", "response_a", "response_b", "winner": "A"|"B",
+                 "critique": str|None, "source", "meta": dict}. D_H = items with a critique.
+    Raises:
+        SystemExit, one line naming the file, line and field, on any malformed row or unknown schema.
+    """
+    if schema != "auto" and schema not in PAIR_SCHEMAS:
+        raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
+    rows = _read_rows(path_or_hub_id, split)
+    if not rows:
+        raise SystemExit(f"{path_or_hub_id}: no rows")
+    by_file = {}  # a folder may mix schemas: one schema per file
+    for file, where, row in rows:
+        by_file.setdefault(file, []).append((where, row))
+    raw, names, dropped = [], [], 0
+    for file, frows in by_file.items():
+        name = detect_schema(frows[0][1], frows[0][0]) if schema == "auto" else schema
+        names.append(name)
+        stem = os.path.splitext(os.path.basename(file))[0] or file
+        if name == "mr_ben":
+            pairs = _mr_ben_pairs(frows, stem)
+            used = {p["id"].split(":")[0] for p in pairs}
+            dropped += sum(r["Question_UUID"] not in used for _, r in frows)  # no correct/incorrect pair
+            raw += pairs
+        else:
+            for n, (where, row) in enumerate(frows):
+                if not isinstance(row, dict):
+                    raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
+                pairs = _raw_pairs(name, where, row, stem, n)
+                dropped += not pairs  # ties
+                raw += pairs
+    items = [finalize_pair(r, seed, shuffle) for r in raw]
+    if max_items is not None:
+        items = items[:max_items]
+    if stats is not None:
+        stats.update(rows=len(rows), items=len(items), dropped=dropped, schema=sorted(set(names)))
+    return items
+
+
+# ---- GRM prompt and parsing (SPEC §5.2) ----------------------------------------------------
+
+GRM_PROMPT = """You are judging two AI assistant responses to the same conversation. Decide which response is better: more helpful, correct, honest and harmless for the user.
+
+[Conversation]
+{context}
+
+[Response A]
+{response_a}
+
+[Response B]
+{response_b}
+
+Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
+
+
+def build_grm_prompt(context, response_a, response_b, max_lines=4):
+    """The GRM user message (SPEC §5.2); the caller applies the chat template
+    (rollout.build_prompt_ids). Args: str, str, str; max_lines: the critique limit told to the
+    model (the same value parse_grm_output enforces). Returns str."""
+    return GRM_PROMPT.format(context=context.strip(), response_a=response_a.strip(),
+                             response_b=response_b.strip(), max_lines=max_lines)
+
+
+def parse_grm_output(text, max_lines=4, max_chars=1500):
+    """Parse a GRM completion (SPEC §5.2; limits from the RM-NLHF authors' released code).
+
+    critique = the LAST closed <critics>...</critics> block (stripped); choice = the letter in the
+    LAST <choice>...</choice> block; when that is missing or holds no [[A]]/[[B]], the first
+    [[A]] or [[B]] anywhere in the text. Lines are counted as non-blank lines of the critique.
+
+    Args:
+        text: str, the decoded completion. max_lines, max_chars: int, the format limits.
+    Returns:
+        dict(critique: str|None, choice: 'A'|'B'|None, valid: bool, why: str) with why one of
+        '' (valid), 'no_critique', 'no_choice', 'too_many_lines', 'too_long'.
+    """
+    text = text or ""
+    blocks = re.findall(r"<critics>(.*?)</critics>", text, flags=re.S)
+    critique = blocks[-1].strip() if blocks else None
+    critique = critique or None
+    choice = None
+    choices = re.findall(r"<choice>(.*?)</choice>", text, flags=re.S)
+    if choices:
+        m = re.search(r"\[\[([AB])\]\]", choices[-1])
+        choice = m.group(1) if m else None
+    if choice is None:
+        m = re.search(r"\[\[([AB])\]\]", text)
+        choice = m.group(1) if m else None
+    why = ""
+    if critique is None:
+        why = "no_critique"
+    elif choice is None:
+        why = "no_choice"
+    elif len([ln for ln in critique.splitlines() if ln.strip()]) > max_lines:
+        why = "too_many_lines"
+    elif len(critique) > max_chars:
+        why = "too_long"
+    return {"critique": critique, "choice": choice, "valid": why == "", "why": why}
+
+
+# ---- rewards (SPEC §5.3, RM-NLHF Eq. 4, 5, 8) -----------------------------------------------
+
+
+def process_reward(f1, threshold=0.5):
+    """R_process (RM-NLHF Eq. 5) = 1 if S(h, c) >= threshold else 0; None when the judge failed."""
+    if f1 is None:
+        return None
+    return 1.0 if f1 >= threshold else 0.0
+
+
+def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True):
+    """Reward of a D_H sample (RM-NLHF Eq. 4, 8; SPEC §5.3).
+
+        invalid format            -> -1
+        wrong choice              ->  0                       (gate_on_outcome=True, the paper)
+        right choice              ->  1 + lam * R_process(f1)
+        gate_on_outcome=False     ->  R_outcome + lam * R_process for every valid sample (ablation
+                                      without outcome regularisation: a wrong verdict can earn lam)
+        f1 None where it is needed ->  None: judge failure, the sample is masked (see top of section)
+
+    Args: valid, correct: bool; f1: float in [0, 1] or None; lam: λ; threshold: on S.
+    Returns: (reward float|None, r_process 0.0|1.0|None).
+    """
+    if not valid:
+        return -1.0, None
+    outcome = 1.0 if correct else 0.0
+    if not correct and gate_on_outcome:
+        return 0.0, None
+    r_proc = process_reward(f1, threshold)
+    if r_proc is None:
+        return None, None
+    return outcome + lam * r_proc, r_proc
+
+
+METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "classifier")
+
+
+def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
+    """Reward of a D_O sample from the MetaRM prediction R̂ (SPEC §5.4 step 5).
+
+        invalid                  -> -1
+        mode 'none' (no MetaRM)  -> 1 if right else 0                      (outcome only)
+        mode 'metarm_only'       -> clip(R̂, 0, 1 + lam), no outcome term
+        otherwise: wrong -> 0; right -> 1 + clip(max(0, R̂ - 1), 0, lam)
+
+    Args: valid, correct: bool; r_hat: float (MetaRM output on the R scale) or None for mode
+        'none'; lam: λ; mode: one of METARM_MODES.
+    Returns: float.
+    """
+    if not valid:
+        return -1.0
+    if mode == "none":
+        return 1.0 if correct else 0.0
+    if mode == "metarm_only":
+        return min(max(float(r_hat), 0.0), 1.0 + lam)
+    if not correct:
+        return 0.0
+    return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
+
+
+def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, sleep=time.sleep,
+             rand=random.random):
+    """Rewards of D_H samples: parse results + items -> judge (only where needed) -> Eq. 4, 5, 8.
+
+    Args:
+        parsed: list of parse_grm_output dicts, one per completion.
+        items: list of pairwise dicts (same length; repeat an item G times for a group).
+        judge: make_judge(...) dict.
+    Returns:
+        list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
+        recall, judge_why, judge_attempts, judged (bool), r_process, reward (float or None).
+    """
+    samples, need = [], []
+    for i, (p, it) in enumerate(zip(parsed, items)):
+        correct = p["valid"] and p["choice"] == it["winner"]
+        s = {"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
+             "critique": p["critique"], "human_critique": it.get("critique"), "f1": None, "precision": None,
+             "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False}
+        samples.append(s)
+        # outcome regularisation: the judge only sees valid, right verdicts (SPEC §5.3)
+        if p["valid"] and (correct or not gate_on_outcome):
+            need.append(i)
+    results = judge_scores(judge, [(items[i].get("critique") or "", parsed[i]["critique"]) for i in need],
+                           sleep=sleep, rand=rand)
+    for i, r in zip(need, results):
+        samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
+                          judge_attempts=r["attempts"], judged=True)
+    for s in samples:
+        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s["f1"], lam, threshold, gate_on_outcome)
+    return samples
+
+
+def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
+    """Rewards of D_O samples (SPEC §5.4 step 5). r_hat: list of MetaRM predictions (None
+    entries allowed for invalid samples or mode 'none'). Returns list of sample dicts with
+    choice, valid, why, correct, critique, r_hat, reward."""
+    out = []
+    for p, it, rh in zip(parsed, items, r_hat):
+        correct = p["valid"] and p["choice"] == it["winner"]
+        out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
+                    "critique": p["critique"], "r_hat": rh,
+                    "reward": do_reward(p["valid"], correct, rh, lam, mode)})
+    return out
+
+
+def nlhf_metrics(samples):
+    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples (rates are means)."""
+    n = max(len(samples), 1)
+    judged = [s for s in samples if s.get("judged")]
+    ok = [s for s in judged if s["f1"] is not None]
+    out = {"nlhf/format_error_rate": sum(not s["valid"] for s in samples) / n,
+           "nlhf/outcome_acc": sum(s["correct"] for s in samples) / n,
+           "judge/calls": len(judged),
+           "judge/fail_rate": (len(judged) - len(ok)) / len(judged) if judged else 0.0}
+    if ok:
+        out["nlhf/process_rate"] = sum(s["r_process"] == 1.0 for s in ok) / len(ok)
+        out["judge/f1_mean"] = sum(s["f1"] for s in ok) / len(ok)
+    return out
+
+
+# ---- critique-similarity judge (SPEC §5.3) -------------------------------------------------
+#
+# S(h, c) = F1 of core arguments between the human critique h and the GRM critique c, decided by
+# an LLM behind any OpenAI-compatible server (vllm serve, transformers serve, a hosted API).
+# Failures (HTTP 429/5xx, timeouts, refused connections, HTML pages, unparseable answers) are
+# retried with exponential backoff and jitter; after the last retry the result is f1=None with the
+# reason in `why`. Nothing in here raises into the training loop.
+
+JUDGE_PROMPT = """You compare two critiques of the same pair of AI responses (Response A and Response B): a REFERENCE critique written by a human expert and a CANDIDATE critique written by a model. Measure how many of the reference's core arguments the candidate makes.
+
+Work through these steps in order.
+1. Repetition check. If the candidate restates the same argument more than once (the same point in other words, copied sentences, or filler that repeats itself), stop here and answer precision 0, recall 0, f1 0.
+2. List the key arguments of the reference. An argument is one distinct reason about one response (a flaw or a strength). If the reference names a fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply), count that error as the only key argument. Let H be the number of key arguments.
+3. List the arguments of the candidate the same way. Let C be their number.
+4. Match candidate arguments to reference arguments by meaning and stance: a match must be about the same response with the same polarity (both call it a flaw, or both a strength); wording may differ. Each reference argument and each candidate argument can be used in at most one match. Let M be the number of matches.
+5. precision = M / C, recall = M / H, f1 = 2 * precision * recall / (precision + recall), and 0 when M is 0.
+
+[Reference critique]
+{human}
+
+[Candidate critique]
+{model}
+
+Think briefly, then end your answer with exactly these tags, each holding a plain decimal number between 0 and 1 (for example 0.5):
+<precision>...</precision>
+<recall>...</recall>
+<f1>...</f1>"""
+
+JUDGE_DEFAULTS = {
+    "backend": "openai",        # 'openai' (any OpenAI-compatible server) | 'proxy' (offline lexical F1)
+    "base_url": "http://127.0.0.1:8000/v1",
+    "model": None,              # the served model name (required for 'openai')
+    "api_key_env": None,        # name of the env var holding the key; None = local server, no key
+    "concurrency": 8,           # parallel requests (threads)
+    "timeout_s": 60.0,          # per call
+    "max_retries": 4,           # retries after the first attempt
+    "backoff_base_s": 1.0,      # delay before retry k (0-based) = d/2 + u*d/2, d = min(max, base*2^k)
+    "backoff_max_s": 30.0,
+    "temperature": 0.0,
+    "max_tokens": 512,
+}
+
+# A plain decimal in [0, 1]: '0', '1', '0.5', '.5', '1.0'. Scientific notation ('1e-1'), 'nan',
+# 'inf', fractions ('2/3') and percentages are parse failures: the prompt asks for a plain
+# decimal, and accepting float()'s whole grammar would let 'nan' or 'inf' through.
+_DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+
+
+def parse_judge_output(text):
+    """Strictly parse the judge's tags (the LAST <precision>, <recall> and <f1> blocks).
+
+    Args:
+        text: str, the judge's answer.
+    Returns:
+        dict(precision, recall, f1, why): floats in [0, 1] and why '' on success; on a missing
+        tag, a value that is not a plain decimal (see _DECIMAL: '1e-1' is rejected) or a value
+        outside [0, 1]: all three None and why says which.
+    """
+    out = {"precision": None, "recall": None, "f1": None, "why": ""}
+    vals = {}
+    for tag in ("precision", "recall", "f1"):
+        found = re.findall(rf"<{tag}>(.*?)</{tag}>", text or "", flags=re.S)
+        if not found:
+            return dict(out, why=f"missing <{tag}> tag")
+        s = found[-1].strip()
+        if not _DECIMAL.fullmatch(s):
+            return dict(out, why=f"<{tag}> is not a plain decimal: {s[:40]!r}")
+        v = float(s)
+        if not 0.0 <= v <= 1.0:
+            return dict(out, why=f"<{tag}> outside [0, 1]: {s}")
+        vals[tag] = v
+    return dict(vals, why="")
+
+
+def make_judge(cfg):
+    """Build the judge from the `judge:` config section (start-up checks happen here).
+
+    Args:
+        cfg: dict, keys as JUDGE_DEFAULTS (missing keys take the defaults).
+    Returns:
+        dict with the settings, plus 'client' (an openai.OpenAI with its own retries off: we retry
+        ourselves) for backend 'openai'. The API key lives only inside the client object.
+    Raises:
+        SystemExit (one line): unknown key or backend, no model name, or api_key_env names an
+        environment variable that is unset (a hosted judge would fail every call otherwise).
+    """
+    unknown = set(cfg or {}) - set(JUDGE_DEFAULTS)
+    if unknown:
+        raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}; allowed: {sorted(JUDGE_DEFAULTS)}")
+    j = dict(JUDGE_DEFAULTS, **(cfg or {}))
+    if j["backend"] == "proxy":
+        return j
+    if j["backend"] != "openai":
+        raise SystemExit(f"judge.backend: {j['backend']!r} unknown; allowed: openai, proxy")
+    if not j["model"]:
+        raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
+    key = "EMPTY"  # local servers ignore the key, but the client insists on one
+    if j["api_key_env"]:
+        key = os.environ.get(j["api_key_env"])
+        if not key:
+            raise SystemExit(f"judge.api_key_env: environment variable {j['api_key_env']} is not set "
+                             f"(needed for the judge at {j['base_url']})")
+    import openai
+    j["client"] = openai.OpenAI(base_url=j["base_url"], api_key=key, timeout=float(j["timeout_s"]),
+                                max_retries=0)
+    return j
+
+
+def backoff_delay(attempt, base, cap, u):
+    """Seconds to wait before retry `attempt` (0-based): 'equal jitter' exponential backoff,
+    d = min(cap, base * 2**attempt), delay = d/2 + u * d/2 with u ~ U[0, 1). Half the delay is
+    guaranteed (the server gets a break), the other half spreads the clients out."""
+    d = min(cap, base * 2 ** attempt)
+    return d / 2 + u * d / 2
+
+
+def _judge_call(judge, human, model, sleep, rand):
+    """One judge request with retries. Returns dict(f1, precision, recall, why, attempts)."""
+    import openai
+    prompt = JUDGE_PROMPT.format(human=human.strip(), model=model.strip())
+    why, attempt = "", 0
+    for attempt in range(int(judge["max_retries"]) + 1):
+        retry = True
+        try:
+            resp = judge["client"].chat.completions.create(
+                model=judge["model"], messages=[{"role": "user", "content": prompt}],
+                temperature=judge["temperature"], max_tokens=judge["max_tokens"])
+            if isinstance(resp, str) or not getattr(resp, "choices", None):
+                # the client hands back the raw body when the server does not answer JSON
+                why = f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
+            else:
+                parsed = parse_judge_output(resp.choices[0].message.content)
+                if parsed["f1"] is not None:
+                    return dict(parsed, attempts=attempt + 1)
+                why = "parse failure: " + parsed["why"]
+        except openai.APIStatusError as e:
+            why = f"HTTP {e.status_code}"
+            retry = e.status_code in (408, 409, 429) or e.status_code >= 500  # others will not heal
+        except openai.APITimeoutError:
+            why = "timeout"
+        except openai.APIConnectionError as e:
+            why = f"connection error: {type(e.__cause__ or e).__name__}"
+        except Exception as e:  # anything else (bad JSON body, ...) is a failed call, not a crash
+            why = f"{type(e).__name__}: {str(e)[:100]}"
+        if not retry or attempt == int(judge["max_retries"]):
+            break
+        sleep(backoff_delay(attempt, judge["backoff_base_s"], judge["backoff_max_s"], rand()))
+    return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempt + 1}
+
+
+def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
+    """Critique similarity S(h, c) for many (human, model) critique pairs (SPEC §5.3).
+
+    Args:
+        judge: make_judge(...) dict. pairs: list of (human critique str, GRM critique str).
+        sleep, rand: injectable for tests (backoff waits and jitter draws).
+    Returns:
+        list (same order) of dict(f1, precision, recall, why, attempts); f1 None = failure.
+        Never raises: every failure is returned with its reason.
+    """
+    if not pairs:
+        return []
+    if judge["backend"] == "proxy":
+        return [dict(proxy_f1(h, c), attempts=1) for h, c in pairs]
+
+    def one(pair):
+        try:
+            return _judge_call(judge, pair[0], pair[1], sleep, rand)
+        except Exception as e:  # belt and braces: a judge bug must not kill a training run
+            return {"precision": None, "recall": None, "f1": None, "why": f"{type(e).__name__}: {e}", "attempts": 0}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(judge["concurrency"]))) as pool:
+        return list(pool.map(one, pairs))
+
+
+# Offline PROXY of the judge (no server). It is a lexical stand-in for tests and laptops, not the
+# paper's LLM judge: it cannot tell paraphrases or stances apart beyond shared content words.
+_STOP = set("""a an the and or but if then than so of to in on at by for with from as is are was
+were be been being it its this that these those there here which who whom what when where why how
+not no yes do does did done has have had can could should would will shall may might must very
+also just only more most less least such both each other into about over under again further
+their they them he she his her we our you your i me my too response""".split())
+
+
+def _points(text):
+    """Sentence-level points of a critique as sets of content words. 'Response A' / 'Response B'
+    become the tokens 'resp_a' / 'resp_b' so the response a point is about survives."""
+    text = re.sub(r"\bresponse\s+([ab])\b", r"resp_\1", (text or "").lower())
+    out = []
+    for sent in re.split(r"(?<=[.!?;])\s+|\n+", text):
+        words = {w for w in re.findall(r"[a-z0-9_]+", sent) if w not in _STOP}
+        if words:
+            out.append(words)
+    return out
+
+
+def _dice(x, y):
+    return 2 * len(x & y) / (len(x) + len(y))
+
+
+def proxy_f1(human, model, match=0.4, repeat=0.8):
+    """PROXY critique similarity: F1 of greedily matched sentence-level points (lexical).
+
+    Points = sentences as content-word sets (_points). Repetition check first: two candidate
+    points with Dice overlap >= `repeat` -> F1 0. Then pairs (human point, model point) with
+    Dice >= `match` are matched greedily by decreasing overlap, each point at most once;
+    precision = M / C, recall = M / H, F1 = 2PR / (P + R) (0 when M = 0).
+
+    Returns dict(f1, precision, recall, why); f1 None (why 'empty human critique') when the human
+    critique has no content words.
+    """
+    hp, mp = _points(human), _points(model)
+    if not hp:
+        return {"f1": None, "precision": None, "recall": None, "why": "proxy: empty human critique"}
+    for i in range(len(mp)):
+        for j in range(i + 1, len(mp)):
+            if _dice(mp[i], mp[j]) >= repeat:
+                return {"f1": 0.0, "precision": 0.0, "recall": 0.0, "why": "proxy: repetition"}
+    cand = sorted(((_dice(h, m), i, j) for i, h in enumerate(hp) for j, m in enumerate(mp)), reverse=True)
+    used_h, used_m = set(), set()
+    for sim, i, j in cand:
+        if sim >= match and i not in used_h and j not in used_m:
+            used_h.add(i)
+            used_m.add(j)
+    m = len(used_h)
+    p, r = (m / len(mp) if mp else 0.0), m / len(hp)
+    f1 = 2 * p * r / (p + r) if m else 0.0
+    return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}

@@ -1,0 +1,465 @@
+"""RM-NLHF pieces of reward.py (SPEC §5.1-5.3): pairwise loaders, GRM parsing, the reward table,
+the critique judge (tag parsing, retries against a real local HTTP server, failures) and the
+offline proxy. Every expected number below is computed by hand in the comment next to it."""
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import SMOLLM2, data_path
+import reward
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def hs3(pref, r1="first answer", r2="second answer", reasons=("@Response 1 is wrong.", "@Response 2 is clear.")):
+    return {"domain": "general", "language": "english",
+            "context": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+                        {"role": "user", "content": "Sum 2+2?"}],
+            "response1": r1, "response2": r2, "overall_preference": pref,
+            "individual_preference": [{"score": pref, "reasoning": r, "feedback1": "", "feedback2": ""} for r in reasons]}
+
+
+# ---- pairwise data ---------------------------------------------------------------------------
+
+def test_helpsteer3_sign_and_ties(tmp_path):
+    path = write_jsonl(tmp_path / "hs3.jsonl", [hs3(-2), hs3(0), hs3(3), hs3(-1, reasons=())])
+    stats = {}
+    items = reward.load_pairwise(path, shuffle=False, stats=stats)
+    assert stats == {"rows": 4, "items": 3, "dropped": 1, "schema": ["helpsteer3"]}
+    # -2: response1 better -> A (unshuffled); the tie (line 2) is dropped; +3: response2 -> B
+    assert [it["winner"] for it in items] == ["A", "B", "A"]
+    assert [it["id"] for it in items] == ["hs3:0", "hs3:2", "hs3:3"]
+    assert items[0]["response_a"] == "first answer" and items[0]["response_b"] == "second answer"
+    assert items[0]["context"] == "User: Hi?\n\nAssistant: Hello.\n\nUser: Sum 2+2?"
+    # reasonings joined by newlines, '@Response 1/2' mapped to the (unswapped) letters
+    assert items[0]["critique"] == "Response A is wrong.\nResponse B is clear."
+    assert items[2]["critique"] is None  # no reasoning texts -> D_O item
+
+
+def test_shuffle_flips_winner_and_critique_letters(tmp_path):
+    rows = [hs3(-3, r1=f"good {i}", r2=f"bad {i}") for i in range(40)]
+    path = write_jsonl(tmp_path / "hs3.jsonl", rows)
+    items = reward.load_pairwise(path, seed=7)
+    swapped = [it["meta"]["swapped"] for it in items]
+    assert 5 < sum(swapped) < 35  # a fair coin per item, 40 flips
+    for it in items:
+        winner_text = it["response_a"] if it["winner"] == "A" else it["response_b"]
+        assert winner_text.startswith("good")  # the winner follows its response through the swap
+        # the human critique faults response1 ('@Response 1 is wrong.'), wherever it ended up
+        assert it["critique"].splitlines()[0] == ("Response B is wrong." if it["meta"]["swapped"] else "Response A is wrong.")
+    again = reward.load_pairwise(path, seed=7)
+    assert [it["winner"] for it in again] == [it["winner"] for it in items]
+    # the coin depends on (seed, id) only: loading a subset does not change an item's order
+    assert reward.load_pairwise(path, seed=7, max_items=5) == items[:5]
+    other = reward.load_pairwise(path, seed=8)
+    assert [it["winner"] for it in other] != [it["winner"] for it in items]
+
+
+def test_bad_rows_give_one_line_errors(tmp_path):
+    bad = hs3(-1)
+    del bad["response2"]
+    path = write_jsonl(tmp_path / "hs3.jsonl", [hs3(-1), bad])
+    with pytest.raises(SystemExit, match=r"hs3.jsonl:2: missing field 'response2' \(schema helpsteer3\)"):
+        reward.load_pairwise(path)
+    path = write_jsonl(tmp_path / "pref.jsonl", [hs3(5)])
+    with pytest.raises(SystemExit, match=r"pref.jsonl:1: field 'overall_preference' must be an integer in -3..3, got 5"):
+        reward.load_pairwise(path)
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(SystemExit, match=r"odd.jsonl:1: unknown pairwise schema, fields found: \['answer', 'question'\]"):
+        reward.load_pairwise(path)
+    path = write_jsonl(tmp_path / "cr.jsonl", [{"prompt": "p", "chosen": "x", "rejected": "y"}, {"prompt": "p", "chosen": "x"}])
+    with pytest.raises(SystemExit, match=r"cr.jsonl:2: missing field 'rejected'"):
+        reward.load_pairwise(path)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "p"}\n{not json\n')
+    with pytest.raises(SystemExit, match=r"broken.jsonl:2: not valid JSON"):
+        reward.load_pairwise(str(tmp_path / "broken.jsonl"))
+    with pytest.raises(SystemExit, match="does not exist"):
+        reward.load_pairwise(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(SystemExit, match="schema 'foo' unknown"):
+        reward.load_pairwise(path, schema="foo")
+
+
+def test_generic_chosen_rejected_with_optional_critique(tmp_path):
+    path = write_jsonl(tmp_path / "cr.jsonl", [
+        {"prompt": "Q1", "chosen": "good", "rejected": "bad", "critique": "Response 2 is rude."},
+        {"prompt": [{"role": "user", "content": "Q2"}], "chosen": "c", "rejected": "r"},
+        {"prompt": "Q3", "chosen": "same", "rejected": "same"}])  # identical responses: dropped
+    items = reward.load_pairwise(path, shuffle=False)
+    assert [(it["context"], it["response_a"], it["response_b"], it["winner"]) for it in items] == [
+        ("Q1", "good", "bad", "A"), ("User: Q2", "c", "r", "A")]
+    assert items[0]["critique"] == "Response B is rude." and items[1]["critique"] is None
+
+
+def test_mr_ben_pairs_on_real_file():
+    path = data_path("mr_ben_math", "math.jsonl")
+    stats = {}
+    items = reward.load_pairwise(path, stats=stats)
+    # 306 questions: 58 with 1 correct + 2 incorrect (2 pairs each), 38 with 2 + 1 (2 pairs each);
+    # 205 all-incorrect and 5 all-correct questions give none: 116 + 76 = 192 pairs, 210*3 = 630 rows unused
+    assert stats == {"rows": 918, "items": 192, "dropped": 630, "schema": ["mr_ben"]}
+    assert all(it["critique"] for it in items)
+    # question 1b2038d9...: Claude2 incorrect, GPT3.5 correct, mistral-medium incorrect
+    q = [it for it in items if it["id"].startswith("1b2038d9-ea05-4e45-9a11-7d73463cdd20:")]
+    assert [it["id"].split(":")[1] for it in q] == ["GPT3.5>Claude2", "GPT3.5>mistral-medium"]
+    rows = [json.loads(line) for line in open(path)]
+    sols = {r["Sampled_Model"]: r for r in rows if r["Question_UUID"] == "1b2038d9-ea05-4e45-9a11-7d73463cdd20"}
+    for it, bad in zip(q, ["Claude2", "mistral-medium"]):
+        win = it["response_a"] if it["winner"] == "A" else it["response_b"]
+        lose = it["response_b"] if it["winner"] == "A" else it["response_a"]
+        assert win == "\n".join(sols["GPT3.5"]["Model_Solution_Steps"])
+        assert lose == "\n".join(sols[bad]["Model_Solution_Steps"])
+        loser = "B" if it["winner"] == "A" else "A"
+        step = sols[bad]["Model_Solution_First_Error_Step"]
+        assert it["critique"].splitlines()[0] == (f"Response {loser} is incorrect; its first error is in step {step}. "
+                                                  f"Response {it['winner']} is correct.")
+        for reason in sols[bad]["Model_Solution_Error_Reason"]:
+            assert reason.strip() in it["critique"]
+        assert it["context"].startswith(sols["GPT3.5"]["Question"]) and "Options:\nA:" in it["context"]
+
+
+def test_offline_sets_load_with_expected_counts():
+    hh = reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), shuffle=False)
+    assert len(hh) == 2312 and all(it["critique"] is None and it["winner"] == "A" for it in hh)
+    assert hh[0]["context"].startswith("Human: what are some pranks with a pen i can do?\n\nAssistant:")
+    assert hh[0]["response_a"].startswith("No, sorry!  All of these involve a pen")
+    # row 1254: the chosen response itself contains 'Human:'; the prompt is the shared prefix
+    assert hh[1254]["context"].endswith("Human: Isn't that drag kings?")
+    assert hh[1254]["response_a"].startswith("No. Men who impersonate")
+    assert hh[1254]["response_b"].startswith("A drag king is the opposite")
+    # PandaLM: 999 rows, 105 without a 1-or-2 majority (e.g. (0,0,0), (2,0,0)) dropped
+    assert len(reward.load_pairwise(data_path("pandalm_testset", "testset-v1.jsonl"))) == 894
+    assert len(reward.load_pairwise(data_path("llmbar"))) == 885  # 8 files in the folder
+    assert len(reward.load_pairwise(data_path("judgebench"))) == 350 + 270
+    rm = reward.load_pairwise(data_path("rm_bench", "chat_filtered.jsonl"), shuffle=False)
+    assert len(rm) == 129 * 9  # the 3x3 style grid
+    assert rm[5]["meta"]["chosen_style"] == 1 and rm[5]["meta"]["rejected_style"] == 2
+
+
+def test_pandalm_majority(tmp_path):
+    base = {"idx": 0, "instruction": "Do it", "input": "", "response1": "r1", "response2": "r2"}
+    votes = [(1, 0, 1), (2, 0, 0), (2, 1, 2), (1, 2, 0), (0, 0, 0)]
+    rows = [dict(base, idx=i, annotator1=a, annotator2=b, annotator3=c) for i, (a, b, c) in enumerate(votes)]
+    items = reward.load_pairwise(write_jsonl(tmp_path / "p.jsonl", rows), shuffle=False)
+    assert [(it["id"], it["winner"]) for it in items] == [("pandalm:0", "A"), ("pandalm:2", "B")]
+
+
+# ---- GRM prompt and parsing --------------------------------------------------------------------
+
+def test_grm_prompt_contains_everything():
+    p = reward.build_grm_prompt("Q?", "ans A", "ans B")
+    assert "Q?" in p and "[Response A]\nans A" in p and "[Response B]\nans B" in p
+    assert "<critics>" in p and "<choice>[[A]]</choice>" in p and "at most 4 lines" in p
+
+
+def test_parse_last_block_wins():
+    t = "<critics>draft</critics><choice>[[B]]</choice> on second thought <critics>A is right.</critics><choice>[[A]]</choice>"
+    assert reward.parse_grm_output(t) == {"critique": "A is right.", "choice": "A", "valid": True, "why": ""}
+
+
+def test_parse_fallback_first_bracket():
+    t = "<critics>B misses the unit.</critics> Verdict: [[A]] not [[B]]"
+    assert reward.parse_grm_output(t) == {"critique": "B misses the unit.", "choice": "A", "valid": True, "why": ""}
+    # a <choice> without a letter also falls back
+    assert reward.parse_grm_output("<critics>x</critics><choice>A</choice> [[B]]")["choice"] == "B"
+
+
+def test_parse_invalid_cases():
+    four = "<critics>1\n2\n\n3\n4</critics><choice>[[A]]</choice>"  # blank lines are not counted
+    assert reward.parse_grm_output(four)["valid"]
+    five = "<critics>1\n2\n3\n4\n5</critics><choice>[[A]]</choice>"
+    assert reward.parse_grm_output(five) == {"critique": "1\n2\n3\n4\n5", "choice": "A", "valid": False, "why": "too_many_lines"}
+    ok = reward.parse_grm_output("<critics>" + "x" * 1500 + "</critics><choice>[[B]]</choice>")
+    assert ok["valid"]
+    long = reward.parse_grm_output("<critics>" + "x" * 1501 + "</critics><choice>[[B]]</choice>")
+    assert (long["valid"], long["why"]) == (False, "too_long")
+    assert reward.parse_grm_output("<critics>fine</critics> no verdict") == {"critique": "fine", "choice": None, "valid": False, "why": "no_choice"}
+    assert reward.parse_grm_output("<choice>[[A]]</choice>")["why"] == "no_critique"
+    assert reward.parse_grm_output("<critics>  </critics><choice>[[A]]</choice>")["why"] == "no_critique"
+    assert reward.parse_grm_output("<critics>unclosed <choice>[[A]]</choice>")["why"] == "no_critique"
+    assert reward.parse_grm_output("")["valid"] is False
+    # limits are arguments (config values)
+    assert reward.parse_grm_output(five, max_lines=5)["valid"]
+
+
+# ---- reward table (RM-NLHF Eq. 4, 5, 8) --------------------------------------------------------
+
+@pytest.mark.parametrize("valid,correct,f1,expected", [
+    (False, False, None, (-1.0, None)),     # invalid format
+    (False, True, 0.9, (-1.0, None)),       # invalid beats everything
+    (True, False, None, (0.0, None)),       # wrong choice, judge not called
+    (True, True, 0.49, (1.0, 0.0)),         # 0.49 < 0.5 -> R_process 0 -> 1 + 0.5*0
+    (True, True, 0.5, (1.5, 1.0)),          # threshold is inclusive -> 1 + 0.5*1
+    (True, True, 0.8, (1.5, 1.0)),
+    (True, True, None, (None, None)),       # judge failure -> masked sample
+])
+def test_dh_reward_table(valid, correct, f1, expected):
+    assert reward.dh_reward(valid, correct, f1, lam=0.5, threshold=0.5) == expected
+
+
+def test_dh_reward_without_outcome_gate_and_other_lambda():
+    assert reward.dh_reward(True, False, 0.8, gate_on_outcome=False) == (0.5, 1.0)  # 0 + 0.5*1
+    assert reward.dh_reward(True, False, 0.2, gate_on_outcome=False) == (0.0, 0.0)
+    assert reward.dh_reward(True, True, 0.7, lam=0.25) == (1.25, 1.0)
+
+
+@pytest.mark.parametrize("r_hat,expected", [
+    (0.3, 1.0),    # max(0, 0.3-1) = 0 -> 1 + 0
+    (1.0, 1.0),
+    (1.2, 1.2),    # 1 + 0.2
+    (1.5, 1.5),    # 1 + 0.5 (= lam)
+    (2.7, 1.5),    # clipped at lam
+    (-4.0, 1.0),
+])
+def test_do_reward_clip(r_hat, expected):
+    assert reward.do_reward(True, True, r_hat, lam=0.5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_do_reward_other_cases():
+    assert reward.do_reward(False, True, 2.0) == -1.0
+    assert reward.do_reward(True, False, 1.5) == 0.0
+    assert reward.do_reward(True, True, None, mode="none") == 1.0
+    assert reward.do_reward(True, False, None, mode="none") == 0.0
+    assert reward.do_reward(True, False, 1.3, mode="metarm_only") == pytest.approx(1.3)  # no outcome term
+    assert reward.do_reward(True, False, 9.0, mode="metarm_only") == 1.5
+    assert reward.do_reward(True, False, -1.0, mode="metarm_only") == 0.0
+
+
+# ---- judge tag parsing -------------------------------------------------------------------------
+
+def test_parse_judge_output():
+    good = "reasoning...\n<precision>0.5</precision>\n<recall>1</recall>\n<f1>.6667</f1>"
+    assert reward.parse_judge_output(good) == {"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": ""}
+    # last tag wins (the prompt's own example tags may be echoed first)
+    assert reward.parse_judge_output("<f1>0.1</f1>" + good)["f1"] == 0.6667
+    assert reward.parse_judge_output("<precision>0.5</precision><recall>1</recall>")["why"] == "missing <f1> tag"
+    r = reward.parse_judge_output("<precision>0.5</precision><recall>1</recall><f1>1.2</f1>")
+    assert (r["f1"], r["why"]) == (None, "<f1> outside [0, 1]: 1.2")
+    # scientific notation is rejected on purpose (documented at _DECIMAL)
+    r = reward.parse_judge_output("<precision>1e-1</precision><recall>1</recall><f1>0.2</f1>")
+    assert (r["f1"], r["why"]) == (None, "<precision> is not a plain decimal: '1e-1'")
+    for junk in ("<precision>high</precision><recall>1</recall><f1>1</f1>",
+                 "<precision>nan</precision><recall>1</recall><f1>1</f1>",
+                 "<precision>-0.1</precision><recall>1</recall><f1>1</f1>",
+                 "<precision>2/3</precision><recall>1</recall><f1>1</f1>",
+                 "garbage", "", None):
+        assert reward.parse_judge_output(junk)["f1"] is None
+
+
+def test_backoff_delay_numbers():
+    # d = min(cap, base*2^k); delay = d/2 + u*d/2
+    assert reward.backoff_delay(0, 1.0, 30.0, 0.5) == 0.75
+    assert reward.backoff_delay(1, 1.0, 30.0, 0.5) == 1.5
+    assert reward.backoff_delay(3, 1.0, 30.0, 0.0) == 4.0
+    assert reward.backoff_delay(10, 1.0, 30.0, 1.0) == 30.0
+
+
+# ---- judge over HTTP: a real tiny server on 127.0.0.1 ------------------------------------------
+
+def completion_body(content):
+    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": content}}]})
+
+
+@pytest.fixture
+def fake_server():
+    """A ThreadingHTTPServer answering POSTs from a plan of (status, content type, body)."""
+    state = {"plan": [], "calls": 0, "bodies": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            state["bodies"].append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
+            state["calls"] += 1
+            code, ctype, body = state["plan"].pop(0) if state["plan"] else (500, "text/plain", "empty plan")
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
+    yield state
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_retry_429_429_200(fake_server):
+    rate = (429, "application/json", '{"error": {"message": "slow down"}}')
+    fake_server["plan"] = [rate, rate, (200, "application/json",
+                                        completion_body("<precision>0.5</precision><recall>1</recall><f1>0.6667</f1>"))]
+    judge = reward.make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
+                               "backoff_base_s": 1.0, "max_retries": 4})
+    sleeps = []
+    out = reward.judge_scores(judge, [("human says A", "model says A")], sleep=sleeps.append, rand=lambda: 0.5)
+    assert out == [{"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": "", "attempts": 3}]
+    assert sleeps == [0.75, 1.5]  # (1/2 + 0.5/2)*1, (1/2 + 0.5/2)*2
+    assert fake_server["calls"] == 3
+    msg = fake_server["bodies"][0]["messages"][0]["content"]
+    assert fake_server["bodies"][0]["model"] == "judge-m"
+    assert "[Reference critique]\nhuman says A" in msg and "[Candidate critique]\nmodel says A" in msg
+
+
+def test_parse_failures_are_retried_then_none(fake_server):
+    fake_server["plan"] = [(200, "application/json", completion_body("<f1>1e-1</f1>"))] * 3
+    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2})
+    sleeps = []
+    out = reward.judge_scores(judge, [("h", "c")], sleep=sleeps.append, rand=lambda: 0.0)
+    assert out[0]["f1"] is None and out[0]["attempts"] == 3
+    assert out[0]["why"] == "parse failure: missing <precision> tag"
+    assert sleeps == [0.5, 1.0] and fake_server["calls"] == 3
+
+
+def test_html_answer_and_404_are_counted_failures(fake_server):
+    fake_server["plan"] = [(200, "text/html", "<html><body>login</body></html>")] * 2
+    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1})
+    out = reward.judge_scores(judge, [("h", "c")], sleep=lambda s: None)
+    assert out[0]["f1"] is None and out[0]["attempts"] == 2 and "HTML" in out[0]["why"]
+    fake_server["plan"] = [(404, "text/html", "<html>not found</html>")]
+    out = reward.judge_scores(judge, [("h", "c")], sleep=lambda s: None)
+    assert out[0] == {"precision": None, "recall": None, "f1": None, "why": "HTTP 404", "attempts": 1}  # no retry
+
+
+def test_refused_connection_is_a_counted_failure():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2})
+    sleeps = []
+    out = reward.judge_scores(judge, [("h", "c"), ("h2", "c2")], sleep=sleeps.append, rand=lambda: 1.0)
+    assert [o["f1"] for o in out] == [None, None]
+    assert all(o["why"].startswith("connection error") and o["attempts"] == 3 for o in out)
+    assert sorted(sleeps) == [1.0, 1.0, 2.0, 2.0]
+
+
+def test_make_judge_startup_errors(monkeypatch):
+    monkeypatch.delenv("NLHF_TEST_KEY", raising=False)
+    with pytest.raises(SystemExit, match="judge.api_key_env: environment variable NLHF_TEST_KEY is not set"):
+        reward.make_judge({"model": "gpt", "base_url": "https://api.example.com/v1", "api_key_env": "NLHF_TEST_KEY"})
+    with pytest.raises(SystemExit, match="judge.model: required"):
+        reward.make_judge({"base_url": "http://127.0.0.1:1/v1"})
+    with pytest.raises(SystemExit, match=r"judge: unknown key\(s\) \['modle'\]"):
+        reward.make_judge({"modle": "x"})
+    with pytest.raises(SystemExit, match="judge.backend: 'vllm' unknown"):
+        reward.make_judge({"backend": "vllm", "model": "x"})
+    monkeypatch.setenv("NLHF_TEST_KEY", "sk-very-secret")
+    judge = reward.make_judge({"model": "gpt", "api_key_env": "NLHF_TEST_KEY"})
+    assert "sk-very-secret" not in repr(judge)  # the key lives only inside the client
+
+
+def test_score_dh_calls_judge_only_for_valid_right(fake_server):
+    ok = (200, "application/json", completion_body("<precision>1</precision><recall>0.5</recall><f1>0.6667</f1>"))
+    fake_server["plan"] = [ok]
+    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
+    item = {"winner": "A", "critique": "Response B is wrong."}
+    outs = ["<critics>B errs.</critics><choice>[[A]]</choice>",   # right -> judged, 0.6667 >= 0.5 -> 1.5
+            "<critics>A errs.</critics><choice>[[B]]</choice>",   # wrong -> 0, no call
+            "[[A]] without critique",                             # invalid -> -1, no call
+            "<critics>B errs.</critics><choice>[[A]]</choice>"]   # right, but the plan is empty -> 500 -> None
+    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 4, judge, sleep=lambda x: None)
+    assert [x["reward"] for x in s] == [1.5, 0.0, -1.0, None]
+    assert [x["judged"] for x in s] == [True, False, False, True]
+    assert fake_server["calls"] == 2
+    assert s[3]["judge_why"] == "HTTP 500" and s[0]["r_process"] == 1.0
+    m = reward.nlhf_metrics(s)
+    # 1 of 4 invalid; right verdicts: samples 0 and 3 -> 2/4; judged 2, failed 1
+    assert m == {"nlhf/format_error_rate": 0.25, "nlhf/outcome_acc": 0.5, "judge/calls": 2, "judge/fail_rate": 0.5,
+                 "nlhf/process_rate": 1.0, "judge/f1_mean": 0.6667}
+
+
+def test_score_do_uses_metarm_prediction():
+    parsed = [reward.parse_grm_output(t) for t in ("<critics>x</critics><choice>[[B]]</choice>",
+                                                   "<critics>x</critics><choice>[[A]]</choice>", "nothing")]
+    s = reward.score_do(parsed, [{"winner": "B"}] * 3, [1.3, 1.9, None], lam=0.5)
+    assert [x["reward"] for x in s] == [pytest.approx(1.3), 0.0, -1.0]
+
+
+# ---- offline proxy ------------------------------------------------------------------------------
+
+def test_proxy_f1_hand_numbers():
+    human = "Response A gives the wrong total of 12 apples. Response B is polite but vague."
+    model = "Response A computes the wrong total of apples. Response B is too long."
+    # human points {resp_a, gives, wrong, total, 12, apples}, {resp_b, polite, vague}
+    # model points {resp_a, computes, wrong, total, apples}, {resp_b, long}
+    # Dice: 2*4/(6+5) = 0.727 (match), 2*1/(3+2) = 0.4 (match at 0.4), cross pairs share nothing
+    r = reward.proxy_f1(human, model)
+    assert (r["precision"], r["recall"], r["f1"], r["why"]) == (1.0, 1.0, 1.0, "proxy")
+    r = reward.proxy_f1(human, "Response A computes the wrong total of apples. The tone is fine.")
+    # model points {resp_a, computes, wrong, total, apples}, {tone, fine}: M=1, C=2, H=2 -> P=R=F1=0.5
+    assert (r["precision"], r["recall"], r["f1"]) == (0.5, 0.5, 0.5)
+    rep = reward.proxy_f1(human, "Response A has the wrong total. Response A has the wrong total!")
+    assert (rep["f1"], rep["why"]) == (0.0, "proxy: repetition")
+    assert reward.proxy_f1("", "anything")["f1"] is None
+    assert reward.proxy_f1(human, "")["f1"] == 0.0
+    judge = reward.make_judge({"backend": "proxy"})
+    assert reward.judge_scores(judge, [(human, model)])[0]["f1"] == 1.0
+
+
+# ---- integration: a real OpenAI-compatible server (transformers serve + SmolLM2) ---------------
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_judge_against_transformers_serve(smollm2_path, tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", smollm2_path,
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    if not os.path.exists(cmd[0]):
+        cmd[0] = "transformers"
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import urllib.request
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("transformers serve did not come up in 120 s")
+        judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": smollm2_path,
+                                   "max_retries": 1, "timeout_s": 60, "max_tokens": 48, "concurrency": 2,
+                                   "backoff_base_s": 0.1})
+        item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly; Response A is right."}
+        parsed = [reward.parse_grm_output("<critics>Response B miscounts 2+3.</critics><choice>[[A]]</choice>")] * 2
+        t0 = time.time()
+        samples = reward.score_dh(parsed, [item] * 2, judge)
+        assert time.time() - t0 < 100
+        for smp in samples:  # a 135M judge rarely follows the tag format: a score or a counted failure
+            assert smp["judged"] and smp["judge_attempts"] >= 1
+            assert (smp["f1"] is not None and 0 <= smp["f1"] <= 1 and smp["reward"] in (1.0, 1.5)) or \
+                   (smp["f1"] is None and smp["reward"] is None and smp["judge_why"])
+        m = reward.nlhf_metrics(samples)
+        assert m["judge/calls"] == 2 and 0.0 <= m["judge/fail_rate"] <= 1.0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
