@@ -28,8 +28,10 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
 
 # The generator prompt (SPEC §4.1): the problem, then the request to reason and box the answer.
-# Keep it identical to the one train.py trains with, or accuracy measures a different task.
-PROMPT_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# It must be the one the model was trained with (config.yaml data.prompt_template, the default
+# below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
+# measures a different task.
+PROMPT_TEMPLATE = "{question}\nReason step by step, and put your final answer within \\boxed{{}}."
 
 # Pairwise benchmark files in ../shared/data (see its README): folder -> benchmark name.
 BENCHMARKS = {"judgebench": "JudgeBench", "rm_bench": "RM-Bench", "llmbar": "LLMBar",
@@ -235,7 +237,25 @@ def math_summary(items):
     return s
 
 
+def prompt_template(a):
+    """--prompt-template, else data.prompt_template of --config, else PROMPT_TEMPLATE."""
+    template = a.prompt_template
+    if template is None and a.config:
+        import yaml
+        if not os.path.isfile(a.config):
+            raise SystemExit(f"--config {a.config}: no such file")
+        with open(a.config) as f:
+            template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
+        if template is None:
+            raise SystemExit(f"--config {a.config}: no data.prompt_template key")
+    template = template or PROMPT_TEMPLATE
+    if "{question}" not in template:
+        raise SystemExit("the prompt template must contain {question}")
+    return template
+
+
 def cmd_math(a):
+    a.prompt_template = prompt_template(a)
     problems = load_math_problems(a.data, a.n_problems, a.split, a.hub_config)
     model, tok = rollout.load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, problems, a.n_samples, a.temperature, a.max_new_tokens, a.seed,
@@ -683,8 +703,11 @@ def known_wrong_answer(label):
 
 
 def cmd_evaluator_check(a):
-    items = load_or_sample(a, a.n_samples if not a.samples else 1)
-    answers = [(it, s) for it in items for s in it["samples"]]
+    items = load_or_sample(a, a.n_samples if not a.samples else 0)
+    # every graded answer of the file is labelled data: the greedy one (when present) and the samples
+    answers = [(it, s) for it in items for s in ([it["greedy"]] if it.get("greedy") else []) + it["samples"]]
+    if not answers:
+        raise SystemExit(f"{a.samples or a.policy}: no graded answers to check")
     model, tok = rollout.load_model(a.evaluator, a.dtype)
     chat = parse_chat(a.chat_template)
     lps = evaluator_logprobs(model, tok, [it["question"] for it, _ in answers], [s["completion"] for _, s in answers],
@@ -862,7 +885,9 @@ def build_parser():
     p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
     p.add_argument("--split", default="test", help="split for a hub id")
     p.add_argument("--hub-config", default=None, help="dataset config for a hub id (openai/gsm8k: main)")
-    p.add_argument("--prompt-template", default=PROMPT_TEMPLATE, help="format string with {question}")
+    p.add_argument("--prompt-template", default=None,
+                   help="format string with {question} (default: --config's data.prompt_template, else PROMPT_TEMPLATE)")
+    p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--name", default=None, help="results file tag (default: from --data)")
     p.set_defaults(fn=cmd_math)
