@@ -56,7 +56,8 @@ def clean_number(s):
     """Strip the decorations a number may carry in a box or a label: ',', '$', spaces, a
     trailing '.', '%', and a wrapping \\text{...}."""
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
-    s = s.replace(",", "").replace("$", "").replace(" ", "").replace("\\%", "").replace("%", "")
+    for junk in ("\\$", "$", ",", " ", "\\%", "%", "\\!"):
+        s = s.replace(junk, "")
     return s.rstrip(".")
 
 
@@ -302,10 +303,21 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
         logp[:, j] = lp
     bad = ~torch.isfinite(logp)
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
-    v = torch.tensor([float(ev["weight"]) for ev in evaluators])
-    w = torch.tensor([float(m["weight"]) for m in meta_questions])
-    reward = (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
+    reward = weighted_reward(logp, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
     return {"reward": reward, "logp": logp, "nonfinite": int(bad.sum())}
+
+
+def weighted_reward(logp, v, w):
+    """r = sum_j v_j sum_k w_k log p_{j,k}  (RLME Eq. 3).
+
+    Args:
+        logp: FloatTensor [N, J, K]; v: J evaluator weights; w: K meta-question weights.
+    Returns:
+        FloatTensor [N].
+    """
+    v = torch.as_tensor(v, dtype=logp.dtype)
+    w = torch.as_tensor(w, dtype=logp.dtype)
+    return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +379,7 @@ def detect_schema(row, where):
                      f"known: {', '.join(PAIR_SCHEMAS)}")
 
 
-def _read_rows(path, split="train"):
+def _read_rows(path, split="train", config_name=None):
     """Rows of a local .jsonl/.json file, a folder of them, or a hub dataset.
 
     Returns list[(file, where, row)] with where = 'file:line' (or 'hub_id[split] row N') so every
@@ -378,7 +390,7 @@ def _read_rows(path, split="train"):
         files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
         if not files:
             raise SystemExit(f"{path}: folder has no .jsonl or .json files")
-        return [r for f in files for r in _read_rows(f, split)]
+        return [r for f in files for r in _read_rows(f, split, config_name)]
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise SystemExit(f"{path}: file does not exist")
@@ -412,7 +424,7 @@ def _read_rows(path, split="train"):
         elif path.startswith((".", "/", "~")):
             raise SystemExit(f"{path}: file does not exist")
         else:
-            ds = datasets.load_dataset(path, split=split)
+            ds = datasets.load_dataset(path, config_name, split=split)
     except SystemExit:
         raise
     except Exception as e:  # the hub, the network or the file format: one line, no trace
@@ -602,12 +614,13 @@ def finalize_pair(raw, seed, shuffle=True):
 
 
 def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
-                  stats=None):
+                  stats=None, config_name=None):
     """Load pairwise preference items (SPEC §5.1).
 
     Args:
         path_or_hub_id: local .jsonl/.json (or .parquet/.csv), a folder of .jsonl/.json files, or
-            a Hugging Face dataset id (read with datasets.load_dataset(id, split=split)).
+            a Hugging Face dataset id (read with datasets.load_dataset(id, config_name, split=split);
+            HelpSteer3: 'nvidia/HelpSteer3', its default config is the preference subset).
         schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
             helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
             individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
@@ -628,7 +641,7 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
     """
     if schema != "auto" and schema not in PAIR_SCHEMAS:
         raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
-    rows = _read_rows(path_or_hub_id, split)
+    rows = _read_rows(path_or_hub_id, split, config_name)
     if not rows:
         raise SystemExit(f"{path_or_hub_id}: no rows")
     by_file = {}  # a folder may mix schemas: one schema per file
@@ -791,7 +804,14 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     Returns:
         list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
         recall, judge_why, judge_attempts, judged (bool), r_process, reward (float or None).
+    Raises:
+        ValueError (a caller bug, before any judge call): lengths differ or an item has no critique.
+        Judge failures never raise: they give reward None.
     """
+    if len(parsed) != len(items):
+        raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
+    if any(not it.get("critique") for it in items):
+        raise ValueError("score_dh: an item has no human critique (D_O items go to score_do)")
     samples, need = [], []
     for i, (p, it) in enumerate(zip(parsed, items)):
         correct = p["valid"] and p["choice"] == it["winner"]
@@ -802,7 +822,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         # outcome regularisation: the judge only sees valid, right verdicts (SPEC §5.3)
         if p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
-    results = judge_scores(judge, [(items[i].get("critique") or "", parsed[i]["critique"]) for i in need],
+    results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"]) for i in need],
                            sleep=sleep, rand=rand)
     for i, r in zip(need, results):
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
@@ -826,7 +846,10 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
 
 
 def nlhf_metrics(samples):
-    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples (rates are means)."""
+    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples.
+
+    format_error_rate and outcome_acc are over all samples (an invalid verdict counts as wrong);
+    judge/fail_rate = failed / judged calls; process_rate and f1_mean over successful calls."""
     n = max(len(samples), 1)
     judged = [s for s in samples if s.get("judged")]
     ok = [s for s in judged if s["f1"] is not None]

@@ -441,20 +441,24 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
                 time.sleep(1)
         else:
             pytest.fail("transformers serve did not come up in 120 s")
+        # a 2-core CPU makes ~2-3 tokens/s here: one short answer, one retry, bounded by timeout_s
         judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": smollm2_path,
-                                   "max_retries": 1, "timeout_s": 60, "max_tokens": 48, "concurrency": 2,
+                                   "max_retries": 1, "timeout_s": 30, "max_tokens": 12, "concurrency": 2,
                                    "backoff_base_s": 0.1})
         item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly; Response A is right."}
-        parsed = [reward.parse_grm_output("<critics>Response B miscounts 2+3.</critics><choice>[[A]]</choice>")] * 2
+        parsed = [reward.parse_grm_output("<critics>Response B miscounts 2+3.</critics><choice>[[A]]</choice>"),
+                  reward.parse_grm_output("<critics>Response A is wrong.</critics><choice>[[B]]</choice>")]
         t0 = time.time()
         samples = reward.score_dh(parsed, [item] * 2, judge)
-        assert time.time() - t0 < 100
+        assert time.time() - t0 < 2 * 30 + 5
+        assert samples[1]["reward"] == 0.0 and not samples[1]["judged"]  # wrong verdict: no judge call
+        samples = samples[:1]
         for smp in samples:  # a 135M judge rarely follows the tag format: a score or a counted failure
             assert smp["judged"] and smp["judge_attempts"] >= 1
             assert (smp["f1"] is not None and 0 <= smp["f1"] <= 1 and smp["reward"] in (1.0, 1.5)) or \
                    (smp["f1"] is None and smp["reward"] is None and smp["judge_why"])
         m = reward.nlhf_metrics(samples)
-        assert m["judge/calls"] == 2 and 0.0 <= m["judge/fail_rate"] <= 1.0
+        assert m["judge/calls"] == 1 and 0.0 <= m["judge/fail_rate"] <= 1.0
     finally:
         proc.terminate()
         try:
@@ -463,3 +467,23 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
+    """Hub ids and non-JSON files are read with datasets.load_dataset; same items as from JSONL."""
+    import datasets
+    rows = [hs3(-2), hs3(0), hs3(1)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hs3.parquet"))
+    from_parquet = reward.load_pairwise(str(tmp_path / "hs3.parquet"))
+    from_jsonl = reward.load_pairwise(write_jsonl(tmp_path / "hs3.jsonl", rows))
+    assert [(it["id"], it["winner"], it["critique"]) for it in from_parquet] == \
+           [(it["id"], it["winner"], it["critique"]) for it in from_jsonl]
+
+
+def test_score_dh_rejects_items_without_critique():
+    judge = reward.make_judge({"backend": "proxy"})
+    p = [reward.parse_grm_output("<critics>x</critics><choice>[[A]]</choice>")]
+    with pytest.raises(ValueError, match="no human critique"):
+        reward.score_dh(p, [{"winner": "A", "critique": None}], judge)
+    with pytest.raises(ValueError, match="1 parse results for 2 items"):
+        reward.score_dh(p, [{"winner": "A", "critique": "c"}] * 2, judge)

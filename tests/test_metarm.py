@@ -1,0 +1,232 @@
+"""metarm.py (SPEC §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
+cold start (with the real rollout code on a tiny model) and the command line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, SMOLLM2, data_path
+import metarm
+import reward
+
+
+def item(i=0, winner="A"):
+    return {"id": f"x{i}", "context": f"What is {i}+{i}?", "response_a": f"{2 * i}", "response_b": f"{2 * i + 1}",
+            "winner": winner, "critique": "Response B adds wrongly.", "source": "t", "meta": {}}
+
+
+@pytest.fixture(scope="module")
+def tiny_mrm(tiny_model_path):
+    """A MetaRM on the tiny random Llama (new scalar head), module-shared; tests that train copy it."""
+    return metarm.load_metarm(tiny_model_path, mode="online", batch_size=4, max_length=128)
+
+
+def fresh(path, **kw):
+    return metarm.load_metarm(path, **dict({"batch_size": 4, "max_length": 128}, **kw))
+
+
+def test_text_and_targets():
+    t = metarm.metarm_text(" Q ", "a", "b", "Response B errs.")
+    assert t == "[Conversation]\nQ\n\n[Response A]\na\n\n[Response B]\nb\n\n[Critique]\nResponse B errs."
+    assert [metarm.train_target(r, "online", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 1.0, 1.5]
+    assert [metarm.train_target(r, "binary", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 0.0, 1.0]
+    assert [metarm.train_target(r, "classifier", 0.5) for r in (0.0, 1.0, 1.5)] == [0, 1, 2]
+    # nearest values of (0.2, 1.3, 1.2, 0.6) in (0, 1, 1.5) are (0, 1.5, 1, 1) vs R (0, 1.5, 1.5, 1): 3 of 4
+    assert metarm.agreement([0.2, 1.3, 1.2, 0.6], [0.0, 1.5, 1.5, 1.0], 0.5) == 0.75
+    assert metarm.agreement([], [], 0.5) is None
+
+
+def test_examples_skip_invalid_and_judge_failures():
+    samples = [{"valid": True, "reward": 1.5, "critique": "c0"}, {"valid": False, "reward": -1.0, "critique": None},
+               {"valid": True, "reward": None, "critique": "c2"}, {"valid": True, "reward": 0.0, "critique": "c3"}]
+    ex = metarm.examples_from_samples([item(i) for i in range(4)], samples)
+    assert [e["r"] for e in ex] == [1.5, 0.0]
+    assert ex[1]["text"].endswith("[Critique]\nc3") and "What is 3+3?" in ex[1]["text"]
+
+
+def test_pad_id_set_and_padding_does_not_change_predictions(tiny_mrm):
+    assert tiny_mrm["model"].config.pad_token_id == tiny_mrm["tokenizer"].pad_token_id
+    assert tiny_mrm["model"].config.num_labels == 1
+    short, long = "short text", "a much longer text " * 10
+    alone = metarm.predict_texts(tiny_mrm, [short])[0]
+    batched = metarm.predict_texts(tiny_mrm, [long, short])[1]  # short one padded on the right
+    assert batched == pytest.approx(alone, abs=1e-5)
+
+
+def test_mse_is_the_mean_square_and_a_step_lowers_it(tiny_model_path):
+    mrm = fresh(tiny_model_path, online_lr=1e-3)
+    items = [item(i) for i in range(4)]
+    samples = [{"valid": True, "reward": r, "critique": f"critique {i}"} for i, r in enumerate([0.0, 1.0, 1.5, 1.0])]
+    ex = metarm.examples_from_samples(items, samples)
+    texts, rs = [e["text"] for e in ex], [e["r"] for e in ex]
+    with torch.no_grad():
+        preds = metarm._forward(mrm, texts)
+        manual = ((preds - torch.tensor(rs)) ** 2).mean()
+        before = metarm.metarm_loss(mrm, texts, rs)
+    assert before.item() == pytest.approx(manual.item(), rel=1e-6)
+    m = metarm.update(mrm, items, samples)
+    with torch.no_grad():
+        after = metarm.metarm_loss(mrm, texts, rs)
+    assert m["metarm/n"] == 4 and m["metarm/loss"] == pytest.approx(before.item(), rel=1e-5)  # one batch of 4
+    assert 0.0 <= m["metarm/agreement"] <= 1.0
+    assert after.item() < before.item()
+    assert mrm["updates"] == 1 and mrm["optimizer"] is not None
+
+
+def test_cold_start_training_lowers_loss(tiny_model_path):
+    mrm = fresh(tiny_model_path)
+    ex = [{"text": f"example {i}", "r": [0.0, 1.0, 1.5][i % 3]} for i in range(6)]
+    with torch.no_grad():
+        before = metarm.metarm_loss(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
+    losses = metarm.train_metarm(mrm, ex, epochs=3, lr=1e-3, warmup_frac=0.01)
+    assert len(losses) == 3 * 2  # 6 examples / batch 4 -> 2 steps per epoch
+    with torch.no_grad():
+        after = metarm.metarm_loss(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
+    assert after < before
+    assert metarm.train_metarm(mrm, [], epochs=3) == []
+
+
+def test_offline_mode_does_not_train(tiny_model_path):
+    mrm = fresh(tiny_model_path, mode="offline", online_lr=1e-3)
+    w = mrm["model"].score.weight.clone()
+    m = metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
+    assert m["metarm/loss"] is None and m["metarm/n"] == 1 and m["metarm/agreement"] in (0.0, 1.0)
+    assert torch.equal(w, mrm["model"].score.weight) and mrm["updates"] == 0
+
+
+def test_classifier_and_binary_predictions(tiny_model_path):
+    clf = fresh(tiny_model_path, mode="classifier")
+    assert clf["model"].config.num_labels == 3
+    text = ["some text"]
+    with torch.no_grad():
+        p = metarm._forward(clf, text).softmax(-1)[0]
+    expected = p[1].item() * 1.0 + p[2].item() * 1.5  # Σ p_c value_c over (0, 1, 1.5)
+    assert metarm.predict_texts(clf, text)[0] == pytest.approx(expected, rel=1e-6)
+    loss = metarm.metarm_loss(clf, ["t"], [1.5])  # class 2
+    with torch.no_grad():
+        logits = metarm._forward(clf, ["t"])[0]
+    assert loss.item() == pytest.approx(-torch.log_softmax(logits, -1)[2].item(), rel=1e-5)
+    binary = fresh(tiny_model_path, mode="binary")
+    for pred in metarm.predict_texts(binary, ["x", "y z"]):
+        assert pred in (1.0, 1.5)
+
+
+def test_predict_skips_invalid_samples(tiny_mrm):
+    preds = metarm.predict(tiny_mrm, [item(0), item(1)], [None, "Response A is right."])
+    assert preds[0] is None and isinstance(preds[1], float)
+    assert metarm.predict(tiny_mrm, [item(0)], [None]) == [None]
+
+
+def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
+    mrm = fresh(tiny_model_path, online_lr=1e-3)
+    metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
+    out = str(tmp_path / "metarm")
+    metarm.save(mrm, out)
+    metarm.save(mrm, out)  # overwriting an existing save goes through <out>.old and leaves nothing behind
+    assert sorted(os.listdir(tmp_path)) == ["metarm"]
+    back = metarm.load(out)
+    assert back["updates"] == 1 and back["mode"] == "online" and back["online_lr"] == 1e-3
+    assert back["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id
+    texts = ["abc", "longer text here"]
+    assert metarm.predict_texts(back, texts) == pytest.approx(metarm.predict_texts(mrm, texts), abs=1e-6)
+    a, b = mrm["optimizer"].state_dict()["state"], back["optimizer"].state_dict()["state"]
+    assert torch.equal(a[0]["exp_avg"], b[0]["exp_avg"])
+    os.replace(out, out + ".old")  # as if a crash hit between the two renames
+    assert metarm.load(out)["updates"] == 1
+    with pytest.raises(SystemExit, match="no saved MetaRM"):
+        metarm.load(str(tmp_path / "nothing"))
+
+
+def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
+    """cold_start's plumbing with known completions: the real prompt building and tiny GRM load,
+    generation replaced so the rewards are known: proxy F1 of a copied human critique is 1."""
+    items = reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
+    seen = {}
+
+    def fake_generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature=1.0, **kw):
+        seen.update(prompts=len(prompt_ids), g=group_size, first=tok.decode(prompt_ids[0]))
+        texts = []
+        for it in items:
+            first_line = it["critique"].splitlines()[0]
+            wrong = "B" if it["winner"] == "A" else "A"
+            texts += [f"<critics>{first_line}</critics><choice>[[{it['winner']}]]</choice>",  # right, matched -> 1.5
+                      f"<critics>{first_line}</critics><choice>[[{wrong}]]</choice>",         # wrong -> 0
+                      "no format at all"]                                                      # invalid, skipped
+        return {"completions": texts}
+
+    monkeypatch.setattr(metarm.rollout, "generate", fake_generate)
+    mrm = fresh(tiny_model_path)
+    judge = reward.make_judge({"backend": "proxy"})
+    stats = metarm.cold_start(mrm, tiny_model_path, items, judge, rollouts_per_prompt=3, epochs=1, lr=1e-4,
+                              log=lambda s: None)
+    assert seen["prompts"] == 2 and seen["g"] == 3 and "[Response A]" in seen["first"] and "<critics>" in seen["first"]
+    # first-line critique vs the full human critique: recall is low, so R depends on the proxy F1;
+    # recompute the expected targets with the same public functions
+    f1 = [reward.proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
+    targets = [r for f in f1 for r in (1.0 + 0.5 * (f >= 0.5), 0.0)]
+    assert stats["rollouts"] == 6 and stats["invalid"] == 2 and stats["examples"] == 4
+    assert stats["judge_failures"] == 0
+    assert stats["target_mean"] == pytest.approx(sum(targets) / 4)
+    assert stats["loss_first"] is not None
+
+
+def test_cold_start_real_generation_tiny(tiny_model_path):
+    """Real rollout.generate on the tiny random GRM: garbage output, every rollout invalid, nothing
+    to train on; cold_start must say so instead of failing."""
+    items = [item(0), item(1)]
+    mrm = fresh(tiny_model_path)
+    stats = metarm.cold_start(mrm, tiny_model_path, items, reward.make_judge({"backend": "proxy"}),
+                              rollouts_per_prompt=2, max_new_tokens=4, log=lambda s: None)
+    assert stats["rollouts"] == 4 and stats["invalid"] == 4 and stats["examples"] == 0
+    assert stats["loss_first"] is None and stats["target_mean"] is None
+
+
+def write_yaml(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_errors(tmp_path):
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: onlien\n")
+    with pytest.raises(SystemExit, match="metarm.mode: 'onlien' unknown"):
+        metarm.main(["--config", cfg, "cold-start"])
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  lrr: 1\n")
+    with pytest.raises(SystemExit, match=r"metarm: unknown key\(s\) \['lrr'\]"):
+        metarm.main(["--config", cfg, "cold-start"])
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: online\n")
+    with pytest.raises(SystemExit, match="nlhf.dh: required"):
+        metarm.main(["--config", cfg, "cold-start"])
+    with pytest.raises(SystemExit, match="not valid YAML"):
+        metarm.main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
+
+
+@pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s
+def test_cli_cold_start_runs(tiny_model_path, tmp_path):
+    cfg = write_yaml(tmp_path / "c.yaml", f"""
+run: {{out_dir: {tmp_path}/run, seed: 0}}
+model: {{policy: {tiny_model_path}}}
+nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
+judge: {{backend: proxy}}
+metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs: 1, batch_size: 2, max_length: 128}}
+""")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "metarm.py"), "--config", cfg, "cold-start"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["rollouts"] == 4 and stats["saved"] == f"{tmp_path}/run/metarm"
+    assert os.path.isfile(os.path.join(stats["saved"], "metarm.json"))
+
+
+@pytest.mark.slow
+def test_smollm2_as_sequence_classifier():
+    mrm = metarm.load_metarm(SMOLLM2, batch_size=2, max_length=256, online_lr=1e-5)
+    assert mrm["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id == 2
+    samples = [{"valid": True, "reward": 1.5, "critique": "Response B adds wrongly."},
+               {"valid": True, "reward": 0.0, "critique": "Response A is wrong."}]
+    preds = metarm.predict(mrm, [item(1), item(2)], [s["critique"] for s in samples])
+    assert all(isinstance(p, float) and p == p for p in preds)
+    m = metarm.update(mrm, [item(1), item(2)], samples)
+    assert m["metarm/n"] == 2 and m["metarm/loss"] >= 0.0

@@ -1,0 +1,82 @@
+"""rollout.py: masks with pad == EOS, temperature-scaled log-probs, padding-invariant forwards."""
+import math
+
+import pytest
+import torch
+
+import rollout
+
+
+def test_mask_pad_equals_eos():
+    eos = 2  # SmolLM2: pad id == EOS id == 2
+    ids = torch.tensor([[5, 6, 2, 2, 2],    # EOS at 2, then pad (=EOS)
+                        [2, 2, 2, 2, 2],    # empty completion: the EOS itself is kept
+                        [5, 6, 7, 8, 9],    # no EOS: truncated
+                        [5, 2, 7, 2, 9]])   # junk after the first EOS is masked
+    mask, truncated = rollout.completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert truncated.tolist() == [False, False, True, False]
+    # `ids != pad` would have dropped the real EOS of row 0:
+    assert (ids[0] != eos).float().tolist() != mask[0].tolist()
+
+
+def test_mask_several_eos_ids():
+    mask, truncated = rollout.completion_mask(torch.tensor([[4, 7, 3, 3], [4, 9, 3, 3]]), [7, 9])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and truncated.tolist() == [False, False]
+
+
+def test_token_logprobs_temperature_by_hand():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    target = torch.tensor([2])
+    # T = 2: logits/2 = [0.5, 1, 1.5]; log p(2) = 1.5 - log(e^0.5 + e^1 + e^1.5)
+    expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
+    assert rollout.token_logprobs(logits, target, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
+    # T = 1 is the plain log-softmax
+    expected1 = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert rollout.token_logprobs(logits, target).item() == pytest.approx(expected1, abs=1e-6)
+
+
+def test_left_pad_and_positions():
+    ids, mask = rollout.left_pad([[7, 8, 9], [5]], pad_id=0)
+    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert rollout.positions_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_completion_logprobs_ignore_padding(tiny_model_path):
+    """A row's log-probs must not depend on how much left padding its batch needed."""
+    model, tok = rollout.load_model(tiny_model_path)
+    model.eval()
+    short, long = [1, 50, 60], [1, 50, 60, 70, 80, 90, 100]
+    comp = torch.tensor([[11, 12, 13, 2], [21, 22, 2, 2]])
+    with torch.no_grad():
+        both = rollout.completion_logprobs(model, [short, long], comp, tok.pad_token_id, temperature=0.7)
+        alone = rollout.completion_logprobs(model, [short], comp[:1], tok.pad_token_id, temperature=0.7)
+        # the same thing by hand: one unpadded forward, logits / T, log-softmax
+        full = torch.tensor([short + comp[0].tolist()])
+        logits = model(input_ids=full).logits[0, len(short) - 1:-1] / 0.7
+        manual = torch.log_softmax(logits, -1).gather(-1, comp[0][:, None]).squeeze(-1)
+    assert torch.allclose(both[0], alone[0], atol=1e-5)
+    assert torch.allclose(alone[0], manual, atol=1e-5)
+
+
+def test_generate_groups_masks_and_seed(tiny_model_path):
+    model, tok = rollout.load_model(tiny_model_path)
+    prompts = [[1, 50, 60], [1, 70]]
+    a = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
+    b = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
+    c = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=124)
+    assert a["prompt_ids"] == [prompts[0]] * 3 + [prompts[1]] * 3  # groups are adjacent rows
+    assert a["completion_ids"].shape[0] == 6 and a["completion_ids"].shape[1] <= 6
+    assert torch.equal(a["completion_ids"], b["completion_ids"])      # same seed, same samples
+    assert not torch.equal(a["completion_ids"], c["completion_ids"])  # per-rank/step seeds differ
+    mask, trunc = rollout.completion_mask(a["completion_ids"], rollout.eos_ids(model, tok))
+    assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
+
+
+def test_model_path_errors(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        rollout.resolve_model_path(str(tmp_path / "nope"))
+    with pytest.raises(SystemExit, match="without config.json"):
+        rollout.resolve_model_path(str(tmp_path))
+    with pytest.raises(SystemExit, match="not installed"):
+        rollout.resolve_model_path("gguf:no_such_package_xyz/model.gguf")

@@ -1,0 +1,277 @@
+"""train.py: advantages, CISPO/GRPO loss values and gradients, normalisers, layout equivalence,
+config and data errors."""
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp  # spawn: a fresh interpreter per rank
+
+import train as T
+from conftest import data_path
+
+ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "clip_eps": 0.2,
+        "kl_coef": 0.0, "aggregation": "seq_sum", "updates_per_batch": 1, "minibatches": 1,
+        "advantage_std": False}
+
+
+# --- advantages (RLME Eq. 5, SPEC §4.5) -----------------------------------------------------------
+
+def test_mean_only_advantages_by_hand():
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0, -0.7, -0.7, -0.7, -0.7])
+    a = T.group_advantages(r, 4)
+    assert a[:4].tolist() == pytest.approx([-2.0, -1.0, 0.0, 3.0])
+    assert a[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # exactly 0, no 1-ulp residue
+
+
+def test_std_advantages_zero_variance_and_one_of_four():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3, 0.3])
+    a = T.group_advantages(r, 4, std=True)
+    # mean 0.25, population std sqrt(0.1875) = 0.4330127
+    s = math.sqrt(0.1875)
+    assert a[:4].tolist() == pytest.approx([0.75 / (s + 1e-6)] + [-0.25 / (s + 1e-6)] * 3, abs=1e-6)
+    assert a[4:].tolist() == [0.0] * 4 and not torch.isnan(a).any()
+
+
+def test_advantages_skip_invalid_samples():
+    r = torch.tensor([1.0, 0.0, 5.0, float("nan")])
+    valid = torch.tensor([True, True, True, False])
+    a = T.group_advantages(r, 4, valid=valid)
+    assert a.tolist() == pytest.approx([-1.0, -2.0, 3.0, 0.0])
+
+
+# --- CISPO loss (RLME Eq. 6-8, MiniMax-M1) ---------------------------------------------------------
+
+def test_cispo_loss_value_and_gradient_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    behaviour = torch.tensor([[-1.1, -2.0, 0.0], [-1.5, -1.5, -1.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([0.5, -1.0])
+    loss_sum, st = T.policy_loss(logp, behaviour, adv, mask, ALGO)
+    loss = loss_sum / T.loss_normaliser(ALGO, num_seqs=2, num_tokens=5, max_new_tokens=3)
+    # sample 0: log rho = 0.1 -> weight e^0.1; term -(e^0.1)(0.5)(-3.0) = 1.5 e^0.1
+    # sample 1: log rho = 3.0 > log 6 -> weight clipped to 6; term -(6)(-1)(-1.5) = -9
+    expected = (1.5 * math.exp(0.1) - 9.0) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    loss.backward()
+    g = logp.grad
+    # d/d logp_0t = -e^0.1 * 0.5 / 2 on real tokens, 0 on the masked one
+    assert g[0].tolist() == pytest.approx([-math.exp(0.1) * 0.25, -math.exp(0.1) * 0.25, 0.0], abs=1e-6)
+    # the clipped sample still gets gradient (PPO-clip would give 0 here): -6 * -1 / 2 = 3
+    assert g[1].tolist() == pytest.approx([3.0, 3.0, 3.0], abs=1e-6)
+    assert st["clipped"].tolist() == [False, True]
+    assert st["is_weight"].tolist() == pytest.approx([math.exp(0.1), math.exp(3.0)], rel=1e-5)
+
+
+def test_cispo_token_mean_and_dr_grpo_normalisers():
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([0.5, -1.0])
+    for agg, norm in [("token_mean", 5), ("dr_grpo", 2 * 3)]:
+        algo = dict(ALGO, aggregation=agg)
+        loss_sum, _ = T.policy_loss(logp, None, adv, mask, algo)  # on-policy: weight 1
+        assert T.loss_normaliser(algo, 2, 5, 3) == norm
+        # weight 1: -(0.5)(-1 - 2) - (-1)(-0.5 * 3) = 1.5 - 1.5 = 0
+        assert loss_sum.item() == pytest.approx(-(0.5 * -3.0) - (-1.0 * -1.5), abs=1e-6)
+
+
+def test_cispo_long_sequence_does_not_overflow():
+    # 100 tokens each with log-ratio 1.0: exp(100) overflows float32 without log-space clipping
+    logp = torch.zeros(1, 100, requires_grad=True)
+    behaviour = torch.full((1, 100), -1.0)
+    mask = torch.ones(1, 100)
+    loss_sum, st = T.policy_loss(logp, behaviour, torch.tensor([2.0]), mask, ALGO)
+    loss_sum.backward()
+    assert torch.isfinite(loss_sum) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0].item() == pytest.approx(-6.0 * 2.0)  # weight clipped at 1 + eps_high = 6
+    assert st["clipped"].item()
+
+
+def test_cispo_geometric_mean_ratio():
+    logp = torch.zeros(1, 4, requires_grad=True)
+    behaviour = torch.full((1, 4), -0.25)  # sum 1.0, mean 0.25
+    algo = dict(ALGO, ratio="geometric_mean")
+    _, st = T.policy_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 4), algo)
+    assert st["is_weight"].item() == pytest.approx(math.exp(0.25), rel=1e-6)
+
+
+# --- GRPO (SPEC §4.5) -------------------------------------------------------------------------------
+
+def test_k3_kl_value_and_gradient():
+    logp = torch.tensor([-1.0], requires_grad=True)
+    ref = torch.tensor([-1.5])
+    kl = T.k3_kl(logp, ref)
+    assert kl.item() == pytest.approx(math.exp(-0.5) + 0.5 - 1, abs=1e-7)  # 0.1065307
+    kl.backward()
+    assert logp.grad.item() == pytest.approx(1 - math.exp(-0.5), abs=1e-7)  # 0.3934693
+
+
+def test_grpo_token_clip_and_kl():
+    algo = dict(ALGO, loss="grpo", kl_coef=0.001, aggregation="token_mean")
+    logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
+    behaviour = torch.zeros(1, 2)
+    ref = torch.tensor([[0.0, 0.0]])
+    loss_sum, st = T.policy_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), algo, ref)
+    # token 0: ratio 1.5, A>0 -> min(1.5, 1.2) = 1.2 (clipped, no gradient); token 1: ratio 1
+    k3_0 = math.exp(-math.log(1.5)) + math.log(1.5) - 1
+    assert loss_sum.item() == pytest.approx(-1.2 - 1.0 + 0.001 * k3_0, abs=1e-6)
+    loss_sum.backward()
+    assert logp.grad[0, 0].item() == pytest.approx(0.001 * (1 - 1 / 1.5), abs=1e-6)  # only the KL
+    assert logp.grad[0, 1].item() == pytest.approx(-1.0, abs=1e-6)                  # d(-r)/dlogp = -r = -1
+    assert st["clipped"].tolist() == [0.5]
+
+
+# --- layout equivalence: micro-batches and ranks give one big batch's update -------------------------
+
+def _layout_cfg(micro, agg):
+    return {"algo": dict(ALGO, aggregation=agg), "optim": {"grad_clip": 0.0},
+            "rollout": {"group_size": 2, "temperature": 0.8, "max_new_tokens": 5},
+            "train": {"micro_batch_size": micro}}
+
+
+def _layout_batch():
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 5, 2, 4, 6, 3, 2, 5)]
+    comp = torch.randint(3, 200, (8, 5), generator=g)
+    lengths = [5, 2, 3, 5, 1, 4, 5, 2]
+    mask = torch.zeros(8, 5)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    adv = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.3, -0.3, 2.0, -2.0])
+    return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask, "advantages": adv}
+
+
+def _run_layout(model_path, rank, world, micro, agg, out, port=None):
+    import rollout
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    policy, tok = rollout.load_model(model_path)
+    before = [p.detach().clone() for p in policy.parameters()]
+    model = torch.nn.parallel.DistributedDataParallel(policy) if world > 1 else policy
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad: compares gradients exactly
+    b = _layout_batch()
+    per = 8 // world
+    sl = slice(rank * per, (rank + 1) * per)
+    mine = {"prompt_ids": b["prompt_ids"][sl], "completion_ids": b["completion_ids"][sl],
+            "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
+    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg), world, torch.device("cpu"), tok.pad_token_id)
+    loss = T.all_sum(upd["loss"], world)
+    delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
+    if rank == 0:
+        torch.save({"loss": loss, "delta": delta}, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("agg", ["seq_sum", "token_mean"])
+def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
+    results = {}
+    for name, world, micro in [("1x1", 1, 8), ("1x4", 1, 2), ("2x2", 2, 2)]:
+        out = str(tmp_path / f"{name}.pt")
+        if world == 1:
+            _run_layout(tiny_model_path, 0, 1, micro, agg, out)
+        else:
+            ctx = mp.get_context("spawn")
+            port = _free_port()
+            procs = [ctx.Process(target=_run_layout, args=(tiny_model_path, r, world, micro, agg, out, port)) for r in range(world)]
+            [p.start() for p in procs]
+            [p.join(120) for p in procs]
+            assert all(p.exitcode == 0 for p in procs)
+        results[name] = torch.load(out)
+    ref = results["1x1"]
+    assert ref["delta"].abs().max() > 1e-4  # the update is not trivially zero
+    for name in ("1x4", "2x2"):
+        assert results[name]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert (results[name]["delta"] - ref["delta"]).abs().max().item() < 1e-5, name
+
+
+# --- config (SPEC §3) --------------------------------------------------------------------------------
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_config_layering_and_overrides(tmp_path):
+    a = _write(tmp_path, "a.yaml", "rollout:\n  group_size: 4\n  max_new_tokens: 64\n")
+    b = _write(tmp_path, "b.yaml", "rollout:\n  group_size: 2\n")
+    cfg = T.load_config([a, b], ["optim.lr=3e-6", "run.out_dir=/tmp/x"])
+    assert cfg["rollout"]["group_size"] == 2 and cfg["rollout"]["max_new_tokens"] == 64
+    assert cfg["optim"]["lr"] == 3e-6 and cfg["run"]["out_dir"] == "/tmp/x"
+    assert cfg["algo"]["eps_high"] == 5.0  # untouched default from config.yaml
+
+
+@pytest.mark.parametrize("override, message", [
+    (["rollout.groupsize=4"], "unknown config key rollout.groupsize"),
+    (["rollout.group_size=four"], "config key rollout.group_size: expected int"),
+    (["algo.loss=ppo"], "config key algo.loss: 'ppo' is not one of"),
+    (["algo.minibatches=3"], "config key algo.minibatches=3 does not divide"),
+    (["rollout.group_size=0"], "config key rollout.group_size: must be >= 1"),
+    (["reward.evaluators=[{kind: frozen}]"], "reward.evaluators[0].path"),
+    (["reward.meta_questions=[{question: a, wieght: 1}]"], "reward.meta_questions[0].wieght: unknown"),
+    (["reward.evaluator_template='{question} {problem} {solution}'"], "must come after"),
+    (["optim.lr"], "expected key.sub=value"),
+])
+def test_config_errors_are_one_line(override, message):
+    with pytest.raises(SystemExit) as e:
+        T.load_config([], override)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_world_size_must_divide_prompts():
+    cfg = T.load_config([], ["rollout.prompts_per_step=6"])
+    with pytest.raises(SystemExit, match="not divisible by the world size 4"):
+        T.validate_config(cfg, world_size=4)
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+def test_gsm8k_items_and_anchoring():
+    cfg = T.load_config([], [f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=40",
+                             "reward.anchor_fraction=0.25"])
+    items = T.load_train_items(cfg)
+    assert len(items) == 40 and items[0]["label"] == "72"  # Natalia: 48 + 24
+    assert sum(it["anchored"] for it in items) == 10
+    again = T.load_train_items(cfg)
+    assert [it["anchored"] for it in again] == [it["anchored"] for it in items]  # chosen once, by seed
+
+
+def test_step_items_whole_groups_per_rank_and_resume_order():
+    items = [{"index": i} for i in range(10)]
+    full = T.step_items(items, 3, 4, seed=0, rank=0, world=1)
+    halves = T.step_items(items, 3, 4, 0, 0, 2) + T.step_items(items, 3, 4, 0, 1, 2)
+    assert [x["index"] for x in full] == [x["index"] for x in halves]
+    # the stream covers every item once per epoch
+    epoch = [x["index"] for s in range(5) for x in T.step_items(items, s, 2, 0, 0, 1)]
+    assert sorted(epoch) == list(range(10))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', "train.jsonl:2: malformed JSON"),
+    ("", "is empty"),
+])
+def test_bad_data_files(tmp_path, content, message):
+    p = _write(tmp_path, "train.jsonl", content)
+    cfg = T.load_config([], [f"data.train={p}"])
+    with pytest.raises(SystemExit, match=message):
+        T.load_train_items(cfg)
+
+
+def test_missing_field_and_file(tmp_path):
+    p = _write(tmp_path, "train.jsonl", '{"problem": "a", "answer": "#### 1"}\n')
+    with pytest.raises(SystemExit, match=r"data.question_field='question': no such field .*fields: problem, answer"):
+        T.load_train_items(T.load_config([], [f"data.train={p}"]))
+    with pytest.raises(SystemExit, match="does not exist"):
+        T.load_train_items(T.load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
