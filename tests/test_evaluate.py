@@ -250,6 +250,20 @@ def test_load_math_problems_schemas(tmp_path):
         evaluate.load_math_problems(str(tmp_path / "empty.jsonl"))
 
 
+def test_prompt_template_is_the_training_one(tmp_path):
+    import argparse
+    import yaml
+    cfg = yaml.safe_load(open(os.path.join(REPO, "config.yaml")))
+    assert evaluate.PROMPT_TEMPLATE == cfg["data"]["prompt_template"]  # accuracy = the trained task
+    run_cfg = tmp_path / "config.yaml"
+    run_cfg.write_text('data:\n  prompt_template: "Q: {question}\\nA:"\n')
+    ns = argparse.Namespace(prompt_template=None, config=str(run_cfg))
+    assert evaluate.prompt_template(ns) == "Q: {question}\nA:"
+    ns = argparse.Namespace(prompt_template="no field", config=None)
+    with pytest.raises(SystemExit, match="must contain {question}"):
+        evaluate.prompt_template(ns)
+
+
 def test_math_summary_pass1_mean_std():
     def ans(c):
         return {"correct": c, "truncated": False, "pred": "1" if c else None}
@@ -290,6 +304,23 @@ def test_best_of_n_with_fake_judge():
     assert r == {**r, "pick": 0, "correct": False, "calls": 3, "invalid": 3}
     r = evaluate.best_of_n(bon_item(0, 1), 1, broken_judge, "knockout", random.Random(0))
     assert r["pick"] == 0 and r["calls"] == 0 and r["correct"]
+
+
+def test_load_or_sample_bad_files(tmp_path):
+    import argparse
+    ns = argparse.Namespace(samples=write_jsonl(tmp_path / "x.jsonl", [{"question": "q"}]), n_problems=None, policy=None)
+    with pytest.raises(SystemExit, match=r"not a `evaluate.py math` items file.*fields found: \['question'\]"):
+        evaluate.load_or_sample(ns, 1)
+    ns.samples = write_jsonl(tmp_path / "y.jsonl", [bon_item(0, 3), bon_item(1, 2)])
+    assert len(evaluate.load_or_sample(ns, 2)) == 2
+    with pytest.raises(SystemExit, match=r"N=3 is larger than the samples available \(2 per problem"):
+        evaluate.load_or_sample(ns, 3)
+
+
+def test_known_wrong_answer():
+    assert evaluate.known_wrong_answer("18") == "19"
+    assert evaluate.known_wrong_answer("0.5") == "1.5"
+    assert evaluate.known_wrong_answer("\\pi") == "0" and evaluate.known_wrong_answer("0") == "1"
 
 
 def test_majority_vote():
@@ -372,10 +403,10 @@ def test_bad_benchmark_schema_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def gsm8k_items(tmp_path_factory):
-    """`evaluate.py math` on 3 GSM8K test problems, greedy + 2 samples, 32 new tokens."""
+    """`evaluate.py math` on 2 GSM8K test problems, greedy + 2 samples, 16 new tokens."""
     out = tmp_path_factory.mktemp("math")
-    p = run_cli("math", "--model", SMOLLM2, "--data", data_path("gsm8k", "test.jsonl"), "--n-problems", 3,
-                "--n-samples", 2, "--max-new-tokens", 32, "--out", out)
+    p = run_cli("math", "--model", SMOLLM2, "--data", data_path("gsm8k", "test.jsonl"), "--n-problems", 2,
+                "--n-samples", 2, "--max-new-tokens", 16, "--out", out)
     assert p.returncode == 0, p.stderr
     return out
 
@@ -383,11 +414,11 @@ def gsm8k_items(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_math_gsm8k(gsm8k_items):
     s = json.load(open(gsm8k_items / "math_gsm8k-test.json"))
-    assert s["n_problems"] == 3 and s["n_samples"] == 2 and s["kind"] == "gsm8k"
+    assert s["n_problems"] == 2 and s["n_samples"] == 2 and s["kind"] == "gsm8k"
     for k in ("greedy_acc", "sampled_pass1_mean", "sampled_pass1_std", "sampled_pass_at_n", "greedy_truncated"):
         assert 0.0 <= s[k] <= 1.0, k
     items = [json.loads(l) for l in open(gsm8k_items / "math_gsm8k-test.items.jsonl")]
-    assert [it["label"] for it in items] == ["18", "3", "70000"]
+    assert [it["label"] for it in items] == ["18", "3"]
     for it in items:
         assert it["greedy"]["completion"] and len(it["samples"]) == 2
         for a in [it["greedy"]] + it["samples"]:
@@ -397,7 +428,7 @@ def test_cli_math_gsm8k(gsm8k_items):
 @pytest.mark.slow
 def test_cli_math_math500_greedy(tmp_path):
     p = run_cli("math", "--model", SMOLLM2, "--data", data_path("math500", "test.jsonl"), "--n-problems", 2,
-                "--n-samples", 0, "--max-new-tokens", 32, "--out", tmp_path)
+                "--n-samples", 0, "--max-new-tokens", 16, "--out", tmp_path)
     assert p.returncode == 0, p.stderr
     s = json.load(open(tmp_path / "math_math500-test.json"))
     assert s["kind"] == "math" and s["n_problems"] == 2 and 0.0 <= s["greedy_acc"] <= 1.0
@@ -410,15 +441,15 @@ def test_cli_evaluator_check(gsm8k_items, tmp_path):
                 "--n-canary", 2, "--out", tmp_path)
     assert p.returncode == 0, p.stderr
     s = json.load(open(tmp_path / "evaluator_check.json"))
-    assert s["n_answers"] == 9 and s["question"] == "Is the answer correct?"
+    assert s["n_answers"] == 6 and s["question"] == "Is the answer correct?"
     assert s["auroc"] is None or 0.0 <= s["auroc"] <= 1.0
-    assert sum(r["n"] for r in s["reliability"]) == 9
+    assert sum(r["n"] for r in s["reliability"]) == 6
     names = [c["answer"] for c in s["canaries"]]
     assert names == ["colon", "step_by_step", "claims_correct", "known_wrong"]
     for c in s["canaries"]:
         assert 0.0 < c["mean_p"] <= 1.0 and c["mean_logp"] <= 0.0
     recs = [json.loads(l) for l in open(tmp_path / "evaluator_check.items.jsonl")]
-    assert len(recs) == 9 and all(r["logp"] <= 0 and r["p"] == pytest.approx(math.exp(r["logp"])) for r in recs)
+    assert len(recs) == 6 and all(r["logp"] <= 0 and r["p"] == pytest.approx(math.exp(r["logp"])) for r in recs)
     assert "canaries" in p.stdout and "reliability" in p.stdout
 
 
@@ -444,7 +475,7 @@ def test_cli_bon(gsm8k_items, tmp_path):
 @needs_pairwise
 def test_cli_pairwise(tmp_path):
     files = [data_path("llmbar", "LLMBar_Natural.jsonl"), data_path("hh_rlhf_harmless_base", "test.jsonl")]
-    p = run_cli("pairwise", "--model", SMOLLM2, *files, "--n", 2, "--max-new-tokens", 24, "--out", tmp_path)
+    p = run_cli("pairwise", "--model", SMOLLM2, *files, "--n", 2, "--max-new-tokens", 16, "--out", tmp_path)
     assert p.returncode == 0, p.stderr
     s = json.load(open(tmp_path / "pairwise.json"))
     assert [r["benchmark"] for r in s["benchmarks"]] == ["LLMBar", "HH-RLHF"]
