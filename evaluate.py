@@ -437,7 +437,7 @@ def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", ma
         ok = [i for i, x in enumerate(ids) if len(x) <= limit]
         texts = generate_texts(model, tok, [ids[i] for i in ok], 1, 0.0, max_new_tokens,
                                batch_size=batch_size, desc="judge")
-        out = [{"critique": "", "choice": None, "valid": False, "why": "prompt too long", "text": ""}
+        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
                for _ in queries]
         for i, t in zip(ok, texts):
             out[i] = {**reward.parse_grm_output(t[0]["completion"]), "text": t[0]["completion"]}
@@ -533,7 +533,8 @@ def cmd_pairwise(a):
     files = a.files or default_benchmark_files(a.data_root)
     data = [(f, load_benchmark(f, a.n, a.seed)) for f in files]  # fail on bad input before loading a model
     model, tok = rollout.load_model(a.model, a.dtype)
-    judge = make_grm_judge(model, tok, a.max_new_tokens, a.batch_size, parse_chat(a.chat_template))
+    judge = make_grm_judge(model, tok, a.max_new_tokens, a.batch_size, parse_chat(a.chat_template),
+                           a.max_prompt_tokens or None)
     rows, all_records = [], []
     for path, items in data:
         bench, sub = benchmark_name(path)
@@ -544,6 +545,7 @@ def cmd_pairwise(a):
         all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
     groups = aggregate_pairwise(rows)
     result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
+              "max_prompt_tokens": a.max_prompt_tokens,
               "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
     write_results(a.out, "pairwise", result, all_records)
     cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
@@ -899,6 +901,9 @@ def build_parser():
     p.add_argument("--n", type=int, default=50, help="first N items per file (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--data-root", default=SHARED_DATA)
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
+                        "0 = model context - max new tokens")
     p.set_defaults(fn=cmd_pairwise)
 
     p = sub.add_parser("bon", help="Best-of-N: knockout / double-elimination tournaments judged by a GRM")

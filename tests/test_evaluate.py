@@ -179,6 +179,18 @@ def test_pairwise_accuracy_both_orders_and_format_failure():
     assert [r["ba"]["right"] for r in records] == [True, True, True, False]
 
 
+@needs_pairwise
+def test_grm_judge_real_generation_and_too_long_prompt(tiny_model_path):
+    import rollout
+    model, tok = rollout.load_model(tiny_model_path)
+    judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, max_prompt_tokens=1)
+    assert judge([("q", "a", "b")]) == [{"critique": None, "choice": None, "valid": False,
+                                          "why": "prompt too long", "text": ""}]
+    judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, batch_size=2)
+    out = judge([("q", "a", "b"), ("a much longer question " * 5, "x", "y"), ("q3", "c", "d")])
+    assert len(out) == 3 and all(isinstance(o["text"], str) and o["valid"] is False for o in out)  # random model
+
+
 def test_pairwise_aggregate_macro_over_benchmarks():
     rows = [{"benchmark": "X", "n": 2, "acc_ab": 0.5, "acc_ba": 0.5, "acc": 0.5, "format_fail": 0.0},
             {"benchmark": "X", "n": 6, "acc_ab": 1.0, "acc_ba": 1.0, "acc": 1.0, "format_fail": 0.5},
