@@ -498,3 +498,22 @@ def test_cli_pairwise(tmp_path):
     recs = [json.loads(l) for l in open(tmp_path / "pairwise.items.jsonl")]
     assert len(recs) == 4 and all("text" in r["ab"] and "text" in r["ba"] for r in recs)
     assert "overall (macro)" in p.stdout
+
+
+@pytest.mark.slow
+@needs_pairwise
+def test_cli_policy_sampling_paths_on_tiny_model(tiny_model_path, tmp_path):
+    """bon and evaluator-check sampling their own answers (--policy) instead of reading a file."""
+    gsm = data_path("gsm8k", "test.jsonl")
+    p = run_cli("bon", "--policy", tiny_model_path, "--judge", tiny_model_path, "--data", gsm, "--n-problems", 2,
+                "--ns", "1,2", "--max-new-tokens", 4, "--judge-max-new-tokens", 4, "--out", tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = {r["N"]: r for r in json.load(open(tmp_path / "bon.json"))["rows"]}
+    assert rows[2]["knockout_calls"] == 2 and rows[2]["knockout_invalid"] == 2  # random model: no valid verdict
+    assert rows[2]["knockout_acc"] == rows[2]["mean_sample_acc"] == 0.0
+    p = run_cli("evaluator-check", "--policy", tiny_model_path, "--evaluator", tiny_model_path, "--data", gsm,
+                "--n-problems", 2, "--n-samples", 2, "--max-new-tokens", 4, "--n-canary", 1, "--out", tmp_path,
+                timeout=300)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "evaluator_check.json"))
+    assert s["n_answers"] == 4 and s["n_correct"] == 0 and s["auroc"] is None  # one class: undefined
