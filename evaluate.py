@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 
 import torch
 
@@ -704,6 +705,14 @@ def known_wrong_answer(label):
     return "1" if str(label).strip() == "0" else "0"
 
 
+def reference_solution(item):
+    """The dataset's own solution with its final answer boxed (GSM8K: '#### n' -> \\boxed{n}; a
+    MATH solution already has its box): the correct-answer control next to the canaries."""
+    if item.get("kind") == "gsm8k":
+        return re.sub(r"<<[^>]*>>", "", item["reference"].split("####")[0]).strip() + f"\nThe answer is \\boxed{{{item['label']}}}."
+    return item["reference"]
+
+
 def cmd_evaluator_check(a):
     items = load_or_sample(a, a.n_samples if not a.samples else 0)
     # every graded answer of the file is labelled data: the greedy one (when present) and the samples
@@ -720,18 +729,19 @@ def cmd_evaluator_check(a):
     right = [x for x, y in zip(lps, labels) if y]
     wrong = [x for x, y in zip(lps, labels) if not y]
     # canaries: the same problems, answered with non-solutions / a known-wrong boxed answer
+    # (and the reference solution as the positive control, when the items carry it)
     can_items = items[:a.n_canary]
-    solutions = dict(CANARIES, known_wrong=None)
+    texts = {name: [t] * len(can_items) for name, t in CANARIES.items()}
+    texts["known_wrong"] = [f"The answer is \\boxed{{{known_wrong_answer(it['label'])}}}." for it in can_items]
+    if all(it.get("reference") for it in can_items):
+        texts["reference"] = [reference_solution(it) for it in can_items]
+    shown = dict(CANARIES, known_wrong="The answer is \\boxed{label+1}.", reference="the dataset's solution")
     canary_rows = []
-    per_name = {}
-    for name, text in solutions.items():
-        sols = [text if text is not None else f"The answer is \\boxed{{{known_wrong_answer(it['label'])}}}."
-                for it in can_items]
-        per_name[name] = evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, a.question,
-                                            a.target, chat, a.batch_size)
+    per_name = {name: evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, a.question,
+                                         a.target, chat, a.batch_size) for name, sols in texts.items()}
     for name, vals in per_name.items():
         beats = sum(v > w for v, w in zip(vals, per_name["known_wrong"])) / len(vals)
-        canary_rows.append({"answer": name, "text": solutions[name] or "The answer is \\boxed{label+1}.",
+        canary_rows.append({"answer": name, "text": shown[name],
                             "mean_p": sum(math.exp(v) for v in vals) / len(vals), "mean_logp": sum(vals) / len(vals),
                             "beats_known_wrong": None if name == "known_wrong" else beats})
     summary = {"evaluator": a.evaluator, "question": a.question, "target": a.target,

@@ -329,6 +329,12 @@ def test_load_or_sample_bad_files(tmp_path):
         evaluate.load_or_sample(ns, 3)
 
 
+def test_reference_solution_control():
+    it = {"kind": "gsm8k", "label": "18", "reference": "She sells 16 - 7 = <<16-7=9>>9 eggs.\n#### 18"}
+    assert evaluate.reference_solution(it) == "She sells 16 - 7 = 9 eggs.\nThe answer is \\boxed{18}."
+    assert evaluate.grade(it, evaluate.reference_solution(it)) == ("18", True)
+
+
 def test_known_wrong_answer():
     assert evaluate.known_wrong_answer("18") == "19"
     assert evaluate.known_wrong_answer("0.5") == "1.5"
@@ -457,7 +463,7 @@ def test_cli_evaluator_check(gsm8k_items, tmp_path):
     assert s["auroc"] is None or 0.0 <= s["auroc"] <= 1.0
     assert sum(r["n"] for r in s["reliability"]) == 6
     names = [c["answer"] for c in s["canaries"]]
-    assert names == ["colon", "step_by_step", "claims_correct", "known_wrong"]
+    assert names == ["colon", "step_by_step", "claims_correct", "known_wrong", "reference"]
     for c in s["canaries"]:
         assert 0.0 < c["mean_p"] <= 1.0 and c["mean_logp"] <= 0.0
     recs = [json.loads(l) for l in open(tmp_path / "evaluator_check.items.jsonl")]
