@@ -145,6 +145,23 @@ def validate_config(cfg, world_size=1):
                 t = fields[f]
                 if not (isinstance(v, t) or t is float and isinstance(v, int) and not isinstance(v, bool)):
                     raise SystemExit(f"config key {key}[{i}].{f}: bad value {v!r}")
+    # Fill the defaults of list items, so each meta-question carries its own weight and target
+    # (a question list and a weight list of different lengths cannot happen by construction).
+    for i, mq in enumerate(cfg["reward"]["meta_questions"]):
+        if not mq.get("question"):
+            raise SystemExit(f"config key reward.meta_questions[{i}].question: missing")
+        mq.setdefault("weight", 1.0)
+        mq.setdefault("target", "Yes")
+        mq.setdefault("negative", "No")
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        ev.setdefault("kind", "live")
+        ev.setdefault("name", f"{ev['kind']}{i}")
+        ev.setdefault("weight", 1.0)
+        ev.setdefault("path", None)
+        ev.setdefault("chat_template", "auto")
+    names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         if ev.get("kind", "live") not in ("live", "frozen_self", "frozen"):
             raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen")
@@ -575,7 +592,8 @@ def train(cfg):
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], cfg["model"]["dtype"], device)
     if cfg["model"]["gradient_checkpointing"]:
-        policy.gradient_checkpointing_enable()
+        # non-reentrant checkpointing works with DDP and with inputs that need no grad
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
     model = policy
     if world > 1:

@@ -223,6 +223,8 @@ def test_config_layering_and_overrides(tmp_path):
     (["reward.meta_questions=[{question: a, wieght: 1}]"], "reward.meta_questions[0].wieght: unknown"),
     (["reward.evaluator_template='{question} {problem} {solution}'"], "must come after"),
     (["optim.lr"], "expected key.sub=value"),
+    (["reward.meta_questions=[{weight: 1}]"], "reward.meta_questions[0].question: missing"),
+    (["reward.evaluators=[{name: a}, {name: a, kind: frozen_self}]"], "names must be unique"),
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
