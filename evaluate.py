@@ -705,12 +705,15 @@ def known_wrong_answer(label):
     return "1" if str(label).strip() == "0" else "0"
 
 
-def reference_solution(item):
-    """The dataset's own solution with its final answer boxed (GSM8K: '#### n' -> \\boxed{n}; a
-    MATH solution already has its box): the correct-answer control next to the canaries."""
-    if item.get("kind") == "gsm8k":
-        return re.sub(r"<<[^>]*>>", "", item["reference"].split("####")[0]).strip() + f"\nThe answer is \\boxed{{{item['label']}}}."
-    return item["reference"]
+def reference_solution(item, answer=None):
+    """The dataset's own GSM8K solution with a boxed final answer (`answer`, default the label):
+    '#### n' -> 'The answer is \\boxed{n}.', calculator annotations <<...>> removed. With a wrong
+    `answer` it is the known-wrong control: the same reasoning, a wrong final answer. None for
+    items without a GSM8K reference."""
+    if item.get("kind") != "gsm8k" or "####" not in (item.get("reference") or ""):
+        return None
+    body = re.sub(r"<<[^>]*>>", "", item["reference"].split("####")[0]).strip()
+    return f"{body}\nThe answer is \\boxed{{{item['label'] if answer is None else answer}}}."
 
 
 def cmd_evaluator_check(a):
@@ -732,10 +735,12 @@ def cmd_evaluator_check(a):
     # (and the reference solution as the positive control, when the items carry it)
     can_items = items[:a.n_canary]
     texts = {name: [t] * len(can_items) for name, t in CANARIES.items()}
-    texts["known_wrong"] = [f"The answer is \\boxed{{{known_wrong_answer(it['label'])}}}." for it in can_items]
-    if all(it.get("reference") for it in can_items):
+    texts["known_wrong"] = [reference_solution(it, known_wrong_answer(it["label"])) or
+                            f"The answer is \\boxed{{{known_wrong_answer(it['label'])}}}." for it in can_items]
+    if all(reference_solution(it) for it in can_items):
         texts["reference"] = [reference_solution(it) for it in can_items]
-    shown = dict(CANARIES, known_wrong="The answer is \\boxed{label+1}.", reference="the dataset's solution")
+    shown = dict(CANARIES, known_wrong="the dataset's solution with a wrong final answer (label+1)",
+                 reference="the dataset's solution")
     canary_rows = []
     per_name = {name: evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, a.question,
                                          a.target, chat, a.batch_size) for name, sols in texts.items()}
@@ -749,12 +754,18 @@ def cmd_evaluator_check(a):
                "n_correct": len(right), "auroc": auroc(lps, labels),
                "mean_logp_correct": sum(right) / len(right) if right else None,
                "mean_logp_incorrect": sum(wrong) / len(wrong) if wrong else None,
-               "ece": ece, "reliability": table, "canaries": canary_rows, "n_canary_problems": len(can_items)}
+               "ece": ece, "reliability": table, "canaries": canary_rows, "n_canary_problems": len(can_items),
+               # reference vs the same reasoning with a wrong final answer: labelled pairs that need
+               # no policy skill (a weak policy may have no correct sample, leaving AUROC undefined)
+               "control_auroc": auroc(per_name["reference"] + per_name["known_wrong"],
+                                      [True] * len(can_items) + [False] * len(can_items))
+               if "reference" in per_name else None}
     records = [{"id": it["id"], "correct": y, "logp": x, "p": math.exp(x), "pred": s.get("pred")}
                for (it, s), x, y in zip(answers, lps, labels)]
     write_results(a.out, "evaluator_check", summary, records)
     print(f"evaluator check: {a.evaluator}, question {a.question!r}, target {a.target!r}")
-    print_table([summary], ["n_answers", "n_correct", "auroc", "mean_logp_correct", "mean_logp_incorrect", "ece"])
+    print_table([summary], ["n_answers", "n_correct", "auroc", "mean_logp_correct", "mean_logp_incorrect", "ece",
+                            "control_auroc"])
     print()
     print_table(table, ["bin", "n", "mean_p", "frac_correct"], title="reliability (P(target) bins)")
     print()

@@ -333,6 +333,9 @@ def test_reference_solution_control():
     it = {"kind": "gsm8k", "label": "18", "reference": "She sells 16 - 7 = <<16-7=9>>9 eggs.\n#### 18"}
     assert evaluate.reference_solution(it) == "She sells 16 - 7 = 9 eggs.\nThe answer is \\boxed{18}."
     assert evaluate.grade(it, evaluate.reference_solution(it)) == ("18", True)
+    wrong = evaluate.reference_solution(it, evaluate.known_wrong_answer("18"))
+    assert wrong == "She sells 16 - 7 = 9 eggs.\nThe answer is \\boxed{19}." and evaluate.grade(it, wrong)[1] is False
+    assert evaluate.reference_solution({"kind": "math", "label": "3", "reference": "\\boxed{3}"}) is None
 
 
 def test_known_wrong_answer():
@@ -461,6 +464,7 @@ def test_cli_evaluator_check(gsm8k_items, tmp_path):
     s = json.load(open(tmp_path / "evaluator_check.json"))
     assert s["n_answers"] == 6 and s["question"] == "Is the answer correct?"
     assert s["auroc"] is None or 0.0 <= s["auroc"] <= 1.0
+    assert 0.0 <= s["control_auroc"] <= 1.0  # 2 references vs the same with a wrong answer
     assert sum(r["n"] for r in s["reliability"]) == 6
     names = [c["answer"] for c in s["canaries"]]
     assert names == ["colon", "step_by_step", "claims_correct", "known_wrong", "reference"]
