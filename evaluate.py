@@ -1,0 +1,978 @@
+"""Evaluation: math accuracy, pairwise GRM accuracy, Best-of-N tournaments, evaluator check, plots.
+
+SPEC §6. Every subcommand writes its results as JSON (summary) and JSONL (one record per item)
+under --out and prints a readable table:
+
+    python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
+    python evaluate.py pairwise --model GRM [BENCHMARK.jsonl ...]     (default: every file below)
+    python evaluate.py bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
+    python evaluate.py evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
+    python evaluate.py plot rlme=run1/metrics.jsonl,run2/metrics.jsonl rlvr=run3/metrics.jsonl
+
+The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
+graded answers (or sample their own with --policy), so one sampling pass serves all three.
+Bad input (not a model, unknown benchmark schema, empty file, N > samples) ends with one line.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+
+import torch
+
+import reward
+import rollout
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
+
+# The generator prompt (SPEC §4.1): the problem, then the request to reason and box the answer.
+# It must be the one the model was trained with (config.yaml data.prompt_template, the default
+# below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
+# measures a different task.
+PROMPT_TEMPLATE = "{question}\nReason step by step, and put your final answer within \\boxed{{}}."
+
+# Pairwise benchmark files in ../shared/data (see its README): folder -> benchmark name.
+BENCHMARKS = {"judgebench": "JudgeBench", "rm_bench": "RM-Bench", "llmbar": "LLMBar",
+              "pandalm_testset": "PandaLM", "hh_rlhf_harmless_base": "HH-RLHF"}
+
+# Answers that fool weak judges (they contain no solution at all), shown next to a known-wrong one.
+CANARIES = {"colon": ":", "step_by_step": "Let's solve this step by step.",
+            "claims_correct": "The answer is correct."}
+
+
+# ----------------------------------------------------------------------------------------------
+# Files and tables
+
+
+def read_jsonl(path):
+    """Read a JSONL file into a list of dicts.
+
+    Raises:
+        SystemExit: the file is missing, empty, or a line is not a JSON object (names the line).
+    """
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no such file")
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"{path}: file is empty")
+    return rows
+
+
+def write_results(out_dir, name, summary, items=None):
+    """Write `<out_dir>/<name>.json` (summary) and `<out_dir>/<name>.items.jsonl` (per item)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if items is not None:
+        with open(os.path.join(out_dir, f"{name}.items.jsonl"), "w") as f:
+            for it in items:
+                f.write(json.dumps(it) + "\n")
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def print_table(rows, cols, title=None):
+    """Print list-of-dicts `rows` as an aligned text table with columns `cols`."""
+    cells = [[c for c in cols]] + [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    if title:
+        print(title)
+    for k, row in enumerate(cells):
+        print("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def mean_std(xs):
+    """(mean, population std) of a non-empty list of numbers; std of one value is 0."""
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+# ----------------------------------------------------------------------------------------------
+# Math accuracy (SPEC §4.3, §6)
+
+
+def load_math_problems(path, n=None, split="test", hub_config=None):
+    """Load GSM8K- or MATH-schema problems, the first `n` in file order.
+
+    Args:
+        path: a local JSONL file, or a hub id read with `datasets` (e.g. openai/gsm8k with
+            hub_config='main').
+    Returns:
+        list of {"id", "question", "label", "kind": "gsm8k"|"math", "reference"}: GSM8K rows
+        ({question, answer with '#### n'}) get the cleaned numeric label; MATH rows
+        ({problem, answer}) keep the answer string.
+    Raises:
+        SystemExit: unknown schema (names the fields found) or an empty file.
+    """
+    if os.path.isfile(path) or not (path.count("/") == 1 and not path.startswith((".", "/", "~"))):
+        rows = read_jsonl(path)
+    else:
+        import datasets
+        rows = list(datasets.load_dataset(path, hub_config, split=split))
+    out = []
+    for i, r in enumerate(rows[:n] if n else rows):
+        if "question" in r and "answer" in r and "####" in str(r["answer"]):
+            out.append({"id": i, "question": r["question"], "label": reward.clean_gsm8k_label(r["answer"]),
+                        "kind": "gsm8k", "reference": r["answer"]})
+        elif "problem" in r and "answer" in r:
+            out.append({"id": r.get("unique_id", i), "question": r["problem"], "label": str(r["answer"]),
+                        "kind": "math", "reference": r.get("solution", "")})
+        else:
+            raise SystemExit(f"{path}: row {i + 1} has neither the GSM8K schema (question, answer with "
+                             f"'####') nor the MATH schema (problem, answer); fields found: {sorted(r)}")
+    return out
+
+
+def math_equal(pred, gold):
+    """MATH answer equivalence with math-verify: `\\frac{1}{2}` == `0.5`, `x=3` == `3`.
+
+    Both sides are wrapped in \\boxed{} so that math-verify parses the whole string as one answer
+    (it otherwise looks for a LaTeX environment and finds nothing in plain `(3, \\pi/2)`).
+    Args: pred, gold: str (pred None = no box = wrong). Returns: bool.
+    """
+    from math_verify import parse, verify
+    if pred is None:
+        return False
+    return bool(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
+
+
+def grade(problem, completion):
+    """(extracted answer, correct) of one completion: last \\boxed{} (SPEC §4.3), then numeric
+    comparison for GSM8K and math-verify for MATH. No box -> (None, False)."""
+    pred = reward.extract_boxed(completion)
+    if problem["kind"] == "gsm8k":
+        return pred, reward.numeric_equal(pred, problem["label"])
+    return pred, math_equal(pred, problem["label"])
+
+
+def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=256, top_p=1.0,
+                   seed=0, batch_size=8, desc="generate"):
+    """n completions per prompt, in batches of about `batch_size` rows.
+
+    Prompts are sorted by length before batching (left padding to the longest prompt wastes
+    compute otherwise) and results put back in input order. Each batch samples with seed+batch.
+    Args:
+        prompt_ids: list[list[int]]; temperature 0 = greedy.
+    Returns:
+        list (one per prompt) of list (n) of {"completion": str, "truncated": bool}.
+    """
+    from tqdm import tqdm
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    per_call = max(1, batch_size // n)
+    out = [None] * len(prompt_ids)
+    starts = range(0, len(order), per_call)
+    for b, start in enumerate(tqdm(starts, desc=desc, disable=len(starts) < 2)):
+        idx = order[start:start + per_call]
+        r = rollout.generate(model, tok, [prompt_ids[i] for i in idx], n, max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=0, seed=seed + b)
+        for k, i in enumerate(idx):
+            out[i] = [{"completion": r["completions"][k * n + g], "truncated": bool(r["truncated"][k * n + g])}
+                      for g in range(n)]
+    return out
+
+
+def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_tokens, seed, batch_size,
+                     template=PROMPT_TEMPLATE, chat="auto", greedy=True):
+    """Generate (greedy and/or n sampled) answers for `problems` and grade them.
+
+    Returns:
+        list of item dicts: the problem fields plus "greedy" (one graded answer or None) and
+        "samples" (list of n graded answers); a graded answer is
+        {"completion", "truncated", "pred", "correct"}.
+    """
+    chat = rollout.use_chat_template(tok, chat)
+    ids = [rollout.build_prompt_ids(tok, template.format(question=p["question"]), chat) for p in problems]
+    greedy_out = generate_texts(model, tok, ids, 1, 0.0, max_new_tokens, seed=seed, batch_size=batch_size,
+                                desc="greedy") if greedy else [None] * len(problems)
+    sampled = generate_texts(model, tok, ids, n_samples, temperature, max_new_tokens, seed=seed,
+                             batch_size=batch_size, desc="sample") if n_samples else [[] for _ in problems]
+    items = []
+    for p, g, s in zip(problems, greedy_out, sampled):
+        for ans in (g or []) + s:
+            ans["pred"], ans["correct"] = grade(p, ans["completion"])
+        items.append({**p, "greedy": g[0] if g else None, "samples": s})
+    return items
+
+
+def math_summary(items):
+    """Accuracy summary of graded items.
+
+    greedy_acc: share of problems whose greedy answer is right. Sampled pass@1 is computed per
+    sample index j (accuracy of the j-th sample over all problems), then mean ± population std
+    over j: the std says how much a single sampled evaluation would move.
+    """
+    s = {"n_problems": len(items)}
+    if items and items[0]["greedy"] is not None:
+        s["greedy_acc"] = sum(it["greedy"]["correct"] for it in items) / len(items)
+        s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
+        s["greedy_no_box"] = sum(it["greedy"]["pred"] is None for it in items) / len(items)
+    n = len(items[0]["samples"]) if items else 0
+    if n:
+        per_j = [sum(it["samples"][j]["correct"] for it in items) / len(items) for j in range(n)]
+        s["n_samples"] = n
+        s["sampled_pass1_mean"], s["sampled_pass1_std"] = mean_std(per_j)
+        s["sampled_pass1_per_sample"] = per_j
+        s["sampled_pass_at_n"] = sum(any(a["correct"] for a in it["samples"]) for it in items) / len(items)
+    return s
+
+
+def prompt_template(a):
+    """--prompt-template, else data.prompt_template of --config, else PROMPT_TEMPLATE."""
+    template = a.prompt_template
+    if template is None and a.config:
+        import yaml
+        if not os.path.isfile(a.config):
+            raise SystemExit(f"--config {a.config}: no such file")
+        with open(a.config) as f:
+            template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
+        if template is None:
+            raise SystemExit(f"--config {a.config}: no data.prompt_template key")
+    template = template or PROMPT_TEMPLATE
+    if "{question}" not in template:
+        raise SystemExit("the prompt template must contain {question}")
+    return template
+
+
+def cmd_math(a):
+    a.prompt_template = prompt_template(a)
+    problems = load_math_problems(a.data, a.n_problems, a.split, a.hub_config)
+    model, tok = rollout.load_model(a.model, a.dtype)
+    items = sample_and_grade(model, tok, problems, a.n_samples, a.temperature, a.max_new_tokens, a.seed,
+                             a.batch_size, a.prompt_template, parse_chat(a.chat_template), not a.no_greedy)
+    name = a.name or data_name(a.data)
+    summary = {"model": a.model, "data": a.data, "kind": problems[0]["kind"], "seed": a.seed,
+               "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
+               "prompt_template": a.prompt_template, **math_summary(items)}
+    write_results(a.out, f"math_{name}", summary, items)
+    row = {**summary, "data": name}
+    if "sampled_pass1_mean" in summary:
+        row["sampled pass@1"] = f"{summary['sampled_pass1_mean']:.3f} ± {summary['sampled_pass1_std']:.3f}"
+    print_table([row], ["data", "n_problems", "greedy_acc", "sampled pass@1", "n_samples",
+                        "sampled_pass_at_n", "greedy_no_box", "greedy_truncated"], title=f"math accuracy: {a.model}")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics: AUROC, reliability, EMA
+
+
+def auroc(scores, labels):
+    """Area under the ROC curve = P(score of a random positive > score of a random negative),
+    ties counting 1/2 (Mann-Whitney U with mid-ranks).
+
+    Args:
+        scores: list[float]; labels: list[bool] (True = positive, e.g. a correct answer).
+    Returns:
+        float in [0, 1], or None when one class is empty (undefined).
+    """
+    n_pos = sum(1 for y in labels if y)
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):  # equal scores share the mean of their 1-based ranks
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def reliability_table(probs, labels, n_bins=10):
+    """Calibration of probabilities `probs` against 0/1 `labels` in equal-width bins on [0, 1].
+
+    Bin b holds p in [b/n_bins, (b+1)/n_bins) (the last bin includes 1.0).
+    Returns:
+        (rows, ece): rows = list of {"bin": "[lo,hi)", "n", "mean_p", "frac_correct"} for
+        non-empty bins; ece = sum_b n_b/n * |frac_correct_b - mean_p_b| (expected calibration error).
+    """
+    bins = [[] for _ in range(n_bins)]
+    for p, y in zip(probs, labels):
+        bins[min(int(p * n_bins), n_bins - 1)].append((p, y))
+    rows, ece = [], 0.0
+    for b, members in enumerate(bins):
+        if not members:
+            continue
+        mean_p = sum(p for p, _ in members) / len(members)
+        acc = sum(1 for _, y in members if y) / len(members)
+        ece += len(members) / len(probs) * abs(acc - mean_p)
+        rows.append({"bin": f"[{b / n_bins:.2f},{(b + 1) / n_bins:.2f})", "n": len(members),
+                     "mean_p": mean_p, "frac_correct": acc})
+    return rows, ece
+
+
+def ema(values, alpha=0.9):
+    """Exponential moving average as in the papers' plots: e_0 = v_0, e_t = alpha*e_{t-1} + (1-alpha)*v_t.
+    Starting at v_0 (not 0) avoids the bias toward 0 at the start without a debias term."""
+    out = []
+    for v in values:
+        out.append(v if not out else alpha * out[-1] + (1 - alpha) * v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tournaments over N candidates (Best-of-N with a pairwise judge)
+#
+# compare(pairs) takes a list of (i, j) candidate indices and returns the list of winners; one
+# pair is one judge call. A whole round is passed at once so the judge can batch it.
+#
+# Knockout over N players (seed order 0..N-1): let P be the smallest power of two >= N and
+# b = P - N byes. Round 1: players 0..b-1 get a bye; players b..N-1 play (b, b+1), (b+2, b+3), ...
+# Every later round takes the survivors in order [bye players, then match winners in match order]
+# and pairs neighbours (s0, s1), (s2, s3), ... (a power of two, so no more byes). N-1 matches.
+#
+# Double elimination: a player is out after two losses. Winners bracket (WB, no loss) = the
+# knockout above, one round at a time; WB losers drop to the losers bracket (LB, one loss).
+# After each WB round, the LB list is [LB survivors in order] + [new drop-downs in match order];
+# an LB round pairs it by folding (first vs last, second vs second-last, ...), and with an odd
+# count the first (longest-waiting) player gets a bye; LB losers are out. WB and LB rounds
+# alternate until each bracket has one player; LB rounds continue alone once WB is done. Grand
+# final: WB champion vs LB champion; if the LB champion wins, both have one loss and a reset
+# match decides. Matches: 2N-2 if the WB champion wins the grand final, else 2N-1.
+
+
+def knockout(n, compare):
+    """Single-elimination bracket over players 0..n-1 (rules above).
+
+    Args:
+        n: number of players (>= 1). compare: list[(i, j)] -> list[winner].
+    Returns:
+        (winner, matches) with matches = list of (i, j, winner) in play order; n-1 matches.
+    """
+    size = 1
+    while size < n:
+        size *= 2
+    byes = size - n
+    alive, matches = list(range(n)), []
+    first = True
+    while len(alive) > 1:
+        waiting, playing = (alive[:byes], alive[byes:]) if first else ([], alive)
+        pairs = [(playing[k], playing[k + 1]) for k in range(0, len(playing), 2)]
+        winners = compare(pairs)
+        matches += [(i, j, w) for (i, j), w in zip(pairs, winners)]
+        alive, first = waiting + list(winners), False
+    return alive[0], matches
+
+
+def double_elimination(n, compare):
+    """Double-elimination bracket over players 0..n-1 (rules above).
+
+    Returns:
+        (winner, matches) with matches = list of (i, j, winner) in play order;
+        2n-2 matches, or 2n-1 when the grand final needs a reset.
+    """
+    if n == 1:
+        return 0, []
+    size = 1
+    while size < n:
+        size *= 2
+    wb, lb, matches, byes = list(range(n)), [], [], size - n
+
+    def play(pairs):
+        winners = compare(pairs)
+        matches.extend((i, j, w) for (i, j), w in zip(pairs, winners))
+        return winners
+
+    while len(wb) > 1 or len(lb) > 1:
+        if len(wb) > 1:
+            waiting, playing = wb[:byes], wb[byes:]
+            byes = 0
+            pairs = [(playing[k], playing[k + 1]) for k in range(0, len(playing), 2)]
+            winners = play(pairs)
+            wb = waiting + list(winners)
+            lb = lb + [i if w == j else j for (i, j), w in zip(pairs, winners)]
+        if len(lb) > 1:
+            waiting, playing = (lb[:1], lb[1:]) if len(lb) % 2 else ([], lb)
+            pairs = [(playing[k], playing[-1 - k]) for k in range(len(playing) // 2)]
+            lb = waiting + list(play(pairs))
+    champ, challenger = wb[0], lb[0]
+    if play([(champ, challenger)])[0] == champ:
+        return champ, matches
+    return play([(champ, challenger)])[0], matches  # bracket reset: both have one loss now
+
+
+# ----------------------------------------------------------------------------------------------
+# Pairwise GRM accuracy (SPEC §5.2, §6)
+
+
+def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", max_prompt_tokens=None):
+    """A judge function backed by a generative reward model (greedy decoding).
+
+    The returned judge(queries) takes a list of (context, response_a, response_b) and returns,
+    per query, reward.parse_grm_output(text) plus {"text": the raw output}. A prompt longer than
+    `max_prompt_tokens` (default: model context - max_new_tokens) is not generated; it counts as a
+    format failure with why="prompt too long", so the accuracy denominator never shrinks silently.
+    """
+    chat = rollout.use_chat_template(tok, chat)
+    limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
+
+    def judge(queries):
+        ids = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(c, a, b), chat) for c, a, b in queries]
+        ok = [i for i, x in enumerate(ids) if len(x) <= limit]
+        texts = generate_texts(model, tok, [ids[i] for i in ok], 1, 0.0, max_new_tokens,
+                               batch_size=batch_size, desc="judge")
+        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
+               for _ in queries]
+        for i, t in zip(ok, texts):
+            out[i] = {**reward.parse_grm_output(t[0]["completion"]), "text": t[0]["completion"]}
+        return out
+    return judge
+
+
+def pairwise_accuracy(items, judge):
+    """GRM accuracy on pairwise items, each judged in both A/B orders.
+
+    Order "ab" shows the item as loaded (response_a first); order "ba" swaps the responses, so
+    the right choice flips. A format failure (no parsable choice) counts as wrong in the
+    accuracy and is also reported as its own rate.
+    Args:
+        items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", ...}.
+        judge: list[(context, a, b)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}].
+    Returns:
+        (summary, records): summary = {"n", "acc_ab", "acc_ba", "acc" (mean of both orders),
+        "format_fail" (share of the 2n judgements), "both_right" (share of items right in both
+        orders), "pick_a" (share of valid judgements choosing A: 0.5 = no position bias)};
+        records = one dict per item with both judgements.
+    """
+    queries = [(it["context"], it["response_a"], it["response_b"]) for it in items]
+    queries += [(it["context"], it["response_b"], it["response_a"]) for it in items]
+    res = judge(queries)
+    n = len(items)
+    flip = {"A": "B", "B": "A"}
+    records, right_ab, right_ba = [], [], []
+    for k, it in enumerate(items):
+        ab, ba = res[k], res[n + k]
+        r1 = bool(ab.get("valid") and ab.get("choice") == it["winner"])
+        r2 = bool(ba.get("valid") and ba.get("choice") == flip[it["winner"]])
+        right_ab.append(r1)
+        right_ba.append(r2)
+        records.append({"id": it.get("id", k), "source": it.get("source"), "meta": it.get("meta", {}),
+                        "winner": it["winner"], "ab": {**ab, "right": r1}, "ba": {**ba, "right": r2}})
+    valid = [r for r in res if r.get("valid")]
+    summary = {"n": n, "acc_ab": sum(right_ab) / n, "acc_ba": sum(right_ba) / n,
+               "acc": (sum(right_ab) + sum(right_ba)) / (2 * n),
+               "format_fail": (2 * n - len(valid)) / (2 * n),
+               "both_right": sum(a and b for a, b in zip(right_ab, right_ba)) / n,
+               "pick_a": sum(r["choice"] == "A" for r in valid) / len(valid) if valid else None}
+    return summary, records
+
+
+def default_benchmark_files(root=SHARED_DATA):
+    """Every pairwise benchmark JSONL in ../shared/data (folders in BENCHMARKS), sorted."""
+    files = []
+    for folder in BENCHMARKS:
+        d = os.path.join(root, folder)
+        if os.path.isdir(d):
+            files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
+    if not files:
+        raise SystemExit(f"no benchmark files found under {root}; pass files explicitly")
+    return files
+
+
+def load_benchmark(path, n, seed):
+    """Up to `n` pairwise items of one file via reward.load_pairwise (which randomises the A/B
+    order per item with `seed`, detects the schema and fails with one line naming the file and
+    the fields found). A subset is a seeded random sample in file order, not the first n items:
+    RM-Bench gives 9 style pairs per row and JudgeBench is sorted by source, so a prefix would
+    cover one row or one category. n = 0 or None: all items.
+    Raises SystemExit for a missing/empty file or an unknown schema."""
+    if path.endswith(".jsonl"):
+        read_jsonl(path)  # one-line errors for a missing or empty file
+    items = reward.load_pairwise(path, schema="auto", seed=seed)
+    if not items:
+        raise SystemExit(f"{path}: no usable pairwise items (ties only?)")
+    if n and n < len(items):
+        keep = sorted(random.Random(f"{seed}:{path}").sample(range(len(items)), n))
+        items = [items[i] for i in keep]
+    return items
+
+
+def rm_bench_grid(records):
+    """RM-Bench's easy / normal / hard accuracy (mean of both orders) from records whose meta
+    holds the chosen and rejected styles (0 concise, 1 detailed plain, 2 detailed markdown):
+    easy = chosen more detailed than rejected, normal = same style, hard = chosen less detailed."""
+    out = {}
+    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r), ("hard", lambda c, r: c < r)):
+        sel = [x for x in records if test(x["meta"]["chosen_style"], x["meta"]["rejected_style"])]
+        out[f"acc_{name}"] = sum(x["ab"]["right"] + x["ba"]["right"] for x in sel) / (2 * len(sel)) if sel else None
+    return out
+
+
+def benchmark_name(path):
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return BENCHMARKS.get(folder, folder), os.path.splitext(os.path.basename(path))[0]
+
+
+def cmd_pairwise(a):
+    files = a.files or default_benchmark_files(a.data_root)
+    data = [(f, load_benchmark(f, a.n, a.seed)) for f in files]  # fail on bad input before loading a model
+    model, tok = rollout.load_model(a.model, a.dtype)
+    judge = make_grm_judge(model, tok, a.max_new_tokens, a.batch_size, parse_chat(a.chat_template),
+                           a.max_prompt_tokens or None)
+    rows, all_records = [], []
+    for path, items in data:
+        bench, sub = benchmark_name(path)
+        summary, records = pairwise_accuracy(items, judge)
+        if all("chosen_style" in r["meta"] for r in records):
+            summary.update(rm_bench_grid(records))
+        rows.append({"benchmark": bench, "file": sub, "path": path, **summary})
+        all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
+    groups = aggregate_pairwise(rows)
+    result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
+              "max_prompt_tokens": a.max_prompt_tokens,
+              "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
+    write_results(a.out, "pairwise", result, all_records)
+    cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
+    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols, title=f"pairwise accuracy: {a.model}")
+    print()
+    print_table([{**r, "file": r["benchmark"]} for r in groups["benchmarks"]] +
+                [{**groups["overall"], "file": "overall (macro)"}], cols[:-1])
+    return result
+
+
+def aggregate_pairwise(rows):
+    """Per-benchmark rows (item-weighted over its files) and the overall row (macro mean over
+    benchmarks, like the RM-NLHF paper's Table 2 average column)."""
+    keys = ["acc_ab", "acc_ba", "acc", "format_fail"]
+    benches = []
+    for name in dict.fromkeys(r["benchmark"] for r in rows):
+        members = [r for r in rows if r["benchmark"] == name]
+        n = sum(r["n"] for r in members)
+        benches.append({"benchmark": name, "n": n, **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
+    overall = {"n": sum(b["n"] for b in benches), **{k: sum(b[k] for b in benches) / len(benches) for k in keys}}
+    return {"benchmarks": benches, "overall": overall}
+
+
+# ----------------------------------------------------------------------------------------------
+# Best-of-N with the GRM as judge (SPEC §6)
+
+
+def load_or_sample(a, need):
+    """Graded policy answers: read --samples (a `math` items file) or sample with --policy.
+    Raises SystemExit when a problem has fewer than `need` samples."""
+    if a.samples:
+        items = read_jsonl(a.samples)[:a.n_problems]
+        if any("samples" not in it or "question" not in it for it in items):
+            raise SystemExit(f"{a.samples}: not a `evaluate.py math` items file (needs 'question' and "
+                             f"'samples'); fields found: {sorted(items[0])}")
+    elif a.policy:
+        problems = load_math_problems(a.data, a.n_problems)
+        model, tok = rollout.load_model(a.policy, a.dtype)
+        items = sample_and_grade(model, tok, problems, need, a.temperature, a.max_new_tokens, a.seed,
+                                 a.batch_size, greedy=False)
+        del model
+    else:
+        raise SystemExit("give --samples FILE (from `evaluate.py math`) or --policy MODEL")
+    have = min(len(it["samples"]) for it in items)
+    if have < need:
+        raise SystemExit(f"N={need} is larger than the samples available ({have} per problem"
+                         f"{' in ' + a.samples if a.samples else ''}); lower --ns or sample more")
+    return items
+
+
+def best_of_n(item, n, judge, method, rng):
+    """Pick one of the first n samples of `item` with a tournament judged by the GRM.
+
+    Each match shows the two answers in a random order (rng), so the judge's position bias does
+    not favour the higher seed; a judgement with no valid choice goes to the first-listed player
+    of the pair (the higher seed). Returns {"pick", "correct", "calls", "invalid", "matches"}.
+    """
+    answers = [s["completion"] for s in item["samples"][:n]]
+    invalid = [0]
+
+    def compare(pairs):
+        swapped = [rng.random() < 0.5 for _ in pairs]
+        shown = [(j, i) if s else (i, j) for (i, j), s in zip(pairs, swapped)]
+        res = judge([(item["question"], answers[x], answers[y]) for x, y in shown])
+        winners = []
+        for (i, j), (x, y), r in zip(pairs, shown, res):
+            if r.get("valid") and r.get("choice") in ("A", "B"):
+                winners.append(x if r["choice"] == "A" else y)
+            else:
+                invalid[0] += 1
+                winners.append(i)
+        return winners
+    pick, matches = (knockout if method == "knockout" else double_elimination)(n, compare)
+    return {"pick": pick, "correct": bool(item["samples"][pick]["correct"]), "calls": len(matches),
+            "invalid": invalid[0], "matches": matches}
+
+
+def majority_vote(samples):
+    """Index of the first sample whose extracted answer is the most common one (no box = no vote);
+    0 when nothing was boxed. A label-free baseline for Best-of-N."""
+    preds = [s.get("pred") for s in samples]
+    counts = {}
+    for p in preds:
+        if p is not None:
+            counts[p] = counts.get(p, 0) + 1
+    if not counts:
+        return 0
+    best = max(counts.values())
+    return next(k for k, p in enumerate(preds) if p is not None and counts[p] == best)
+
+
+def cmd_bon(a):
+    try:
+        ns = sorted(int(x) for x in a.ns.split(","))
+    except ValueError:
+        ns = [0]
+    if ns[0] < 1:
+        raise SystemExit(f"--ns must be comma-separated positive integers, got {a.ns!r}")
+    bad = set(a.methods.split(",")) - {"knockout", "double_elimination"}
+    if bad:
+        raise SystemExit(f"--methods: unknown {sorted(bad)}; allowed: knockout, double_elimination")
+    items = load_or_sample(a, ns[-1])
+    model, tok = rollout.load_model(a.judge, a.dtype)
+    judge = make_grm_judge(model, tok, a.judge_max_new_tokens, a.batch_size, parse_chat(a.chat_template))
+    rng = random.Random(a.seed)
+    rows, records = [], []
+    for n in ns:
+        row = {"N": n, "mean_sample_acc": sum(sum(s["correct"] for s in it["samples"][:n]) / n for it in items) / len(items),
+               "oracle_pass_at_n": sum(any(s["correct"] for s in it["samples"][:n]) for it in items) / len(items),
+               "majority_acc": sum(bool(it["samples"][majority_vote(it["samples"][:n])]["correct"]) for it in items) / len(items)}
+        for method in a.methods.split(","):
+            res = [best_of_n(it, n, judge, method, rng) for it in items]
+            row[f"{method}_acc"] = sum(r["correct"] for r in res) / len(items)
+            row[f"{method}_calls"] = sum(r["calls"] for r in res)
+            row[f"{method}_invalid"] = sum(r["invalid"] for r in res)
+            records += [{"id": it["id"], "N": n, "method": method, **r} for it, r in zip(items, res)]
+        rows.append(row)
+    result = {"judge": a.judge, "samples": a.samples or a.policy, "n_problems": len(items), "seed": a.seed,
+              "methods": a.methods.split(","), "rows": rows}
+    write_results(a.out, "bon", result, records)
+    cols = ["N", "mean_sample_acc", "majority_acc", "oracle_pass_at_n"]
+    for m in a.methods.split(","):
+        cols += [f"{m}_acc", f"{m}_calls", f"{m}_invalid"]
+    print_table(rows, cols, title=f"Best-of-N on {len(items)} problems, judge {a.judge}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluator check (SPEC §4.2, §6): does P(target | meta-question) separate right from wrong?
+
+def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", chat="auto", batch_size=8,
+                       template=None):
+    """log p(target | evaluator prompt) for each (problem, solution), via the training reward's
+    own scorer (reward.rlme_reward with one evaluator and one meta-question, weights 1), so the
+    check measures exactly the signal RLME would train on (SPEC §4.2).
+
+    Args:
+        problems, solutions: list[str] of equal length. question, target: the meta-question and
+            its target answer a_k. template: evaluator template (default: reward's).
+    Returns:
+        list[float], log p(target) per solution (<= 0).
+    """
+    ev = {"name": "evaluator", "model": model, "tokenizer": tok, "weight": 1.0,
+          "chat": rollout.use_chat_template(tok, chat)}
+    mq = {"question": question, "target": target, "weight": 1.0}
+    out = reward.rlme_reward([ev], [mq], problems, solutions, micro_batch_size=batch_size,
+                             template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
+    return out["logp"][:, 0, 0].tolist()
+
+
+def known_wrong_answer(label):
+    """A wrong final answer for canary comparison: label + 1 for numbers, else '0' (or '1')."""
+    x = reward.to_number(label)
+    if x is not None:
+        return str(x + 1)
+    return "1" if str(label).strip() == "0" else "0"
+
+
+def reference_solution(item, answer=None):
+    """The dataset's own GSM8K solution with a boxed final answer (`answer`, default the label):
+    '#### n' -> 'The answer is \\boxed{n}.', calculator annotations <<...>> removed. With a wrong
+    `answer` it is the known-wrong control: the same reasoning, a wrong final answer. None for
+    items without a GSM8K reference."""
+    if item.get("kind") != "gsm8k" or "####" not in (item.get("reference") or ""):
+        return None
+    body = re.sub(r"<<[^>]*>>", "", item["reference"].split("####")[0]).strip()
+    return f"{body}\nThe answer is \\boxed{{{item['label'] if answer is None else answer}}}."
+
+
+def cmd_evaluator_check(a):
+    items = load_or_sample(a, a.n_samples if not a.samples else 0)
+    # every graded answer of the file is labelled data: the greedy one (when present) and the samples
+    answers = [(it, s) for it in items for s in ([it["greedy"]] if it.get("greedy") else []) + it["samples"]]
+    if not answers:
+        raise SystemExit(f"{a.samples or a.policy}: no graded answers to check")
+    model, tok = rollout.load_model(a.evaluator, a.dtype)
+    chat = parse_chat(a.chat_template)
+    lps = evaluator_logprobs(model, tok, [it["question"] for it, _ in answers], [s["completion"] for _, s in answers],
+                             a.question, a.target, chat, a.batch_size)
+    labels = [bool(s["correct"]) for _, s in answers]
+    probs = [math.exp(x) for x in lps]
+    table, ece = reliability_table(probs, labels, a.bins)
+    right = [x for x, y in zip(lps, labels) if y]
+    wrong = [x for x, y in zip(lps, labels) if not y]
+    # canaries: the same problems, answered with non-solutions / a known-wrong boxed answer
+    # (and the reference solution as the positive control, when the items carry it)
+    can_items = items[:a.n_canary]
+    texts = {name: [t] * len(can_items) for name, t in CANARIES.items()}
+    texts["known_wrong"] = [reference_solution(it, known_wrong_answer(it["label"])) or
+                            f"The answer is \\boxed{{{known_wrong_answer(it['label'])}}}." for it in can_items]
+    if all(reference_solution(it) for it in can_items):
+        texts["reference"] = [reference_solution(it) for it in can_items]
+    shown = dict(CANARIES, known_wrong="the dataset's solution with a wrong final answer (label+1)",
+                 reference="the dataset's solution")
+    canary_rows = []
+    per_name = {name: evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, a.question,
+                                         a.target, chat, a.batch_size) for name, sols in texts.items()}
+    for name, vals in per_name.items():
+        beats = sum(v > w for v, w in zip(vals, per_name["known_wrong"])) / len(vals)
+        canary_rows.append({"answer": name, "text": shown[name],
+                            "mean_p": sum(math.exp(v) for v in vals) / len(vals), "mean_logp": sum(vals) / len(vals),
+                            "beats_known_wrong": None if name == "known_wrong" else beats})
+    summary = {"evaluator": a.evaluator, "question": a.question, "target": a.target,
+               "samples": a.samples or a.policy, "n_problems": len(items), "n_answers": len(answers),
+               "n_correct": len(right), "auroc": auroc(lps, labels),
+               "mean_logp_correct": sum(right) / len(right) if right else None,
+               "mean_logp_incorrect": sum(wrong) / len(wrong) if wrong else None,
+               "ece": ece, "reliability": table, "canaries": canary_rows, "n_canary_problems": len(can_items),
+               # reference vs the same reasoning with a wrong final answer: labelled pairs that need
+               # no policy skill (a weak policy may have no correct sample, leaving AUROC undefined)
+               "control_auroc": auroc(per_name["reference"] + per_name["known_wrong"],
+                                      [True] * len(can_items) + [False] * len(can_items))
+               if "reference" in per_name else None}
+    records = [{"id": it["id"], "correct": y, "logp": x, "p": math.exp(x), "pred": s.get("pred")}
+               for (it, s), x, y in zip(answers, lps, labels)]
+    write_results(a.out, "evaluator_check", summary, records)
+    print(f"evaluator check: {a.evaluator}, question {a.question!r}, target {a.target!r}")
+    print_table([summary], ["n_answers", "n_correct", "auroc", "mean_logp_correct", "mean_logp_incorrect", "ece",
+                            "control_auroc"])
+    print()
+    print_table(table, ["bin", "n", "mean_p", "frac_correct"], title="reliability (P(target) bins)")
+    print()
+    print_table(canary_rows, ["answer", "mean_p", "mean_logp", "beats_known_wrong"],
+                title=f"canaries on {len(can_items)} problems (beats_known_wrong = share with P above the known-wrong answer)")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots (SPEC §6: EMA 0.9, several runs with a ±1 std band)
+
+
+def parse_curve(spec):
+    """'label=a.jsonl,b.jsonl' or 'a.jsonl' -> (label, [paths]); runs in one spec are averaged."""
+    label, sep, paths = spec.partition("=")
+    if not sep:
+        label, paths = os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec
+    return label, [p for p in paths.split(",") if p]
+
+
+def run_series(rows, key, path):
+    """(steps, values) of metric `key` in metrics rows, skipping rows without a finite value.
+    x = row['step'] when present, else the row index. Raises SystemExit when the key never appears."""
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r.get("step", i))
+            ys.append(float(v))
+    if not xs:
+        keys = sorted({k for r in rows for k in r})
+        raise SystemExit(f"{path}: no numeric values for metric {key!r}; keys found: {keys}")
+    return xs, ys
+
+
+def curve(paths, key, alpha=0.9):
+    """EMA-smoothed mean and population std across runs of metric `key`, on the steps all runs share.
+    Returns {"x": [...], "mean": [...], "std": [...], "runs": n}."""
+    smoothed = []
+    for p in paths:
+        xs, ys = run_series(read_jsonl(p), key, p)
+        smoothed.append(dict(zip(xs, ema(ys, alpha))))
+    common = sorted(set.intersection(*(set(s) for s in smoothed)))
+    if not common:
+        raise SystemExit(f"runs {paths} share no steps with metric {key!r}")
+    stats = [mean_std([s[x] for s in smoothed]) for x in common]
+    return {"x": common, "mean": [m for m, _ in stats], "std": [s for _, s in stats], "runs": len(paths)}
+
+
+def cmd_plot(a):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    specs = [parse_curve(s) for s in a.runs]
+    keys = a.keys.split(",")
+    curves = {label: {k: curve(paths, k, a.ema) for k in keys} for label, paths in specs}
+    os.makedirs(a.out, exist_ok=True)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        for label, cs in curves.items():
+            c = cs[k]
+            ax.plot(c["x"], c["mean"], label=f"{label} (n={c['runs']})")
+            ax.fill_between(c["x"], [m - s for m, s in zip(c["mean"], c["std"])],
+                            [m + s for m, s in zip(c["mean"], c["std"])], alpha=0.25)
+        ax.set_title(f"{k} (EMA {a.ema})")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    files = [os.path.join(a.out, "curves.png")]
+    fig.savefig(files[0], dpi=120)
+    plt.close(fig)
+    # reward and accuracy on twin axes: reward rising while accuracy falls = reward hacking
+    if a.reward_key and a.acc_key:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        ax2 = ax.twinx()
+        for n, (label, paths) in enumerate(specs):
+            color = f"C{n}"
+            r, acc = curve(paths, a.reward_key, a.ema), curve(paths, a.acc_key, a.ema)
+            ax.plot(r["x"], r["mean"], color=color, label=f"{label} {a.reward_key}")
+            ax2.plot(acc["x"], acc["mean"], color=color, linestyle="--", label=f"{label} {a.acc_key}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{a.reward_key} (solid)")
+        ax2.set_ylabel(f"{a.acc_key} (dashed)")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+        ax.set_title(f"reward vs accuracy (EMA {a.ema})")
+        fig.tight_layout()
+        files.append(os.path.join(a.out, "reward_vs_accuracy.png"))
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    rows = [{"curve": label, "metric": k, "runs": c["runs"], "steps": len(c["x"]), "first": c["mean"][0],
+             "last": c["mean"][-1], "last_std": c["std"][-1]} for label, cs in curves.items() for k, c in cs.items()]
+    write_results(a.out, "plot", {"ema": a.ema, "files": files, "table": rows, "curves": curves})
+    print_table(rows, ["curve", "metric", "runs", "steps", "first", "last", "last_std"], title=f"EMA {a.ema} curves")
+    print("wrote " + ", ".join(files))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_chat(s):
+    return {"auto": "auto", "true": True, "false": False}[s]
+
+
+def data_name(path):
+    """'../shared/data/gsm8k/test.jsonl' -> 'gsm8k-test'; a hub id 'openai/gsm8k' -> 'gsm8k'."""
+    if os.path.isfile(path):
+        return f"{os.path.basename(os.path.dirname(os.path.abspath(path)))}-{os.path.splitext(os.path.basename(path))[0]}"
+    return path.rstrip("/").split("/")[-1]
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p, model_flags=True):
+        p.add_argument("--out", default="eval_out", help="results folder (JSON summary + JSONL items)")
+        if model_flags:
+            p.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES))
+            p.add_argument("--batch-size", type=int, default=8, help="rows per generate/forward call")
+            p.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"])
+            p.add_argument("--seed", type=int, default=0)
+
+    def sampling(p, n_problems, n_samples=None):
+        p.add_argument("--data", default=os.path.join(SHARED_DATA, "gsm8k", "test.jsonl"),
+                       help="GSM8K/MATH JSONL file or hub id")
+        p.add_argument("--n-problems", type=int, default=n_problems, help="first N problems (0 = all)")
+        if n_samples is not None:
+            p.add_argument("--n-samples", type=int, default=n_samples, help="sampled answers per problem")
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--max-new-tokens", type=int, default=512)
+
+    p = sub.add_parser("math", help="GSM8K / MATH-500 accuracy: greedy and sampled pass@1")
+    common(p)
+    sampling(p, 100, 4)
+    p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
+    p.add_argument("--split", default="test", help="split for a hub id")
+    p.add_argument("--hub-config", default=None, help="dataset config for a hub id (openai/gsm8k: main)")
+    p.add_argument("--prompt-template", default=None,
+                   help="format string with {question} (default: --config's data.prompt_template, else PROMPT_TEMPLATE)")
+    p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    p.add_argument("--name", default=None, help="results file tag (default: from --data)")
+    p.set_defaults(fn=cmd_math)
+
+    p = sub.add_parser("pairwise", help="pairwise GRM accuracy per benchmark, both A/B orders")
+    common(p)
+    p.add_argument("files", nargs="*", help="pairwise JSONL files (default: every benchmark in ../shared/data)")
+    p.add_argument("--model", required=True, help="the generative reward model")
+    p.add_argument("--n", type=int, default=50, help="first N items per file (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--data-root", default=SHARED_DATA)
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
+                        "0 = model context - max new tokens")
+    p.set_defaults(fn=cmd_pairwise)
+
+    p = sub.add_parser("bon", help="Best-of-N: knockout / double-elimination tournaments judged by a GRM")
+    common(p)
+    sampling(p, 50)
+    p.add_argument("--judge", required=True, help="the generative reward model")
+    p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
+    p.add_argument("--policy", default=None, help="policy model to sample answers from")
+    p.add_argument("--ns", default="1,2,4,8", help="comma-separated N values")
+    p.add_argument("--methods", default="knockout,double_elimination")
+    p.add_argument("--judge-max-new-tokens", type=int, default=256)
+    p.set_defaults(fn=cmd_bon)
+
+    p = sub.add_parser("evaluator-check", help="AUROC / calibration of P(target) for a meta-question")
+    common(p)
+    sampling(p, 50, 4)
+    p.add_argument("--evaluator", required=True, help="evaluator model")
+    p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
+    p.add_argument("--policy", default=None, help="policy model to sample answers from")
+    p.add_argument("--question", default="Is the answer correct?")
+    p.add_argument("--target", default="Yes")
+    p.add_argument("--bins", type=int, default=10)
+    p.add_argument("--n-canary", type=int, default=16, help="problems the canary answers are scored on")
+    p.set_defaults(fn=cmd_evaluator_check)
+
+    p = sub.add_parser("plot", help="learning curves (EMA, ±1 std across runs) and reward vs accuracy")
+    common(p, model_flags=False)
+    p.add_argument("runs", nargs="+", help="[LABEL=]metrics.jsonl[,metrics.jsonl...]: one curve each, "
+                                           "several files = several runs averaged")
+    p.add_argument("--keys", default="reward/mean,accuracy", help="comma-separated metric keys")
+    p.add_argument("--ema", type=float, default=0.9)
+    p.add_argument("--reward-key", default="reward/mean")
+    p.add_argument("--acc-key", default="accuracy")
+    p.set_defaults(fn=cmd_plot)
+    return ap
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    for k in ("n_problems", "n"):
+        if getattr(a, k, None) is not None and getattr(a, k) < 0:
+            raise SystemExit(f"--{k.replace('_', '-')} must be >= 0")
+    if getattr(a, "n_problems", None) == 0:
+        a.n_problems = None
+    if hasattr(a, "seed"):
+        torch.manual_seed(a.seed)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+"""evaluate.py: exact numbers for every metric and bracket, bad input, and one end-to-end CLI run
+per subcommand on the real SmolLM2 model (marked slow)."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+import evaluate
+import reward
+from conftest import REPO, SMOLLM2, data_path
+
+HAS_PAIRWISE = all(hasattr(reward, f) for f in ("load_pairwise", "build_grm_prompt", "parse_grm_output"))
+needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="reward.load_pairwise & co. not merged yet (nlhf)")
+
+
+def run_cli(*args, timeout=600):
+    """Run `python evaluate.py ARGS` as a user would; returns CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    for n in needles:
+        assert n in last, last
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_auroc_hand_computed_with_ties():
+    # positives {0.9, 0.8}, negatives {0.8, 0.3, 0.8}: pairs won 0.9 -> 3; 0.8 -> 0.5 + 1 + 0.5
+    # = 2; AUROC = 5 / 6
+    assert evaluate.auroc([0.9, 0.8, 0.8, 0.3, 0.8], [True, True, False, False, False]) == pytest.approx(5 / 6)
+    assert evaluate.auroc([1, 2, 3], [False, True, True]) == 1.0
+    assert evaluate.auroc([1, 2, 3], [True, False, False]) == 0.0
+    assert evaluate.auroc([5, 5, 5, 5], [True, False, True, False]) == 0.5  # all tied
+    assert evaluate.auroc([1, 2], [True, True]) is None  # one class: undefined
+
+
+def test_auroc_matches_pairwise_definition():
+    rng = random.Random(0)
+    scores = [rng.choice([-3.0, -2.0, -1.5, -1.0, 0.0]) for _ in range(60)]  # many ties
+    labels = [rng.random() < 0.4 for _ in scores]
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    brute = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+    assert evaluate.auroc(scores, labels) == pytest.approx(brute, abs=1e-12)
+
+
+def test_reliability_table_and_ece():
+    rows, ece = evaluate.reliability_table([0.05, 0.15, 0.12, 0.95, 1.0], [False, True, False, True, True], 10)
+    assert [r["n"] for r in rows] == [1, 2, 2]
+    assert [r["bin"] for r in rows] == ["[0.00,0.10)", "[0.10,0.20)", "[0.90,1.00)"]
+    assert rows[1]["mean_p"] == pytest.approx(0.135) and rows[1]["frac_correct"] == 0.5
+    assert rows[2]["mean_p"] == pytest.approx(0.975) and rows[2]["frac_correct"] == 1.0
+    # ECE = 1/5*|0-0.05| + 2/5*|0.5-0.135| + 2/5*|1-0.975| = 0.01 + 0.146 + 0.01
+    assert ece == pytest.approx(0.166)
+
+
+def test_ema_exact():
+    assert evaluate.ema([1.0, 0.0, 0.0, 10.0], 0.9) == pytest.approx([1.0, 0.9, 0.81, 1.729])
+    assert evaluate.ema([4.0, 2.0], 0.5) == pytest.approx([4.0, 3.0])
+    assert evaluate.ema([], 0.9) == []
+
+
+def test_mean_std_population():
+    assert evaluate.mean_std([1.0, 3.0]) == (2.0, 1.0)
+    assert evaluate.mean_std([7.0]) == (7.0, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tournaments
+
+
+def lower_wins(pairs):
+    return [min(i, j) for i, j in pairs]
+
+
+def higher_wins(pairs):
+    return [max(i, j) for i, j in pairs]
+
+
+def second_wins(pairs):
+    return [j for _, j in pairs]
+
+
+def test_knockout_bracket_n5_with_byes():
+    # P = 8, 3 byes for players 0, 1, 2; round 1 is (3, 4); then (0, 1), (2, w34); final.
+    winner, matches = evaluate.knockout(5, lower_wins)
+    assert matches == [(3, 4, 3), (0, 1, 0), (2, 3, 2), (0, 2, 0)]
+    assert winner == 0
+    winner, matches = evaluate.knockout(5, higher_wins)
+    assert matches == [(3, 4, 4), (0, 1, 1), (2, 4, 4), (1, 4, 4)]
+    assert winner == 4
+
+
+def test_knockout_counts_and_rounds_batched():
+    for n in range(1, 17):
+        calls = []
+        winner, matches = evaluate.knockout(n, lambda pairs: calls.append(len(pairs)) or lower_wins(pairs))
+        assert len(matches) == n - 1 and winner == 0
+        assert len(calls) == (math.ceil(math.log2(n)) if n > 1 else 0)  # one judge batch per round
+    _, matches = evaluate.knockout(8, lower_wins)
+    assert matches[:4] == [(0, 1, 0), (2, 3, 2), (4, 5, 4), (6, 7, 6)]  # power of two: no byes
+
+
+def test_double_elimination_n5_who_meets_whom():
+    # WB1 (3,4): 4 drops.  WB2 (0,1),(2,3): LB=[4,1,3] odd -> 4 bye, (1,3).  WB3 (0,2): LB=[4,1,2]
+    # -> 4 bye, (1,2).  LB final (4,1).  Grand final (0,1): WB champion wins, no reset.
+    winner, matches = evaluate.double_elimination(5, lower_wins)
+    assert matches == [(3, 4, 3), (0, 1, 0), (2, 3, 2), (1, 3, 1), (0, 2, 0), (1, 2, 1), (4, 1, 1), (0, 1, 0)]
+    assert winner == 0 and len(matches) == 2 * 5 - 2
+
+
+def test_double_elimination_reset_and_counts():
+    # N = 2, the second-listed always wins: WB (0,1) -> 1; grand final (1,0) -> 0; reset (1,0) -> 0
+    winner, matches = evaluate.double_elimination(2, second_wins)
+    assert matches == [(0, 1, 1), (1, 0, 0), (1, 0, 0)] and winner == 0
+    winner, matches = evaluate.double_elimination(5, second_wins)
+    assert len(matches) == 2 * 5 - 1  # the LB champion wins the grand final: reset
+    assert evaluate.double_elimination(1, second_wins) == (0, [])
+    rng = random.Random(1)
+    for n in range(2, 17):
+        for _ in range(5):
+            winner, matches = evaluate.double_elimination(n, lambda ps: [rng.choice(p) for p in ps])
+            losses = {i: 0 for i in range(n)}
+            for i, j, w in matches:
+                assert w in (i, j)
+                losses[j if w == i else i] += 1
+            assert len(matches) in (2 * n - 2, 2 * n - 1)
+            assert losses[winner] <= 1 and all(losses[i] == 2 for i in range(n) if i != winner)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pairwise accuracy (fake judge)
+
+
+def fake_judge(queries):
+    """Picks the response containing 'good' (A when neither); 'bad' shown as A -> format failure."""
+    out = []
+    for _, a, b in queries:
+        if "bad" in a:
+            out.append({"choice": None, "valid": False, "why": "no_choice"})
+        else:
+            out.append({"choice": "B" if "good" in b and "good" not in a else "A", "valid": True, "why": ""})
+    return out
+
+
+def test_pairwise_accuracy_both_orders_and_format_failure():
+    items = [{"id": 1, "context": "q", "response_a": "good1", "response_b": "meh", "winner": "A"},
+             {"id": 2, "context": "q", "response_a": "meh", "response_b": "meh2", "winner": "B"},
+             {"id": 3, "context": "q", "response_a": "bad", "response_b": "good3", "winner": "B"},
+             {"id": 4, "context": "q", "response_a": "meh", "response_b": "good4", "winner": "A"}]
+    s, records = evaluate.pairwise_accuracy(items, fake_judge)
+    # order ab: right, wrong (picks A), format failure, wrong (picks B)      -> 1/4
+    # order ba: right (B=good1), right (A=meh2), right (A=good3), wrong (A)   -> 3/4
+    assert s["n"] == 4
+    assert s["acc_ab"] == 0.25 and s["acc_ba"] == 0.75 and s["acc"] == 0.5
+    assert s["format_fail"] == 1 / 8
+    assert s["both_right"] == 0.25
+    assert s["pick_a"] == pytest.approx(5 / 7)  # 7 valid judgements, 5 chose A
+    assert [r["ab"]["right"] for r in records] == [True, False, False, False]
+    assert [r["ba"]["right"] for r in records] == [True, True, True, False]
+
+
+@needs_pairwise
+def test_grm_judge_real_generation_and_too_long_prompt(tiny_model_path):
+    import rollout
+    model, tok = rollout.load_model(tiny_model_path)
+    judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, max_prompt_tokens=1)
+    assert judge([("q", "a", "b")]) == [{"critique": None, "choice": None, "valid": False,
+                                          "why": "prompt too long", "text": ""}]
+    judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, batch_size=2)
+    out = judge([("q", "a", "b"), ("a much longer question " * 5, "x", "y"), ("q3", "c", "d")])
+    assert len(out) == 3 and all(isinstance(o["text"], str) and o["valid"] is False for o in out)  # random model
+
+
+def test_pairwise_aggregate_macro_over_benchmarks():
+    rows = [{"benchmark": "X", "n": 2, "acc_ab": 0.5, "acc_ba": 0.5, "acc": 0.5, "format_fail": 0.0},
+            {"benchmark": "X", "n": 6, "acc_ab": 1.0, "acc_ba": 1.0, "acc": 1.0, "format_fail": 0.5},
+            {"benchmark": "Y", "n": 4, "acc_ab": 0.25, "acc_ba": 0.25, "acc": 0.25, "format_fail": 1.0}]
+    g = evaluate.aggregate_pairwise(rows)
+    assert g["benchmarks"][0]["acc"] == pytest.approx(0.875)        # (2*0.5 + 6*1.0) / 8
+    assert g["benchmarks"][0]["format_fail"] == pytest.approx(0.375)
+    assert g["overall"]["acc"] == pytest.approx((0.875 + 0.25) / 2)  # macro over benchmarks
+    assert g["overall"]["n"] == 12
+
+
+def test_rm_bench_grid():
+    def rec(c, r, ab, ba):
+        return {"meta": {"chosen_style": c, "rejected_style": r}, "ab": {"right": ab}, "ba": {"right": ba}}
+    g = evaluate.rm_bench_grid([rec(2, 0, True, True), rec(1, 1, True, False), rec(0, 2, False, False),
+                                rec(0, 1, True, False)])
+    assert g == {"acc_easy": 1.0, "acc_normal": 0.5, "acc_hard": 0.25}
+
+
+@needs_pairwise
+def test_load_benchmark_subset_and_helpsteer3(tmp_path):
+    items = evaluate.load_benchmark(data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)
+    assert len(items) == 5 and all(it["winner"] in ("A", "B") for it in items)
+    assert [it["id"] for it in items] == [it["id"] for it in evaluate.load_benchmark(
+        data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)]  # seeded subset is reproducible
+    hs = write_jsonl(tmp_path / "hs3.jsonl", [
+        {"context": [{"role": "user", "content": "hi"}], "response1": "r1", "response2": "r2",
+         "overall_preference": -2, "individual_preference": [{"reasoning": "@Response 1 is kinder."}]},
+        {"context": "q", "response1": "x", "response2": "y", "overall_preference": 0},  # tie: dropped
+        {"context": "q2", "response1": "x", "response2": "good", "overall_preference": 3}])
+    items = evaluate.load_benchmark(hs, 0, seed=0)
+    assert len(items) == 2
+    s, _ = evaluate.pairwise_accuracy(items, fake_judge)
+    assert s["acc_ab"] + s["acc_ba"] >= 0.5  # item 2's 'good' response is found in both orders
+
+
+# ----------------------------------------------------------------------------------------------
+# Math grading
+
+
+def test_math_verify_equivalence():
+    assert evaluate.math_equal("0.5", "\\frac{1}{2}")
+    assert evaluate.math_equal("\\frac{1}{2}", "0.5")
+    assert evaluate.math_equal("x=3", "3")
+    assert evaluate.math_equal("(3, \\pi/2)", "\\left( 3, \\frac{\\pi}{2} \\right)")
+    assert not evaluate.math_equal("\\frac{1}{3}", "0.5")
+    assert not evaluate.math_equal(None, "3")
+    p = {"kind": "math", "label": "3"}
+    assert evaluate.grade(p, "so we get \\boxed{x=3}.") == ("x=3", True)
+    assert evaluate.grade(p, "the answer is 3") == (None, False)  # no box -> wrong (SPEC §4.3)
+
+
+def test_gsm8k_grading_numeric():
+    p = {"kind": "gsm8k", "label": "1234"}
+    assert evaluate.grade(p, "\\boxed{$1,234}") == ("$1,234", True)
+    assert evaluate.grade(p, "\\boxed{1233}")[1] is False
+
+
+def test_load_math_problems_schemas(tmp_path):
+    g = evaluate.load_math_problems(data_path("gsm8k", "test.jsonl"), 2)
+    assert [x["label"] for x in g] == ["18", "3"] and g[0]["kind"] == "gsm8k"
+    m = evaluate.load_math_problems(data_path("math500", "test.jsonl"), 1)
+    assert m[0]["kind"] == "math" and m[0]["id"] == "test/precalculus/807.json"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "target": "y"}])
+    with pytest.raises(SystemExit, match=r"bad.jsonl.*fields found: \['prompt', 'target'\]"):
+        evaluate.load_math_problems(bad)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(SystemExit, match="empty.jsonl: file is empty"):
+        evaluate.load_math_problems(str(tmp_path / "empty.jsonl"))
+
+
+def test_prompt_template_is_the_training_one(tmp_path):
+    import argparse
+    import yaml
+    cfg = yaml.safe_load(open(os.path.join(REPO, "config.yaml")))
+    assert evaluate.PROMPT_TEMPLATE == cfg["data"]["prompt_template"]  # accuracy = the trained task
+    run_cfg = tmp_path / "config.yaml"
+    run_cfg.write_text('data:\n  prompt_template: "Q: {question}\\nA:"\n')
+    ns = argparse.Namespace(prompt_template=None, config=str(run_cfg))
+    assert evaluate.prompt_template(ns) == "Q: {question}\nA:"
+    ns = argparse.Namespace(prompt_template="no field", config=None)
+    with pytest.raises(SystemExit, match="must contain {question}"):
+        evaluate.prompt_template(ns)
+
+
+def test_math_summary_pass1_mean_std():
+    def ans(c):
+        return {"correct": c, "truncated": False, "pred": "1" if c else None}
+    items = [{"greedy": ans(True), "samples": [ans(True), ans(False), ans(True)]},
+             {"greedy": ans(False), "samples": [ans(False), ans(False), ans(True)]}]
+    s = evaluate.math_summary(items)
+    # per-sample-index accuracy: [0.5, 0.0, 1.0] -> mean 0.5, population std sqrt(1/6)
+    assert s["greedy_acc"] == 0.5 and s["greedy_no_box"] == 0.5
+    assert s["sampled_pass1_per_sample"] == [0.5, 0.0, 1.0]
+    assert s["sampled_pass1_mean"] == pytest.approx(0.5)
+    assert s["sampled_pass1_std"] == pytest.approx(math.sqrt(1 / 6))
+    assert s["sampled_pass_at_n"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Best-of-N
+
+
+def bon_item(correct_idx, n):
+    return {"id": 0, "question": "q", "samples": [
+        {"completion": "right" if k == correct_idx else f"wrong{k}", "correct": k == correct_idx,
+         "pred": "7" if k == correct_idx else str(k)} for k in range(n)]}
+
+
+def test_best_of_n_with_fake_judge():
+    def text_judge(queries):  # picks the response saying 'right', whatever its position
+        return [{"choice": "B" if b == "right" else "A", "valid": True} for _, a, b in queries]
+    for method, calls in (("knockout", 7), ("double_elimination", None)):
+        r = evaluate.best_of_n(bon_item(5, 8), 8, text_judge, method, random.Random(0))
+        assert r["pick"] == 5 and r["correct"] and r["invalid"] == 0
+        assert r["calls"] == (calls or len(r["matches"])) and r["calls"] == len(r["matches"])
+    r = evaluate.best_of_n(bon_item(5, 8), 8, text_judge, "double_elimination", random.Random(0))
+    assert r["calls"] == 14  # the right answer never loses: 2N-2
+
+    def broken_judge(queries):  # invalid output: the first-listed (higher seed) player advances
+        return [{"choice": None, "valid": False} for _ in queries]
+    r = evaluate.best_of_n(bon_item(3, 4), 4, broken_judge, "knockout", random.Random(0))
+    assert r == {**r, "pick": 0, "correct": False, "calls": 3, "invalid": 3}
+    r = evaluate.best_of_n(bon_item(0, 1), 1, broken_judge, "knockout", random.Random(0))
+    assert r["pick"] == 0 and r["calls"] == 0 and r["correct"]
+
+
+def test_load_or_sample_bad_files(tmp_path):
+    import argparse
+    ns = argparse.Namespace(samples=write_jsonl(tmp_path / "x.jsonl", [{"question": "q"}]), n_problems=None, policy=None)
+    with pytest.raises(SystemExit, match=r"not a `evaluate.py math` items file.*fields found: \['question'\]"):
+        evaluate.load_or_sample(ns, 1)
+    ns.samples = write_jsonl(tmp_path / "y.jsonl", [bon_item(0, 3), bon_item(1, 2)])
+    assert len(evaluate.load_or_sample(ns, 2)) == 2
+    with pytest.raises(SystemExit, match=r"N=3 is larger than the samples available \(2 per problem"):
+        evaluate.load_or_sample(ns, 3)
+
+
+def test_reference_solution_control():
+    it = {"kind": "gsm8k", "label": "18", "reference": "She sells 16 - 7 = <<16-7=9>>9 eggs.\n#### 18"}
+    assert evaluate.reference_solution(it) == "She sells 16 - 7 = 9 eggs.\nThe answer is \\boxed{18}."
+    assert evaluate.grade(it, evaluate.reference_solution(it)) == ("18", True)
+    wrong = evaluate.reference_solution(it, evaluate.known_wrong_answer("18"))
+    assert wrong == "She sells 16 - 7 = 9 eggs.\nThe answer is \\boxed{19}." and evaluate.grade(it, wrong)[1] is False
+    assert evaluate.reference_solution({"kind": "math", "label": "3", "reference": "\\boxed{3}"}) is None
+
+
+def test_known_wrong_answer():
+    assert evaluate.known_wrong_answer("18") == "19"
+    assert evaluate.known_wrong_answer("0.5") == "1.5"
+    assert evaluate.known_wrong_answer("\\pi") == "0" and evaluate.known_wrong_answer("0") == "1"
+
+
+def test_majority_vote():
+    s = [{"pred": "3"}, {"pred": None}, {"pred": "5"}, {"pred": "5"}, {"pred": "3"}]
+    assert evaluate.majority_vote(s) == 0  # tie 3 vs 5: the first sample holding a top answer
+    assert evaluate.majority_vote(s[1:]) == 1
+    assert evaluate.majority_vote([{"pred": None}]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot helpers
+
+
+def test_curve_mean_std_across_runs(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"step": 0, "r": 0.0}, {"step": 1, "r": 1.0}, {"step": 2, "r": 5.0}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"step": 0, "r": 2.0}, {"step": 1, "r": 3.0}])  # shorter run
+    c = evaluate.curve([a, b], "r", 0.9)
+    # EMA a: [0, 0.1, 0.59], b: [2, 2.1]; common steps 0, 1
+    assert c["x"] == [0, 1] and c["runs"] == 2
+    assert c["mean"] == pytest.approx([1.0, 1.1]) and c["std"] == pytest.approx([1.0, 1.0])
+    nan = write_jsonl(tmp_path / "n.jsonl", [{"step": 0, "r": 1.0}, {"step": 1}, {"step": 2, "r": 0.0}])
+    assert evaluate.curve([nan], "r", 0.5) == {"x": [0, 2], "mean": [1.0, 0.5], "std": [0.0, 0.0], "runs": 1}
+    with pytest.raises(SystemExit, match=r"no numeric values for metric 'acc'; keys found: \['r', 'step'\]"):
+        evaluate.curve([a], "acc")
+    assert evaluate.parse_curve("rlme=x/m.jsonl,y/m.jsonl") == ("rlme", ["x/m.jsonl", "y/m.jsonl"])
+
+
+def test_cli_plot_end_to_end(tmp_path):
+    runs = []
+    for seed in range(2):
+        rng = random.Random(seed)
+        rows = [{"step": t, "reward/mean": -2 + t / 10 + rng.random() * 0.1,
+                 "accuracy": 0.3 - t / 100 + rng.random() * 0.05} for t in range(20)]
+        runs.append(write_jsonl(tmp_path / f"run{seed}.jsonl", rows))
+    out = tmp_path / "plots"
+    p = run_cli("plot", f"rlme={runs[0]},{runs[1]}", f"single={runs[0]}", "--out", out, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (out / "curves.png").stat().st_size > 5000 and (out / "reward_vs_accuracy.png").stat().st_size > 5000
+    res = json.load(open(out / "plot.json"))
+    rows = {(r["curve"], r["metric"]): r for r in res["table"]}
+    assert rows[("rlme", "reward/mean")]["runs"] == 2 and rows[("rlme", "reward/mean")]["steps"] == 20
+    assert rows[("rlme", "reward/mean")]["last"] > rows[("rlme", "reward/mean")]["first"]  # rising reward
+    assert rows[("rlme", "accuracy")]["last"] < rows[("rlme", "accuracy")]["first"]         # falling accuracy
+    assert rows[("single", "accuracy")]["last_std"] == 0.0
+    assert "rlme" in p.stdout and "reward_vs_accuracy.png" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, no stack trace
+
+
+def test_bad_inputs_one_line(tmp_path):
+    notmodel = tmp_path / "ckpt"
+    notmodel.mkdir()
+    (notmodel / "notes.txt").write_text("hi")
+    assert_one_line_error(run_cli("math", "--model", notmodel, "--n-problems", "1", timeout=120), "not a model")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(run_cli("plot", empty, "--out", tmp_path, timeout=120), "empty.jsonl: file is empty")
+    samples = write_jsonl(tmp_path / "items.jsonl", [bon_item(0, 2), bon_item(1, 2)])
+    assert_one_line_error(run_cli("bon", "--judge", SMOLLM2, "--samples", samples, "--ns", "1,4", timeout=120),
+                          "N=4 is larger than the samples available (2 per problem")
+    assert_one_line_error(run_cli("bon", "--judge", SMOLLM2, "--samples", samples, "--methods", "swiss", timeout=120),
+                          "unknown ['swiss']")
+
+
+@needs_pairwise
+def test_bad_benchmark_schema_one_line(tmp_path):
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "good": "x", "worse": "y"}])
+    p = run_cli("pairwise", "--model", SMOLLM2, odd, timeout=120)
+    assert_one_line_error(p, "odd.jsonl", "['good', 'question', 'worse']")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(run_cli("pairwise", "--model", SMOLLM2, empty, timeout=120), "empty.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end on the real SmolLM2 model (slow)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_items(tmp_path_factory):
+    """`evaluate.py math` on 2 GSM8K test problems, greedy + 2 samples, 16 new tokens."""
+    out = tmp_path_factory.mktemp("math")
+    p = run_cli("math", "--model", SMOLLM2, "--data", data_path("gsm8k", "test.jsonl"), "--n-problems", 2,
+                "--n-samples", 2, "--max-new-tokens", 16, "--out", out)
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_cli_math_gsm8k(gsm8k_items):
+    s = json.load(open(gsm8k_items / "math_gsm8k-test.json"))
+    assert s["n_problems"] == 2 and s["n_samples"] == 2 and s["kind"] == "gsm8k"
+    for k in ("greedy_acc", "sampled_pass1_mean", "sampled_pass1_std", "sampled_pass_at_n", "greedy_truncated"):
+        assert 0.0 <= s[k] <= 1.0, k
+    items = [json.loads(l) for l in open(gsm8k_items / "math_gsm8k-test.items.jsonl")]
+    assert [it["label"] for it in items] == ["18", "3"]
+    for it in items:
+        assert it["greedy"]["completion"] and len(it["samples"]) == 2
+        for a in [it["greedy"]] + it["samples"]:
+            assert a["correct"] == (a["pred"] is not None and reward.numeric_equal(a["pred"], it["label"]))
+
+
+@pytest.mark.slow
+def test_cli_math_math500_greedy(tmp_path):
+    p = run_cli("math", "--model", SMOLLM2, "--data", data_path("math500", "test.jsonl"), "--n-problems", 2,
+                "--n-samples", 0, "--max-new-tokens", 16, "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "math_math500-test.json"))
+    assert s["kind"] == "math" and s["n_problems"] == 2 and 0.0 <= s["greedy_acc"] <= 1.0
+    assert "sampled_pass1_mean" not in s and "math500-test" in p.stdout
+
+
+@pytest.mark.slow
+def test_cli_evaluator_check(gsm8k_items, tmp_path):
+    p = run_cli("evaluator-check", "--evaluator", SMOLLM2, "--samples", gsm8k_items / "math_gsm8k-test.items.jsonl",
+                "--n-canary", 2, "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "evaluator_check.json"))
+    assert s["n_answers"] == 6 and s["question"] == "Is the answer correct?"
+    assert s["auroc"] is None or 0.0 <= s["auroc"] <= 1.0
+    assert 0.0 <= s["control_auroc"] <= 1.0  # 2 references vs the same with a wrong answer
+    assert sum(r["n"] for r in s["reliability"]) == 6
+    names = [c["answer"] for c in s["canaries"]]
+    assert names == ["colon", "step_by_step", "claims_correct", "known_wrong", "reference"]
+    for c in s["canaries"]:
+        assert 0.0 < c["mean_p"] <= 1.0 and c["mean_logp"] <= 0.0
+    recs = [json.loads(l) for l in open(tmp_path / "evaluator_check.items.jsonl")]
+    assert len(recs) == 6 and all(r["logp"] <= 0 and r["p"] == pytest.approx(math.exp(r["logp"])) for r in recs)
+    assert "canaries" in p.stdout and "reliability" in p.stdout
+
+
+@pytest.mark.slow
+@needs_pairwise
+def test_cli_bon(gsm8k_items, tmp_path):
+    p = run_cli("bon", "--judge", SMOLLM2, "--samples", gsm8k_items / "math_gsm8k-test.items.jsonl",
+                "--n-problems", 2, "--ns", "1,2", "--judge-max-new-tokens", 16, "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "bon.json"))
+    rows = {r["N"]: r for r in s["rows"]}
+    assert set(rows) == {1, 2} and s["n_problems"] == 2
+    assert rows[1]["knockout_calls"] == 0 and rows[1]["double_elimination_calls"] == 0
+    assert rows[2]["knockout_calls"] == 2 and rows[2]["double_elimination_calls"] in (4, 5, 6)
+    for r in rows.values():  # a picked answer can never beat the oracle (any sample right)
+        for k in ("knockout_acc", "double_elimination_acc", "mean_sample_acc", "majority_acc"):
+            assert 0.0 <= r[k] <= r["oracle_pass_at_n"] <= 1.0
+    recs = [json.loads(l) for l in open(tmp_path / "bon.items.jsonl")]
+    assert len(recs) == 2 * 2 * 2  # N values x methods x problems
+
+
+@pytest.mark.slow
+@needs_pairwise
+def test_cli_pairwise(tmp_path):
+    files = [data_path("llmbar", "LLMBar_Natural.jsonl"), data_path("hh_rlhf_harmless_base", "test.jsonl")]
+    p = run_cli("pairwise", "--model", SMOLLM2, *files, "--n", 2, "--max-new-tokens", 16, "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "pairwise.json"))
+    assert [r["benchmark"] for r in s["benchmarks"]] == ["LLMBar", "HH-RLHF"]
+    for r in s["files"] + s["benchmarks"] + [s["overall"]]:
+        for k in ("acc_ab", "acc_ba", "acc", "format_fail"):
+            assert 0.0 <= r[k] <= 1.0
+        assert r["acc"] <= 1.0 - r["format_fail"] + 1e-9  # format failures count as wrong
+    recs = [json.loads(l) for l in open(tmp_path / "pairwise.items.jsonl")]
+    assert len(recs) == 4 and all("text" in r["ab"] and "text" in r["ba"] for r in recs)
+    assert "overall (macro)" in p.stdout
+
+
+@pytest.mark.slow
+@needs_pairwise
+def test_cli_policy_sampling_paths_on_tiny_model(tiny_model_path, tmp_path):
+    """bon and evaluator-check sampling their own answers (--policy) instead of reading a file."""
+    gsm = data_path("gsm8k", "test.jsonl")
+    p = run_cli("bon", "--policy", tiny_model_path, "--judge", tiny_model_path, "--data", gsm, "--n-problems", 2,
+                "--ns", "1,2", "--max-new-tokens", 4, "--judge-max-new-tokens", 4, "--out", tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = {r["N"]: r for r in json.load(open(tmp_path / "bon.json"))["rows"]}
+    assert rows[2]["knockout_calls"] == 2 and rows[2]["knockout_invalid"] == 2  # random model: no valid verdict
+    assert rows[2]["knockout_acc"] == rows[2]["mean_sample_acc"] == 0.0
+    p = run_cli("evaluator-check", "--policy", tiny_model_path, "--evaluator", tiny_model_path, "--data", gsm,
+                "--n-problems", 2, "--n-samples", 2, "--max-new-tokens", 4, "--n-canary", 1, "--out", tmp_path,
+                timeout=300)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(tmp_path / "evaluator_check.json"))
+    assert s["n_answers"] == 4 and s["n_correct"] == 0 and s["auroc"] is None  # one class: undefined
