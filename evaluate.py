@@ -544,6 +544,9 @@ def cmd_pairwise(a):
             summary.update(rm_bench_grid(records))
         rows.append({"benchmark": bench, "file": sub, "path": path, **summary})
         all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
+        # long runs (JudgeBench prompts are ~2k tokens): show each file as it finishes
+        print(f"{bench}/{sub}: n={summary['n']} acc={summary['acc']:.3f} format_fail={summary['format_fail']:.3f}",
+              flush=True)
     groups = aggregate_pairwise(rows)
     result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
               "max_prompt_tokens": a.max_prompt_tokens,
