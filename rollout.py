@@ -245,9 +245,11 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     for start in range(0, len(rows), mb):
         ids, attn = left_pad(rows[start:start + mb], pad_id)
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None, top_p=top_p, top_k=top_k,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, use_cache=True,
+            input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+            eos_token_id=eos, pad_token_id=pad_id, use_cache=True,
+            # greedy (T = 0, evaluation) takes no sampling flags; transformers warns about them
+            **(dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0
+               else dict(do_sample=False)),
         )
         chunks.append(out[:, ids.shape[1]:].cpu())
     width = max(c.shape[1] for c in chunks)
