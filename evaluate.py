@@ -130,7 +130,11 @@ def load_math_problems(path, n=None, split="test", hub_config=None):
         rows = read_jsonl(path)
     else:
         import datasets
-        rows = list(datasets.load_dataset(path, hub_config, split=split))
+        try:
+            rows = list(datasets.load_dataset(path, hub_config, split=split))
+        except Exception as e:  # no hub access, or no such dataset: one line, not a traceback
+            raise SystemExit(f"--data {path}: no such file, and it could not be loaded as a hub dataset "
+                             f"({type(e).__name__})")
     out = []
     for i, r in enumerate(rows[:n] if n else rows):
         if "question" in r and "answer" in r and "####" in str(r["answer"]):
@@ -922,7 +926,7 @@ def build_parser():
     common(p)
     p.add_argument("files", nargs="*", help="pairwise JSONL files (default: every benchmark in ../shared/data)")
     p.add_argument("--model", required=True, help="the generative reward model")
-    p.add_argument("--n", type=int, default=50, help="first N items per file (0 = all)")
+    p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--data-root", default=SHARED_DATA)
     p.add_argument("--max-prompt-tokens", type=int, default=0,

@@ -734,7 +734,10 @@ def load_evaluators(cfg, policy, tokenizer, device):
             model, tok = policy, tokenizer
         else:
             path = cfg["model"]["policy"] if kind == "frozen_self" else ev["path"]
-            model, tok = rollout.load_model(path, cfg["model"]["dtype"], device)
+            try:
+                model, tok = rollout.load_model(path, cfg["model"]["dtype"], device)
+            except SystemExit as e:  # name the config key, not just the path
+                raise SystemExit(f"config key reward.evaluators[{i}].path: {e}")
             model.eval().requires_grad_(False)
         evaluators.append({"name": ev.get("name", f"{kind}{i}"), "model": model, "tokenizer": tok,
                            "chat": rollout.use_chat_template(tok, ev.get("chat_template", "auto")),
