@@ -445,13 +445,7 @@ def setup_distributed(device_setting, always_group=False, cpu_collectives=False)
 
 def all_max(x, world):
     """Max of a float over ranks (returns a float)."""
-    if world == 1:
-        return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return all_sum(x, world, op=dist.ReduceOp.MAX)
 
 
 def sampling_seed(run_seed, step, rank):
@@ -461,14 +455,14 @@ def sampling_seed(run_seed, step, rank):
     return run_seed * 1_000_003 + step * 10_007 + rank
 
 
-def all_sum(x, world):
-    """Sum a float over ranks (returns a float)."""
+def all_sum(x, world, op=dist.ReduceOp.SUM):
+    """Sum (or another `op`) of a float over ranks (returns a float)."""
     if world == 1:
         return float(x)
     t = torch.tensor([float(x)], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
