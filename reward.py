@@ -8,6 +8,8 @@ import re
 
 import torch
 
+from rollout import left_pad, positions_from_mask, token_logprobs
+
 
 # ----------------------------------------------------------------------------------------------
 # Answer extraction and RLVR (SPEC §4.3)
@@ -214,7 +216,6 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
         # The shared prefix stops at least one token before each prompt's end, so every suffix
         # row has a token whose logits predict the first target token.
         cut = [min(_common_prefix_len(p), min(len(x) for x in p) - 1) for p in prompts]
-        from rollout import left_pad, positions_from_mask, token_logprobs
         pre_ids, pre_mask = left_pad([p[0][:c] for p, c in zip(prompts, cut)], pad_id)
         pre_ids, pre_mask = pre_ids.to(device), pre_mask.to(device)
         cache = None
