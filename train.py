@@ -994,10 +994,14 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
     n_local = len(prompt_ids)
     model.train()
 
+    # A group's prompt runs once per micro-batch, not G times (rollout.completion_logprobs); the
+    # prompt pass goes through the unwrapped policy so that DDP sees one forward per backward.
+    share = cfg["train"]["share_prompt"]
+
     def forward(m, rows):
         width = max(1, int(mask[rows].sum(-1).max()))  # trim columns that are padding everywhere
         return rollout.completion_logprobs(m, [prompt_ids[i] for i in rows], completion_ids[rows, :width],
-                                           pad_id, temperature), width
+                                           pad_id, temperature, share_prompt=share, prompt_model=policy), width
 
     # Behaviour log-probs: with one optimizer step per batch, pi_theta == pi_b at the update, so
     # the ratio is exactly 1 and we skip a whole forward pass; otherwise recompute them with the

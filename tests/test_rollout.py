@@ -73,6 +73,77 @@ def test_generate_groups_masks_and_seed(tiny_model_path):
     assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
 
 
+def test_prompt_runs():
+    a, b = [1, 5], [1, 6]
+    assert rollout.prompt_runs([a, a, a, b, b, a]) == ([a, b, a], [3, 2, 1])
+    assert rollout.prompt_runs([a]) == ([a], [1])
+
+
+def _draw(probs, n, seed=0, **kw):
+    logits = torch.log(torch.tensor(probs)).expand(n, -1)
+    g = torch.Generator().manual_seed(seed)
+    return rollout.sample_next(logits, kw.pop("temperature", 1.0), kw.pop("top_p", 1.0), kw.pop("top_k", 0), g)
+
+
+def test_sample_next_inverse_cdf_by_hand():
+    # one uniform u per row; cdf of [0.1, 0, 0.6, 0.3] is [0.1, 0.1, 0.7, 1.0] and the token is the
+    # first index whose cdf exceeds u: u < 0.1 -> 0, 0.1 <= u < 0.7 -> 2 (never the 0-mass token 1), else 3
+    probs = [0.1, 0.0, 0.6, 0.3]
+    u = torch.rand(8, 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64).squeeze(1)
+    expected = [0 if x < 0.1 else 2 if x < 0.7 else 3 for x in u.tolist()]
+    assert _draw(probs, 8, seed=3).tolist() == expected
+    # frequencies over many rows follow the distribution
+    counts = torch.bincount(_draw(probs, 20000), minlength=4).float() / 20000
+    assert counts[1] == 0 and torch.allclose(counts, torch.tensor(probs), atol=0.01)
+
+
+def test_sample_next_top_k_top_p_and_greedy():
+    probs = [0.1, 0.0, 0.6, 0.3]
+    for kw in ({"top_k": 2}, {"top_p": 0.65}):  # both keep {2, 3}, renormalised to 2/3, 1/3
+        counts = torch.bincount(_draw(probs, 20000, **kw), minlength=4).float() / 20000
+        assert counts[0] == 0 and counts[1] == 0, kw
+        assert counts[2].item() == pytest.approx(2 / 3, abs=0.01), kw
+    # top_p = 0.5: the most likely token alone already reaches it
+    assert set(_draw(probs, 1000, top_p=0.5).tolist()) == {2}
+    assert set(_draw(probs, 10, temperature=0.0).tolist()) == {2}  # T = 0: argmax
+
+
+def test_greedy_generate_matches_transformers(tiny_model_path):
+    """Our decode loop (shared prefill, static cache, left padding, group split across decode
+    batches) picks exactly the tokens transformers' generate picks."""
+    model, tok = rollout.load_model(tiny_model_path)
+    prompts = [[1, 50, 60, 70, 80], [1, 90]]
+    ours = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=8, temperature=0.0,
+                            micro_batch_size=4)
+    ids, attn = rollout.left_pad(prompts, tok.pad_token_id)
+    hf = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, do_sample=False,
+                        pad_token_id=tok.pad_token_id, eos_token_id=rollout.eos_ids(model, tok))[:, ids.shape[1]:]
+    hf = torch.nn.functional.pad(hf, (0, 8 - hf.shape[1]), value=tok.pad_token_id).repeat_interleave(3, dim=0)
+    mask = ours["completion_mask"].bool()
+    assert torch.equal(ours["completion_ids"][:, :8][mask], hf[:, :ours["completion_ids"].shape[1]][mask])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_shared_prompt_logprobs_equal_per_row(tiny_model_path, grad):
+    """completion_logprobs running each group's prompt once == every row running its own prompt,
+    values and gradients (unequal groups, unequal prompt lengths)."""
+    model, tok = rollout.load_model(tiny_model_path)
+    a, b, c = [1, 50, 60, 70], [1, 90], [1, 33, 44]
+    prompts = [a, a, a, b, c, c]
+    comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for share in (False, True):
+        model.zero_grad()
+        with torch.set_grad_enabled(grad):
+            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, 0.7, share_prompt=share)
+        if grad:
+            (lp * torch.arange(1.0, 31.0).view(6, 5)).sum().backward()
+        out[share] = (lp.detach(), [p.grad.clone() for p in model.parameters()] if grad else [])
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for g1, g0 in zip(out[True][1], out[False][1]):  # float32 summation order: ~5e-6 of the largest entry
+        assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max()
+
+
 def test_model_path_errors(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         rollout.resolve_model_path(str(tmp_path / "nope"))

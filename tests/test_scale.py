@@ -52,8 +52,10 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         torch.manual_seed(0)
         policy, tok = rollout.load_model(model_path)
         before = _flat(policy)
-        # activation checkpointing on: the update must not change with it
-        model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing=True)
+        # seq_sum with activation checkpointing (every row runs its prompt), token_mean without it
+        # (each group's prompt runs once, two forwards through FSDP2 before one backward): the
+        # update must not change with either
+        model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing=agg == "seq_sum")
         assert model is policy and T.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world), _layout_cfg(2, agg),
@@ -93,8 +95,12 @@ def test_fsdp2_layout_gives_the_same_update_and_grad_norm(tiny_model_path, tmp_p
 
 def test_clipping_uses_the_global_norm(tiny_model_path):
     # clipping to half the norm halves the update exactly: the scale is max_norm / global norm
-    full = _plain_update(tiny_model_path, 8, "seq_sum")
+    # (same micro-batching on both sides, so only the clip differs); the norm accumulated over 4
+    # micro-batches is the norm of the one-batch gradient
+    one = _plain_update(tiny_model_path, 8, "seq_sum")
+    full = _plain_update(tiny_model_path, 2, "seq_sum")
     half = _plain_update(tiny_model_path, 2, "seq_sum", grad_clip=full["grad_norm"] / 2)
+    assert full["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert half["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
     assert (half["delta"] - full["delta"] / 2).abs().max().item() < 1e-6
 

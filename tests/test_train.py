@@ -126,15 +126,17 @@ def test_grpo_token_clip_and_kl():
 
 # --- layout equivalence: micro-batches and ranks give one big batch's update -------------------------
 
-def _layout_cfg(micro, agg):
+def _layout_cfg(micro, agg, share_prompt=True):
     return {"algo": dict(ALGO, aggregation=agg), "optim": {"grad_clip": 0.0},
             "rollout": {"group_size": 2, "temperature": 0.8, "max_new_tokens": 5},
-            "train": {"micro_batch_size": micro}}
+            "train": {"micro_batch_size": micro, "share_prompt": share_prompt}}
 
 
 def _layout_batch():
+    # 4 groups of 2: a group's rows share their prompt, as in a rollout (prompt sharing is exercised)
     g = torch.Generator().manual_seed(0)
-    prompts = [[1] + torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 5, 2, 4, 6, 3, 2, 5)]
+    prompts = [[1] + torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 5, 2, 6)]
+    prompts = [p for p in prompts for _ in range(2)]
     comp = torch.randint(3, 200, (8, 5), generator=g)
     lengths = [5, 2, 3, 5, 1, 4, 5, 2]
     mask = torch.zeros(8, 5)
@@ -144,7 +146,7 @@ def _layout_batch():
     return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask, "advantages": adv}
 
 
-def _run_layout(model_path, rank, world, micro, agg, out, port=None):
+def _run_layout(model_path, rank, world, micro, agg, out, port=None, share_prompt=True):
     import rollout
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -158,7 +160,8 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None):
     sl = slice(rank * per, (rank + 1) * per)
     mine = {"prompt_ids": b["prompt_ids"][sl], "completion_ids": b["completion_ids"][sl],
             "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
-    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg), world, torch.device("cpu"), tok.pad_token_id)
+    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, share_prompt), world, torch.device("cpu"),
+                          tok.pad_token_id)
     loss = T.all_sum(upd["loss"], world)
     delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
     if rank == 0:
@@ -176,11 +179,14 @@ def _free_port():
 
 @pytest.mark.parametrize("agg", ["seq_sum", "token_mean"])
 def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
+    # reference: 1 rank x 1 micro-batch, every row running its own prompt; the others share each
+    # group's prompt (rollout.completion_logprobs) and must give the same update
     results = {}
-    for name, world, micro in [("1x1", 1, 8), ("1x4", 1, 2), ("2x2", 2, 2)]:
+    for name, world, micro, share in [("1x1 unshared", 1, 8, False), ("1x1", 1, 8, True), ("1x4", 1, 2, True),
+                                      ("2x2", 2, 2, True)]:
         out = str(tmp_path / f"{name}.pt")
         if world == 1:
-            _run_layout(tiny_model_path, 0, 1, micro, agg, out)
+            _run_layout(tiny_model_path, 0, 1, micro, agg, out, share_prompt=share)
         else:
             ctx = mp.get_context("spawn")
             port = _free_port()
@@ -189,9 +195,9 @@ def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
             [p.join(120) for p in procs]
             assert all(p.exitcode == 0 for p in procs)
         results[name] = torch.load(out)
-    ref = results["1x1"]
+    ref = results["1x1 unshared"]
     assert ref["delta"].abs().max() > 1e-4  # the update is not trivially zero
-    for name in ("1x4", "2x2"):
+    for name in ("1x1", "1x4", "2x2"):
         assert results[name]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert (results[name]["delta"] - ref["delta"]).abs().max().item() < 1e-5, name
 

@@ -1,0 +1,232 @@
+"""Side-by-side benchmark: the same RLME step in our train.py and in TRL's GRPOTrainer (issue 6).
+
+    pip install trl==1.16.0                     # benchmark-only dependency, not in requirements.txt
+    python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
+
+What is "the same step": one rollout batch of P prompts x G completions of at most N new tokens
+(T = 1, top_p = 1, no top-k), the live self-evaluation reward log P("Yes" | evaluator prompt) of
+reward.py computed by the policy itself (the same function and prompt on both sides, so the
+reward stage measures the same code), then one CISPO optimizer step with on-policy ratio 1,
+mean-only advantages, no KL, AdamW, grad clip 1, micro-batches of 8 sequences.
+TRL: GRPOTrainer(loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none",
+beta=0), everything else at TRL's defaults except fp32 (bf16=False) and the values above;
+`--trl-gradient-checkpointing 0` turns off TRL's default activation checkpointing.
+
+Every run is a fresh subprocess, so its peak RSS is its own; the runs alternate A B A B so both
+sides see the same machine load. Printed per run: median seconds per step (the first step is
+excluded: it warms allocators and caches), seconds by stage (rollout, reward, update), generated
+tokens/s during rollout, peak RSS; and per pair the ratio ours/TRL. A JSON summary goes to --out.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+
+
+def summarize(steps):
+    """steps: list of dicts {step, rollout, reward, update, tokens}; median over steps 2.. ."""
+    timed = steps[1:] if len(steps) > 1 else steps
+    med = lambda k: statistics.median(s[k] for s in timed)
+    out = {k: med(k) for k in ("step", "rollout", "reward", "update")}
+    out["tokens_per_s"] = sum(s["tokens"] for s in timed) / max(sum(s["rollout"] for s in timed), 1e-9)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Our side: train.py itself, read back from metrics.jsonl
+
+
+def run_ours(a):
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", a.config,
+               f"run.out_dir={out_dir}", f"run.total_steps={a.steps}", "run.save_every=0",
+               f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
+               f"train.micro_batch_size={a.micro_batch}", f"reward.micro_batch_size={a.micro_batch}", *a.ours_override]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    steps = [{"step": r["time/step"], "rollout": r["time/rollout"], "reward": r["time/reward"],
+              "update": r["time/update"], "tokens": r["completion/length_mean"] * a.P * a.G} for r in rows]
+    return {"side": "ours", "steps": steps, "peak_rss_mb": max(r["memory/peak_mb"] for r in rows), "wall_s": wall,
+            "loss": [r["loss"] for r in rows], "reward_mean": [r["reward/mean"] for r in rows]}
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's side: GRPOTrainer in this process (called as a child with --side trl)
+
+
+def run_trl_child(a):
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import reward as R
+    import rollout
+    import train
+
+    cfg = train.load_config([a.config], [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}",
+                                         f"rollout.max_new_tokens={a.N}"])
+    policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
+    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    # the same prompts in the same order as our run: step_items for steps 0..S-1
+    items = train.load_train_items(cfg)
+    rows = []
+    for step in range(a.steps):
+        for it in train.step_items(items, step, a.P, cfg["run"]["seed"], 0, 1):
+            text = cfg["data"]["prompt_template"].format(question=it["question"])
+            rows.append({"prompt": [{"role": "user", "content": text}] if chat else text, "question": it["question"]})
+    rw = cfg["reward"]
+    template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
+    holder = {}
+
+    def live_self_eval(prompts, completions, question, **kwargs):
+        """RLME Eq. 2-3 with one live evaluator: the policy being trained scores its own answers."""
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        ev = [{"name": "live", "model": holder["trainer"].model, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+        out = R.rlme_reward(ev, rw["meta_questions"], list(question), texts, template=template,
+                            answer_stub=rw["answer_stub"], micro_batch_size=a.micro_batch)
+        return out["reward"].tolist()
+
+    o = cfg["optim"]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, max_steps=a.steps, seed=cfg["run"]["seed"], shuffle_dataset=False,
+        per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.P * a.G // a.micro_batch,
+        num_generations=a.G, max_completion_length=a.N, temperature=1.0, top_p=1.0, top_k=0,
+        loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none", beta=0.0,
+        epsilon_high=1.0 + cfg["algo"]["eps_high"], learning_rate=o["lr"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=o["weight_decay"], adam_beta1=o["beta1"], adam_beta2=o["beta2"],
+        max_grad_norm=o["grad_clip"], gradient_checkpointing=bool(a.trl_gradient_checkpointing),
+        dataloader_num_workers=0, log_completions=False,
+    )
+    timers = {"rollout": 0.0, "reward": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[name] += time.perf_counter() - t
+        return wrapper
+
+    steps, logs = [], []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            timers.update(rollout=0.0, reward=0.0, t0=time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            total = time.perf_counter() - timers["t0"]
+            steps.append({"step": total, "rollout": timers["rollout"], "reward": timers["reward"],
+                          "update": total - timers["rollout"] - timers["reward"]})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                holder.setdefault("logs", []).append(dict(logs))
+
+    trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=live_self_eval, args=args,
+                          train_dataset=Dataset.from_list(rows), callbacks=[StepTimer()])
+    holder["trainer"] = trainer
+    # stage timers around TRL's own generation and reward calls (the reward is the same function as ours)
+    trainer._generate_single_turn = timed("rollout", trainer._generate_single_turn)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    torch.manual_seed(cfg["run"]["seed"])
+    trainer.train()
+    for s, lg in zip(steps, holder.get("logs", [])):
+        s["tokens"] = lg["completions/mean_length"] * a.P * a.G
+    return {"side": "trl", "steps": steps, "peak_rss_mb": peak_rss_mb(),
+            "loss": [lg.get("loss") for lg in holder.get("logs", [])],
+            "reward_mean": [lg.get("reward") for lg in holder.get("logs", [])]}
+
+
+def run_trl(a):
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, os.path.abspath(__file__), "--side", "trl", "--result", f.name,
+               "--config", a.config, "--steps", str(a.steps), "--P", str(a.P), "--G", str(a.G), "--N", str(a.N),
+               "--micro-batch", str(a.micro_batch), "--trl-gradient-checkpointing", str(a.trl_gradient_checkpointing)]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        res = json.load(open(f.name))
+        res["wall_s"] = time.perf_counter() - t
+        return res
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "cpu.yaml"))
+    p.add_argument("--pairs", type=int, default=2, help="A B pairs to run (ours, then TRL)")
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed")
+    p.add_argument("--P", type=int, default=4, help="prompts per step")
+    p.add_argument("--G", type=int, default=4, help="completions per prompt")
+    p.add_argument("--N", type=int, default=128, help="max new tokens")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward, both sides")
+    p.add_argument("--trl-gradient-checkpointing", type=int, default=1, help="TRL's default is 1 (on)")
+    p.add_argument("--only", choices=["ours", "trl"], help="run one side only (e.g. a scaling sweep)")
+    p.add_argument("--out", default=None, help="JSON summary file")
+    p.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("ours_override", nargs="*", help="extra key=value overrides for our train.py")
+    a = p.parse_args(argv)
+    if a.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is not timed)")
+    if (a.P * a.G) % a.micro_batch:
+        raise SystemExit(f"--micro-batch {a.micro_batch} must divide P*G = {a.P * a.G}")
+    if a.side == "trl":
+        json.dump(run_trl_child(a), open(a.result, "w"))
+        return
+    if a.only != "ours":
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise SystemExit("TRL is a benchmark-only dependency: pip install trl==1.16.0 (or use --only ours)")
+
+    sides = [s for s in ("ours", "trl") if a.only in (None, s)]
+    results = []
+    print(f"P={a.P} G={a.G} N={a.N} micro-batch={a.micro_batch} steps/run={a.steps} (first not timed) "
+          f"TRL gradient checkpointing={a.trl_gradient_checkpointing}", flush=True)
+    header = f"{'pair':>4} {'side':>5} {'step s':>7} {'rollout':>8} {'reward':>7} {'update':>7} {'tok/s':>6} {'peak GB':>8}"
+    print(header, flush=True)
+    for pair in range(a.pairs):
+        row = {}
+        for side in sides:
+            res = run_ours(a) if side == "ours" else run_trl(a)
+            res["summary"] = summarize(res["steps"])
+            row[side] = res
+            s = res["summary"]
+            print(f"{pair:>4} {side:>5} {s['step']:>7.1f} {s['rollout']:>8.1f} {s['reward']:>7.1f} {s['update']:>7.1f} "
+                  f"{s['tokens_per_s']:>6.1f} {res['peak_rss_mb'] / 1024:>8.2f}", flush=True)
+        if len(row) == 2:
+            row["ratio_step"] = row["ours"]["summary"]["step"] / row["trl"]["summary"]["step"]
+            row["ratio_rss"] = row["ours"]["peak_rss_mb"] / row["trl"]["peak_rss_mb"]
+            print(f"{pair:>4} ours/TRL: step time x{row['ratio_step']:.2f}, peak RSS x{row['ratio_rss']:.2f}", flush=True)
+        results.append(row)
+    if len(sides) == 2:
+        rs, rm = [r["ratio_step"] for r in results], [r["ratio_rss"] for r in results]
+        print(f"median over {len(results)} pairs: step time x{statistics.median(rs):.2f}, "
+              f"peak RSS x{statistics.median(rm):.2f}", flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        json.dump({"args": vars(a), "pairs": results}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
