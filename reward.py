@@ -7,7 +7,9 @@ import math
 import re
 
 import torch
+from transformers import DynamicCache
 
+import rollout
 from rollout import left_pad, positions_from_mask, token_logprobs
 
 
@@ -190,14 +192,39 @@ def _common_prefix_len(rows):
     return n
 
 
+def _stage_forward(model, ids, mask, past_mask, cache):
+    """Run `ids` [B, T] (mask [B, T]) after what `cache` holds (its mask `past_mask` [B, T0], or
+    None) and return (output, mask of everything so far). Positions count real tokens only, so
+    left padding, and right padding between stages, leaves every token at its true position."""
+    full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
+    pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
+    out = model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out, full
+
+
+def _right_pad(rows, pad_id, device):
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 @torch.no_grad()
-def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
+def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
     """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax (SPEC §4.2).
 
-    prompt_ids[i] holds the K prompts of sample i (one per meta-question); they share the
-    problem+solution prefix. That prefix is run once per sample with the KV cache kept, and
-    the K suffixes (prompt tail + target) then attend to the cached prefix: K questions cost
-    one long forward plus K short ones instead of K long ones.
+    Nothing is computed twice. Evaluator prompts form a tree: the samples of one group share the
+    problem (chat header, instructions, problem statement), the K prompts of one sample share the
+    solution too, and only the meta-question tail + target differ. So each micro-batch runs
+      A. each group's shared prefix once,                       KV cache repeated to its samples
+      B. each sample's remaining prefix once, after A,          KV cache repeated K times
+      C. the K suffixes (prompt tail + target), after A + B.
+    K questions cost one long forward plus K short ones (issue 6: K = 4 costs <= 1.5 x K = 1),
+    and a group of G samples pays for its problem once instead of G times.
 
     Args:
         model: causal LM (eval mode; no grad is taken).
@@ -205,47 +232,59 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
         target_ids: same nesting, the target answer ids.
         pad_id: int.
         micro_batch_size: samples (each with all K rows) per forward.
+        groups: list (N) of hashable group keys, e.g. the problem text: samples with the same
+            key next to each other share stage A. None = no sharing across samples.
     Returns:
         FloatTensor [N, K] of sum_t log p(target_t | prompt, target_<t), float32, on CPU.
     """
     device = next(model.parameters()).device
+    groups = list(range(len(prompt_ids))) if groups is None else list(groups)
     out = []
     for start in range(0, len(prompt_ids), micro_batch_size):
         prompts, targets = prompt_ids[start:start + micro_batch_size], target_ids[start:start + micro_batch_size]
         n, k = len(prompts), len(prompts[0])
-        # The shared prefix stops at least one token before each prompt's end, so every suffix
-        # row has a token whose logits predict the first target token.
+        # B ends at least one token before each prompt's end, so every suffix row has a token
+        # whose logits predict the first target token; A ends at least one token before B's end.
         cut = [min(_common_prefix_len(p), min(len(x) for x in p) - 1) for p in prompts]
-        pre_ids, pre_mask = left_pad([p[0][:c] for p, c in zip(prompts, cut)], pad_id)
-        pre_ids, pre_mask = pre_ids.to(device), pre_mask.to(device)
-        cache = None
-        if pre_ids.shape[1] > 0:
-            cache = model(input_ids=pre_ids, attention_mask=pre_mask,
-                          position_ids=positions_from_mask(pre_mask), use_cache=True,
-                          logits_to_keep=1).cache
-            cache.batch_repeat_interleave(k)  # [n, ...] -> [n*k, ...], rows of one sample adjacent
-        # Suffix rows, right-padded: prompt tail + target.
+        runs = []  # [first sample, count, shared length] per group run in this micro-batch
+        for i, g in enumerate(groups[start:start + n]):
+            if runs and g == groups[start + runs[-1][0]]:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, 0])
+        for r in runs:
+            members = range(r[0], r[0] + r[1])
+            r[2] = 0 if r[1] == 1 else min(_common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
+                                            min(cut[i] for i in members) - 1)
+        shared = [r[2] for r in runs for _ in range(r[1])]
+        reps = torch.tensor([r[1] for r in runs], device=device)
+        cache, past = DynamicCache(config=model.config), None
+        # A: one row per group run (left-padded), then repeated to the run's samples
+        if max(shared) > 0:
+            a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
+            _, past = _stage_forward(model, a_ids.to(device), a_mask.to(device), None, cache)
+            rollout.repeat_cache(cache, reps)
+            past = past.repeat_interleave(reps, dim=0)
+        # B: the rest of each sample's common prefix (right-padded), then repeated K times
+        b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
+        _, past = _stage_forward(model, b_ids, b_mask, past, cache)
+        rollout.repeat_cache(cache, torch.full((n,), k, device=device))
+        past = past.repeat_interleave(k, dim=0)
+        # C: suffix rows, right-padded: prompt tail + target
         rows, tgt_start, tgt_len = [], [], []
         for p, t, c in zip(prompts, targets, cut):
             for pk, tk in zip(p, t):
                 rows.append(pk[c:] + tk)
                 tgt_start.append(len(pk) - c)
                 tgt_len.append(len(tk))
-        width = max(len(r) for r in rows)
-        suf_ids = torch.full((n * k, width), pad_id, dtype=torch.long)
-        suf_mask = torch.zeros((n * k, width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            suf_ids[i, :len(r)] = torch.tensor(r)
-            suf_mask[i, :len(r)] = 1
-        suf_ids, suf_mask = suf_ids.to(device), suf_mask.to(device)
-        prefix_len = torch.tensor(cut, device=device).repeat_interleave(k)  # real prefix tokens
-        attn = torch.cat([pre_mask.repeat_interleave(k, 0), suf_mask], dim=1)
-        pos = prefix_len[:, None] + torch.arange(width, device=device)[None, :]
-        logits = model(input_ids=suf_ids, attention_mask=attn, position_ids=pos,
-                       cache=cache, use_cache=cache is not None).logits
+        c_ids, c_mask = _right_pad(rows, pad_id, device)
+        full = torch.cat([past, c_mask], dim=1)
+        width = c_ids.shape[1]
+        logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
+                       cache=cache, use_cache=True).logits
         # logits at suffix column j predict column j+1; target tokens sit at columns
         # tgt_start .. tgt_start+len-1, so they are predicted from columns tgt_start-1 ...
-        lp = token_logprobs(logits[:, :-1], suf_ids[:, 1:])  # [n*k, width-1]
+        lp = token_logprobs(logits[:, :-1], c_ids[:, 1:])  # [n*k, width-1]
         col = torch.arange(width - 1, device=device)[None, :]
         start_t = torch.tensor(tgt_start, device=device)[:, None] - 1
         sel = (col >= start_t) & (col < start_t + torch.tensor(tgt_len, device=device)[:, None])
@@ -296,8 +335,10 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
                 ts.append(t)
             prompt_rows.append(ps)
             target_rows.append(ts)
+        # samples of one problem (a group) are adjacent: score_targets runs their shared
+        # evaluator-prompt prefix once
         lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
-                           micro_batch_size)
+                           micro_batch_size, groups=problems)
         if renormalize:
             k = len(questions)
             lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])

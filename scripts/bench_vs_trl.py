@@ -7,7 +7,7 @@ What is "the same step": one rollout batch of P prompts x G completions of at mo
 (T = 1, top_p = 1, no top-k), the live self-evaluation reward log P("Yes" | evaluator prompt) of
 reward.py computed by the policy itself (the same function and prompt on both sides, so the
 reward stage measures the same code), then one CISPO optimizer step with on-policy ratio 1,
-mean-only advantages, no KL, AdamW, grad clip 1, micro-batches of 8 sequences.
+mean-only advantages, no KL, AdamW, grad clip 1, micro-batches of --micro-batch sequences (4).
 TRL: GRPOTrainer(loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none",
 beta=0), everything else at TRL's defaults except fp32 (bf16=False) and the values above;
 `--trl-gradient-checkpointing 0` turns off TRL's default activation checkpointing.
@@ -178,7 +178,7 @@ def main(argv=None):
     p.add_argument("--P", type=int, default=4, help="prompts per step")
     p.add_argument("--G", type=int, default=4, help="completions per prompt")
     p.add_argument("--N", type=int, default=128, help="max new tokens")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward, both sides")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward, both sides")
     p.add_argument("--trl-gradient-checkpointing", type=int, default=1, help="TRL's default is 1 (on)")
     p.add_argument("--only", choices=["ours", "trl"], help="run one side only (e.g. a scaling sweep)")
     p.add_argument("--out", default=None, help="JSON summary file")

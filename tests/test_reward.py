@@ -120,6 +120,27 @@ def test_nonfinite_logp_replaced(monkeypatch):
     assert out["reward"].tolist() == [-50.0, -1.0] and out["nonfinite"] == 1
 
 
+def test_group_shared_scoring_equals_naive_tiny(tiny_model_path):
+    """Stages A (group prefix) + B (sample prefix) + C (K suffixes) == one forward per prompt,
+    with uneven groups, a group split across micro-batches, identical solutions in a group and
+    multi-token targets."""
+    model, tok = rollout.load_model(tiny_model_path)
+    model.eval()
+    problem = {0: [1, 11, 12, 13, 14, 15], 1: [1, 21, 22]}
+    sols = [[40, 41, 42], [40, 43], [40, 41, 42], [50, 51, 52, 53], [60]]
+    keys = [0, 0, 0, 1, 1]
+    tails = [[7, 8], [7, 9, 9]]
+    prompts = [[problem[g] + s + t for t in tails] for g, s in zip(keys, sols)]
+    targets = [[[30], [31, 32]] for _ in sols]
+    for mb in (2, 5):
+        fast = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=mb, groups=keys)
+        for i in range(len(sols)):
+            for k in range(2):
+                with torch.no_grad():
+                    lp = rollout.completion_logprobs(model, [prompts[i][k]], torch.tensor([targets[i][k]]), tok.pad_token_id)
+                assert fast[i, k].item() == pytest.approx(lp.sum().item(), abs=1e-5), (mb, i, k)
+
+
 @pytest.mark.slow
 def test_shared_prefix_scoring_equals_naive(smollm2):
     model, tok = smollm2
@@ -133,7 +154,10 @@ def test_shared_prefix_scoring_equals_naive(smollm2):
                 "Yes" if k < 2 else "Yes, it is", chat) for k, q in enumerate(qs)])
             prompts.append(list(ps))
             targets.append(list(ts))
-        fast = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3)
+        # micro-batches of 3 samples; samples 0-2 are one group (same problem), 3 its own
+        fast = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3, groups=[0, 0, 0, 1])
+        alone = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3)
+        assert torch.allclose(fast, alone, atol=1e-4)
         for i in range(len(sols)):
             for k in range(len(qs)):
                 with torch.no_grad():
