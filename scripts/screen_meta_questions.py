@@ -1,0 +1,76 @@
+"""Screen meta-questions before a learning run: can the evaluator judge the behaviour, and can the
+policy change it?
+
+    python scripts/screen_meta_questions.py --n-prompts 16 --samples 4 rollout.max_new_tokens=64
+
+For each candidate (meta-question, behaviour test on the completion text) this samples completions
+from the policy (configs/cpu.yaml by default), scores log P("Yes" | question) with the evaluator
+(the policy itself: live self-evaluation, reward.rlme_reward), and prints
+  - base rate: the fraction of completions that show the behaviour (the policy can only be pushed
+    toward a behaviour it sometimes shows; near 0 or 1 leaves nothing to learn),
+  - AUROC of P(Yes) for "shows the behaviour" (evaluate.auroc; 0.5 = the evaluator cannot tell),
+  - mean log P(Yes) with and without the behaviour.
+A candidate worth a learning run has a base rate between ~0.1 and ~0.7 and an AUROC well above 0.5.
+"""
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import evaluate  # noqa: E402
+import reward as R  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+
+CANDIDATES = {
+    "steps": ("Is the solution written as numbered steps?",
+              lambda s: bool(re.search(r"(?im)^\s*(step\s*1\b|1[.)]\s)", s))),
+    "equations": ("Does the solution show its calculations as equations?", lambda s: "=" in s),
+    "first": ("Does the solution start with the word 'First'?", lambda s: s.lstrip().lower().startswith("first")),
+    "answer": ("Does the solution state the final answer?", lambda s: "answer" in s.lower()),
+    "digits": ("Does the solution contain numbers?", lambda s: bool(re.search(r"\d", s))),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "cpu.yaml"))
+    p.add_argument("--n-prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    p.add_argument("--only", nargs="*", choices=sorted(CANDIDATES), help="candidates to screen (default: all)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    a = p.parse_args(argv)
+    cfg = train.load_config([a.config], a.overrides)
+    ro, rw = cfg["rollout"], cfg["reward"]
+    policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
+    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    items = train.load_train_items(cfg)[:a.n_prompts]
+    prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
+               for it in items]
+    out = rollout.generate(policy, tok, prompts, a.samples, ro["max_new_tokens"], ro["temperature"], ro["top_p"],
+                           ro["top_k"], seed=cfg["run"]["seed"], micro_batch_size=16)
+    problems = [it["question"] for it in items for _ in range(a.samples)]
+    evaluator = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+    names = a.only or sorted(CANDIDATES)
+    mq = [{"question": CANDIDATES[n][0], "weight": 1.0, "target": "Yes"} for n in names]
+    logp = R.rlme_reward(evaluator, mq, problems, out["completions"], answer_stub=rw["answer_stub"],
+                         micro_batch_size=rw["micro_batch_size"])["logp"][:, 0, :]  # [N, K]
+    print(f"{len(out['completions'])} completions, max {ro['max_new_tokens']} new tokens, "
+          f"truncated {out['truncated'].float().mean():.2f}")
+    print(f"{'candidate':>10} {'base rate':>9} {'AUROC':>6} {'logP yes|has':>13} {'logP yes|not':>13}  question")
+    for k, n in enumerate(names):
+        has = torch.tensor([CANDIDATES[n][1](c) for c in out["completions"]])
+        lp = logp[:, k]
+        auc = evaluate.auroc(lp.tolist(), has.tolist()) if 0 < has.sum() < len(has) else float("nan")
+        m1 = lp[has].mean().item() if has.any() else float("nan")
+        m0 = lp[~has].mean().item() if (~has).any() else float("nan")
+        print(f"{n:>10} {has.float().mean():>9.2f} {auc:>6.3f} {m1:>13.3f} {m0:>13.3f}  {CANDIDATES[n][0]}")
+
+
+if __name__ == "__main__":
+    main()
