@@ -2,14 +2,16 @@
 
     python scripts/learning_check.py runs/learn-s0 runs/learn-s1 --out runs/learning_check.png
 
-The behaviour of configs/cpu_learn.yaml is "shows its calculations as equations", measured
-from samples.jsonl as the mean number of '=' signs per completion. Prints, per run, the mean of
-the first and the last `--window` steps, and plots both quantities per step (thin: raw, thick:
+The behaviour of configs/cpu_learn.yaml is "states the final answer", measured from
+samples.jsonl as the fraction of completions that contain the word "answer" (`--behaviour answer`;
+`--behaviour equals` counts '=' signs, the earlier equations question). Prints, per run, the mean
+of the first and the last `--window` steps, and plots both quantities per step (thin: raw, thick:
 EMA 0.9 as in the paper's curves).
 """
 import argparse
 import json
 import os
+import re
 
 import matplotlib
 
@@ -27,6 +29,12 @@ def per_step(run_dir, behaviour):
     return {k: (sum(r for r, _ in v) / len(v), sum(b for _, b in v) / len(v)) for k, v in sorted(steps.items())}
 
 
+BEHAVIOURS = {
+    "answer": ("fraction of solutions saying 'answer'", lambda text: float(bool(re.search(r"(?i)\banswer", text)))),
+    "equals": ("'=' signs per completion", lambda text: text.count("=")),
+}
+
+
 def ema(xs, alpha=0.9):
     out = []
     for x in xs:
@@ -38,23 +46,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="answer")
     ap.add_argument("--out", default="learning_check.png")
     a = ap.parse_args()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    print(f"{'run':24s} {'reward first':>12s} {'reward last':>12s} {'= first':>8s} {'= last':>8s}")
+    title, behaviour = BEHAVIOURS[a.behaviour]
+    print(f"{'run':24s} {'reward first':>12s} {'reward last':>12s} {'beh. first':>10s} {'beh. last':>10s}")
     for run in a.runs:
-        data = per_step(run, lambda text: text.count("="))
+        data = per_step(run, behaviour)
         steps = list(data)
         reward = [data[s][0] for s in steps]
         eq = [data[s][1] for s in steps]
         w = a.window
         print(f"{run:24s} {sum(reward[:w]) / w:12.3f} {sum(reward[-w:]) / w:12.3f} "
-              f"{sum(eq[:w]) / w:8.2f} {sum(eq[-w:]) / w:8.2f}")
+              f"{sum(eq[:w]) / w:10.3f} {sum(eq[-w:]) / w:10.3f}")
         for ax, ys in zip(axes, (reward, eq)):
             line, = ax.plot(steps, ys, alpha=0.3)
             ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
     axes[0].set(title="reward (sum of log P(Yes))", xlabel="step")
-    axes[1].set(title="'=' signs per completion", xlabel="step")
+    axes[1].set(title=title, xlabel="step")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(a.out, dpi=100)

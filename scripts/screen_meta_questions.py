@@ -32,7 +32,7 @@ CANDIDATES = {
               lambda s: bool(re.search(r"(?im)^\s*(step\s*1\b|1[.)]\s)", s))),
     "equations": ("Does the solution show its calculations as equations?", lambda s: "=" in s),
     "first": ("Does the solution start with the word 'First'?", lambda s: s.lstrip().lower().startswith("first")),
-    "answer": ("Does the solution state the final answer?", lambda s: "answer" in s.lower()),
+    "answer": ("Does the solution state the final answer?", lambda s: bool(re.search(r"(?i)\banswer", s))),
     "digits": ("Does the solution contain numbers?", lambda s: bool(re.search(r"\d", s))),
 }
 
