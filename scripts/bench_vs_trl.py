@@ -1,6 +1,6 @@
 """Side-by-side benchmark: the same RLME step in our train.py and in TRL's GRPOTrainer (issue 6).
 
-    pip install trl==1.16.0                     # benchmark-only dependency, not in requirements.txt
+    pip install -r requirements-bench.txt       # trl==1.16.0: benchmark-only, not in requirements.txt
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
 
 What is "the same step": one rollout batch of P prompts x G completions of at most N new tokens
@@ -197,7 +197,7 @@ def main(argv=None):
         try:
             import trl  # noqa: F401
         except ImportError:
-            raise SystemExit("TRL is a benchmark-only dependency: pip install trl==1.16.0 (or use --only ours)")
+            raise SystemExit("TRL is a benchmark-only dependency: pip install -r requirements-bench.txt (or use --only ours)")
 
     sides = [s for s in ("ours", "trl") if a.only in (None, s)]
     results = []
