@@ -1141,8 +1141,10 @@ def train(cfg):
         ref_model, _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         ref_model.eval().requires_grad_(False)
     o = cfg["optim"]
+    # fused=True: one kernel over all parameters. The default (foreach) makes full-size temporaries
+    # and took ~8x longer on the 2-core CPU for SmolLM2's 135M parameters; same update (2e-7).
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
-                                  weight_decay=o["weight_decay"])
+                                  weight_decay=o["weight_decay"], fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start_step = 0
     if ckpt:

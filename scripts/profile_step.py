@@ -43,7 +43,7 @@ def main(argv=None):
     chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
     items = train.load_train_items(cfg)
     evaluators = train.load_evaluators(cfg, policy, tok, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
 
     def questions(k):
