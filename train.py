@@ -207,6 +207,10 @@ def validate_config(cfg, world_size=1):
         raise SystemExit("config key reward.anchor_fraction: must be in [0, 1]")
     if r["temperature"] <= 0:
         raise SystemExit("config key rollout.temperature: must be > 0 for RL sampling")
+    if not 0 < r["top_p"] <= 1:
+        raise SystemExit(f"config key rollout.top_p: must be in (0, 1], got {r['top_p']}")
+    if r["top_k"] < 0:
+        raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
     if "{question}" not in cfg["data"]["prompt_template"]:
         raise SystemExit("config key data.prompt_template: must contain {question}")
     nl = cfg["nlhf"]

@@ -244,6 +244,17 @@ def test_world_size_must_divide_prompts():
         T.validate_config(cfg, world_size=4)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("rollout.top_p=1.5", "config key rollout.top_p: must be in (0, 1], got 1.5"),
+    ("rollout.top_p=0", "config key rollout.top_p: must be in (0, 1], got 0.0"),
+    ("rollout.top_k=-1", "config key rollout.top_k: must be >= 0 (0 = off), got -1"),
+])
+def test_sampling_settings_out_of_range(override, message):
+    with pytest.raises(SystemExit) as e:
+        T.validate_config(T.load_config([], [override]))
+    assert str(e.value) == message
+
+
 # --- data ---------------------------------------------------------------------------------------------
 
 def test_gsm8k_items_and_anchoring():
