@@ -2,9 +2,9 @@
 
     python scripts/learning_check.py runs/learn-s0 runs/learn-s1 --out runs/learning_check.png
 
-The behaviour of configs/cpu_learn.yaml is "states the final answer", measured from
-samples.jsonl as the fraction of completions that contain the word "answer" (`--behaviour answer`;
-`--behaviour equals` counts '=' signs, the earlier equations question). Prints, per run, the mean
+The behaviour of configs/cpu_learn.yaml is "shows its calculations as equations", measured from
+samples.jsonl as the mean number of '=' signs per completion (`--behaviour equals`, the default);
+`--behaviour answer` is the fraction of completions that say "answer" (the second screened question). Prints, per run, the mean
 of the first and the last `--window` steps, and plots both quantities per step (thin: raw, thick:
 EMA 0.9 as in the paper's curves).
 """
@@ -46,7 +46,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--window", type=int, default=3)
-    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="answer")
+    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="equals")
     ap.add_argument("--out", default="learning_check.png")
     a = ap.parse_args()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
