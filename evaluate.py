@@ -124,7 +124,8 @@ def load_math_problems(path, n=None, split="test", hub_config=None):
         ({question, answer with '#### n'}) get the cleaned numeric label; MATH rows
         ({problem, answer}) keep the answer string.
     Raises:
-        SystemExit: unknown schema (names the fields found) or an empty file.
+        SystemExit: unknown schema (names the fields found), an empty file, or n larger than
+            the number of problems.
     """
     if os.path.isfile(path) or not (path.count("/") == 1 and not path.startswith((".", "/", "~"))):
         rows = read_jsonl(path)
@@ -135,6 +136,8 @@ def load_math_problems(path, n=None, split="test", hub_config=None):
         except Exception as e:  # no hub access, or no such dataset: one line, not a traceback
             raise SystemExit(f"--data {path}: no such file, and it could not be loaded as a hub dataset "
                              f"({type(e).__name__})")
+    if n and n > len(rows):
+        raise SystemExit(f"--n-problems {n}: {path} has only {len(rows)} problems")
     out = []
     for i, r in enumerate(rows[:n] if n else rows):
         if "question" in r and "answer" in r and "####" in str(r["answer"]):

@@ -260,6 +260,9 @@ def test_load_math_problems_schemas(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(SystemExit, match="empty.jsonl: file is empty"):
         evaluate.load_math_problems(str(tmp_path / "empty.jsonl"))
+    two = write_jsonl(tmp_path / "two.jsonl", [{"question": "q", "answer": "#### 1"}] * 2)
+    with pytest.raises(SystemExit, match=r"--n-problems 3: .*two.jsonl has only 2 problems"):
+        evaluate.load_math_problems(two, 3)
 
 
 def test_prompt_template_is_the_training_one(tmp_path):
