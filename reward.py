@@ -194,13 +194,13 @@ def _common_prefix_len(rows):
 
 def _stage_forward(model, ids, mask, past_mask, cache):
     """Run `ids` [B, T] (mask [B, T]) after what `cache` holds (its mask `past_mask` [B, T0], or
-    None) and return (output, mask of everything so far). Positions count real tokens only, so
-    left padding, and right padding between stages, leaves every token at its true position."""
+    None), only to extend the cache; returns the mask of everything so far. Positions count real
+    tokens only, so left padding, and right padding between stages, leaves every token at its
+    true position."""
     full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
     pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
-    out = model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
-                logits_to_keep=1)
-    return out, full
+    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    return full
 
 
 def _right_pad(rows, pad_id, device):
@@ -262,12 +262,12 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
         # A: one row per group run (left-padded), then repeated to the run's samples
         if max(shared) > 0:
             a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
-            _, past = _stage_forward(model, a_ids.to(device), a_mask.to(device), None, cache)
+            past = _stage_forward(model, a_ids.to(device), a_mask.to(device), None, cache)
             rollout.repeat_cache(cache, reps)
             past = past.repeat_interleave(reps, dim=0)
         # B: the rest of each sample's common prefix (right-padded), then repeated K times
         b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
-        _, past = _stage_forward(model, b_ids, b_mask, past, cache)
+        past = _stage_forward(model, b_ids, b_mask, past, cache)
         rollout.repeat_cache(cache, torch.full((n,), k, device=device))
         past = past.repeat_interleave(k, dim=0)
         # C: suffix rows, right-padded: prompt tail + target

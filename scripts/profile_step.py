@@ -46,10 +46,8 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
 
-    def questions(k):
-        base = rw["meta_questions"]
-        extra = [{"question": q, "weight": 1.0, "target": "Yes"} for q in EXTRA_QUESTIONS]
-        return (base + extra)[:k] if k > len(base) else base[:k]
+    def questions(k):  # the config's meta-questions, padded with EXTRA_QUESTIONS up to k
+        return (rw["meta_questions"] + [{"question": q, "weight": 1.0, "target": "Yes"} for q in EXTRA_QUESTIONS])[:k]
 
     def step(s, profiler=None):
         batch = train.step_items(items, s, ro["prompts_per_step"], cfg["run"]["seed"], 0, 1)
