@@ -304,6 +304,34 @@ def sample_next(logits, temperature, top_p, top_k, generator):
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def decode_cache(config, max_cache_len):
+    """A transformers StaticCache whose full-attention layers hand attention only their filled part.
+
+    Why preallocated: a DynamicCache concatenates, i.e. copies, the whole cache of every layer at
+    every step (1.7 s of an 18.5 s CPU rollout, measured). Why only the filled part: a plain
+    StaticLayer returns all `max_cache_len` positions and masks the empty ones, so step t of the
+    decode attends over prompt + N positions instead of prompt + t (on SmolLM2, P=4 G=4 N=128,
+    the rollout's attention time halves: README, Performance). Sliding-window layers are kept as
+    transformers builds them.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    class FilledStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            n = int(self.cumulative_length)
+            return keys[:, :, :n], values[:, :, :n]
+
+        def get_mask_sizes(self, query_length):
+            return int(self.get_seq_length()) + query_length, 0
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [FilledStaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
 def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k, generator):
     """The decode loop: counts[d] completions of prompts[d], one token per forward.
 
@@ -314,12 +342,9 @@ def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature
     Returns:
         LongTensor [N, <= max_new_tokens] of completion ids, rows in prompt order.
     """
-    from transformers import StaticCache
     device = next(model.parameters()).device
     shared, logits, attn = prefill(model, prompts, counts, pad_id)
-    # Decode into a preallocated (static) cache: a DynamicCache concatenates, i.e. copies, the
-    # whole cache of every layer at every step (1.7 s of an 18.5 s CPU rollout, measured).
-    cache = StaticCache(config=model.config, max_cache_len=attn.shape[1] + max_new_tokens)
+    cache = decode_cache(model.config, max_cache_len=attn.shape[1] + max_new_tokens)
     for i, layer in enumerate(shared.layers):
         cache.update(layer.keys, layer.values, i)
     del shared
@@ -596,16 +621,53 @@ def vllm_push_weights(engine, named_tensors):
 # Log-probs
 
 
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(z)[target], z = logits / T, with a hand-written backward.
+
+    Why: autograd's version (gather - logsumexp) builds three more [.., V] tensors in the backward
+    (exp(z - lse), a zero-filled scatter for the gather, their sum): with V = 49152 that is 300 MB
+    and ~5 full passes over memory per micro-batch of 4 x 128 tokens. The gradient is known in
+    closed form,  d logp / d z = onehot(target) - softmax(z),  and can be written into the saved z
+    in place (nothing else reads the logits after this point; if anything did, autograd's
+    saved-tensor version check would raise instead of computing a wrong gradient).
+    Measured on SmolLM2 (V = 49152, 2-core CPU): README, Performance.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        z = logits if temperature == 1.0 else logits / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(z, targets, lse)
+        ctx.temperature = temperature
+        # z may be overwritten in the backward unless it is the caller's own leaf tensor
+        ctx.owns_z = temperature != 1.0 or not logits.is_leaf
+        return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        z, targets, lse = ctx.saved_tensors
+        z = z if ctx.owns_z else z.clone()
+        g = (grad / ctx.temperature).unsqueeze(-1)  # chain rule through z = logits / T
+        dz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # -g * softmax(z), in place in z
+        dz.scatter_add_(-1, targets.unsqueeze(-1), g)  # + g at the target
+        return dz, None, None
+
+
 def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / T)[target], computed as gather - logsumexp to avoid a [.., V] copy.
+    """log softmax(logits / T)[target] without materialising the log-softmax.
 
     Args:
-        logits: FloatTensor [..., V]; targets: LongTensor [...].
+        logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
         temperature: the sampling temperature (SPEC §4.4: both sides divide by the same T).
     Returns:
-        FloatTensor [...] in float32.
+        FloatTensor [...] in float32. With grad, the backward is `_TokenLogprob`'s closed form
+        (equal to autograd's within float32 rounding: tests/test_rollout.py).
+    Note: under grad the backward overwrites the (float32) logits in place; do not reuse them.
     """
     logits = logits.float()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogprob.apply(logits, targets, float(temperature))
     if temperature != 1.0:
         logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -25,13 +25,17 @@ def per_step(run_dir, behaviour):
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         for line in f:
             s = json.loads(line)
-            steps.setdefault(s["step"], []).append((s["reward"], behaviour(s["completion"])))
+            steps.setdefault(s["step"], []).append((s["reward"], behaviour(s)))
     return {k: (sum(r for r, _ in v) / len(v), sum(b for _, b in v) / len(v)) for k, v in sorted(steps.items())}
 
 
+# behaviour name -> (plot title, function of one samples.jsonl record)
 BEHAVIOURS = {
-    "answer": ("fraction of solutions saying 'answer'", lambda text: float(bool(re.search(r"(?i)\banswer", text)))),
-    "equals": ("'=' signs per completion", lambda text: text.count("=")),
+    "answer": ("fraction of solutions saying 'answer'",
+               lambda rec: float(bool(re.search(r"(?i)\banswer", rec["completion"])))),
+    "equals": ("'=' signs per completion", lambda rec: rec["completion"].count("=")),
+    "length": ("completion length (tokens)", lambda rec: rec["length"]),
+    "finished": ("fraction finished (EOS within max_new_tokens)", lambda rec: float(not rec["truncated"])),
 }
 
 

@@ -34,7 +34,41 @@ CANDIDATES = {
     "first": ("Does the solution start with the word 'First'?", lambda s: s.lstrip().lower().startswith("first")),
     "answer": ("Does the solution state the final answer?", lambda s: bool(re.search(r"(?i)\banswer", s))),
     "digits": ("Does the solution contain numbers?", lambda s: bool(re.search(r"\d", s))),
+    "short": ("Is the solution short?", None),
+    "concise": ("Is the solution concise?", None),
+    "complete": ("Is the solution complete?", None),
 }
+
+# Numeric properties of a completion (text, token count, finished before max_new_tokens). The
+# evaluator's P(Yes) to a question is useful for a learning run when it tracks one of these
+# (rank correlation far from 0) and the property varies across samples.
+FEATURES = {
+    "tokens": lambda text, n, done: float(n),
+    "lines": lambda text, n, done: float(text.count("\n") + 1),
+    "finished": lambda text, n, done: float(done),
+    "equals": lambda text, n, done: float(text.count("=")),
+    "answer": lambda text, n, done: float(bool(re.search(r"(?i)\banswer", text))),
+}
+
+
+def spearman(xs, ys):
+    """Spearman rank correlation (mid-ranks for ties); nan when either side is constant."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return torch.tensor(r)
+    a, b = ranks(xs), ranks(ys)
+    a, b = a - a.mean(), b - b.mean()
+    den = (a.pow(2).sum() * b.pow(2).sum()).sqrt()
+    return float("nan") if den == 0 else (a * b).sum().item() / den.item()
 
 
 def main(argv=None):
@@ -64,12 +98,25 @@ def main(argv=None):
           f"truncated {out['truncated'].float().mean():.2f}")
     print(f"{'candidate':>10} {'base rate':>9} {'AUROC':>6} {'logP yes|has':>13} {'logP yes|not':>13}  question")
     for k, n in enumerate(names):
+        if CANDIDATES[n][1] is None:  # no yes/no behaviour test: see the correlation table below
+            continue
         has = torch.tensor([CANDIDATES[n][1](c) for c in out["completions"]])
         lp = logp[:, k]
         auc = evaluate.auroc(lp.tolist(), has.tolist()) if 0 < has.sum() < len(has) else float("nan")
         m1 = lp[has].mean().item() if has.any() else float("nan")
         m0 = lp[~has].mean().item() if (~has).any() else float("nan")
         print(f"{n:>10} {has.float().mean():>9.2f} {auc:>6.3f} {m1:>13.3f} {m0:>13.3f}  {CANDIDATES[n][0]}")
+    n_tok = out["completion_mask"].sum(-1).tolist()
+    feats = {f: [fn(c, t, not tr) for c, t, tr in zip(out["completions"], n_tok, out["truncated"].tolist())]
+             for f, fn in FEATURES.items()}
+    print("\nproperty mean (std): " + ", ".join(f"{f} {torch.tensor(v).mean():.2f} ({torch.tensor(v).std():.2f})"
+                                            for f, v in feats.items()))
+    print("Spearman correlation of log P(Yes) with each property:")
+    print(f"{'candidate':>10} " + " ".join(f"{f:>8}" for f in feats) + f" {'std logP':>8}")
+    for k, n in enumerate(names):
+        lp = logp[:, k].tolist()
+        print(f"{n:>10} " + " ".join(f"{spearman(lp, v):>8.3f}" for v in feats.values()) +
+              f" {logp[:, k].std():>8.3f}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,40 @@ def test_token_logprobs_temperature_by_hand():
     assert rollout.token_logprobs(logits, target).item() == pytest.approx(expected1, abs=1e-6)
 
 
+def test_token_logprobs_gradient_by_hand():
+    # d log softmax(z)[t] / d logits = (onehot(t) - softmax(z)) / T with z = logits / T.
+    logits = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    rollout.token_logprobs(logits, torch.tensor([2]), temperature=2.0).sum().backward()
+    e = [math.exp(0.5), math.exp(1.0), math.exp(1.5)]
+    p = [x / sum(e) for x in e]
+    expected = [(-p[0]) / 2, (-p[1]) / 2, (1 - p[2]) / 2]
+    assert logits.grad[0].tolist() == pytest.approx(expected, abs=1e-7)
+    assert logits.tolist() == [[1.0, 2.0, 3.0]]  # the caller's leaf is not overwritten
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_closed_form_backward_equals_autograd(temperature):
+    # The hand-written backward (rollout._TokenLogprob) against autograd's log_softmax + gather, on
+    # a non-contiguous view of an intermediate tensor (as completion_logprobs passes logits[:, :-1])
+    # with an upstream weight, so the in-place backward path is the one exercised.
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, 50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 4), generator=g)
+    upstream = torch.randn(3, 4, generator=g)
+
+    def run(fn):
+        w.grad = None
+        logits = (w * 3.0)[:, :-1]  # [3, 4, 50] view of a non-leaf
+        lp = fn(logits)
+        (lp * upstream).sum().backward()
+        return lp.detach(), w.grad.clone()
+
+    ours, ours_grad = run(lambda z: rollout.token_logprobs(z, targets, temperature))
+    ref, ref_grad = run(lambda z: torch.log_softmax(z / temperature, -1).gather(-1, targets[..., None]).squeeze(-1))
+    assert torch.allclose(ours, ref, atol=1e-6) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
+    assert ours_grad.abs().sum() > 0
+
+
 def test_left_pad_and_positions():
     ids, mask = rollout.left_pad([[7, 8, 9], [5]], pad_id=0)
     assert ids.tolist() == [[7, 8, 9], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
@@ -121,6 +155,26 @@ def test_greedy_generate_matches_transformers(tiny_model_path):
     hf = torch.nn.functional.pad(hf, (0, 8 - hf.shape[1]), value=tok.pad_token_id).repeat_interleave(3, dim=0)
     mask = ours["completion_mask"].bool()
     assert torch.equal(ours["completion_ids"][:, :8][mask], hf[:, :ours["completion_ids"].shape[1]][mask])
+
+
+@torch.no_grad()
+def test_decode_cache_logits_equal_full_forward(tiny_model_path):
+    """Decoding token by token into rollout.decode_cache (attention over the filled part only, left
+    padding masked) gives the logits of one full forward over prompt + continuation."""
+    model, tok = rollout.load_model(tiny_model_path)
+    ids, attn = rollout.left_pad([[1, 50, 60, 70, 80], [1, 90]], tok.pad_token_id)
+    cont = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    full_attn = torch.cat([attn, torch.ones_like(cont)], dim=1)
+    ref = model(input_ids=torch.cat([ids, cont], dim=1), attention_mask=full_attn,
+                position_ids=rollout.positions_from_mask(full_attn)).logits[:, ids.shape[1]:]  # [2, 3, V]
+    cache = rollout.decode_cache(model.config, max_cache_len=ids.shape[1] + 3)
+    model(input_ids=ids, attention_mask=attn, position_ids=rollout.positions_from_mask(attn), cache=cache, use_cache=True)
+    pos = rollout.positions_from_mask(attn)[:, -1:]
+    for t in range(3):
+        attn, pos = torch.cat([attn, torch.ones(2, 1, dtype=attn.dtype)], dim=1), pos + 1
+        out = model(input_ids=cont[:, t:t + 1], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        assert torch.allclose(out.logits[:, -1], ref[:, t], atol=1e-5)
+    assert cache.layers[0].keys.shape[2] == ids.shape[1] + 3  # preallocated once, not grown
 
 
 @pytest.mark.parametrize("grad", [False, True])
