@@ -114,6 +114,13 @@ def _merge(base, new, prefix=""):
             base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
 
 
+def _yaml_where(e):
+    """'at line L, column C: problem' of a yaml error (1-based), for one-line config errors."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else f"({problem})"
+
+
 def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml")):
     """Read config.yaml (the schema and defaults), then each file in `paths`, then `key=value`
     overrides (values typed by YAML). Returns the nested dict. Raises SystemExit (one line) on a
@@ -125,7 +132,7 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
         except OSError as e:
             raise SystemExit(f"config file {p}: {e.strerror}")
         except yaml.YAMLError as e:
-            raise SystemExit(f"config file {p}: invalid YAML ({str(e).splitlines()[0]})")
+            raise SystemExit(f"config file {p}: invalid YAML {_yaml_where(e)}")
 
     cfg = read(schema_path)
     for p in paths:
@@ -141,7 +148,11 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
         for part in parts[:-1]:
             cur[part] = {}
             cur = cur[part]
-        cur[parts[-1]] = yaml.safe_load(val)
+        try:
+            cur[parts[-1]] = yaml.safe_load(val)
+        except yaml.YAMLError as e:
+            raise SystemExit(f"override {o!r}: the value is not valid YAML {_yaml_where(e)} "
+                             "(quote strings that contain ': ', '?', '#' or ',')")
         _merge(cfg, node)
     validate_config(cfg)
     return cfg

@@ -2,16 +2,31 @@
 
     python scripts/learning_check.py runs/learn-s0 runs/learn-s1 --out runs/learning_check.png
 
-The behaviour of configs/cpu_learn.yaml is "shows its calculations as equations", measured from
-samples.jsonl as the mean number of '=' signs per completion (`--behaviour equals`, the default);
-`--behaviour answer` is the fraction of completions that say "answer" (the second screened question). Prints, per run, the mean
-of the first and the last `--window` steps, and plots both quantities per step (thin: raw, thick:
-EMA 0.9 as in the paper's curves).
+The behaviour configs/cpu_learn.yaml targets ("Is the solution concise?") is completion length in
+tokens (`--behaviour length`, the default) or the fraction of completions that finish within
+max_new_tokens (`--behaviour finished`); `equals` ('=' signs) and `answer` (says "answer") measure
+the earlier presets' questions (README). Prints, per run, the mean of the first and the last
+`--window` steps with the standard error of each window's mean (step-to-step noise: sd of the
+window's step means / sqrt(window)), and plots both quantities per step (thin: raw, thick: EMA 0.9
+as in the paper's curves).
+
+Per-step training numbers mix the policy's progress with which P problems the step drew. The
+held-out check takes the problem draw out: `--heldout N` samples `--samples` completions for each
+of the first N GSM8K test problems from the initial policy and from the run's latest checkpoint
+(same seeds, the run's prompt template and sampling settings) and scores both with the run's
+evaluators and meta-questions (a frozen_self evaluator is the initial policy for both):
+
+    python scripts/learning_check.py runs/cpu-learn --heldout 32 --samples 4
+
+It prints, for both models, the mean reward, P(Yes) per meta-question, length and fraction
+finished, and the per-problem paired difference (checkpoint - initial) as mean ± standard error
+over the N problems.
 """
 import argparse
 import json
 import os
 import re
+import sys
 
 import matplotlib
 
@@ -39,6 +54,13 @@ BEHAVIOURS = {
 }
 
 
+def window(xs):
+    """'mean ± standard error' of a list of per-step means."""
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)) ** 0.5
+    return f"{m:.3f} ± {sd / len(xs) ** 0.5:.3f}"
+
+
 def ema(xs, alpha=0.9):
     out = []
     for x in xs:
@@ -46,24 +68,75 @@ def ema(xs, alpha=0.9):
     return out
 
 
+def heldout(run_dir, n_problems, samples, data):
+    """Initial policy vs the run's latest checkpoint on the same held-out problems (see above)."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import evaluate
+    import reward as R
+    import rollout
+    import train
+    cfg = train.load_config([os.path.join(run_dir, "config.yaml")])
+    ckpt = train.latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise SystemExit(f"{run_dir}: no checkpoint to compare with the initial policy")
+    ro, rw = cfg["rollout"], cfg["reward"]
+    data = os.path.normpath(data)
+    problems = evaluate.load_math_problems(data, n_problems)
+    per_model = {}
+    for name, path in (("initial", cfg["model"]["policy"]), (os.path.basename(ckpt), ckpt)):
+        model, tok = rollout.load_model(path, cfg["model"]["dtype"], "cpu")
+        chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+        prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=p["question"]), chat)
+                   for p in problems]
+        out = rollout.generate(model, tok, prompts, samples, ro["max_new_tokens"], ro["temperature"], ro["top_p"],
+                               ro["top_k"], seed=cfg["run"]["seed"], micro_batch_size=16)
+        evaluators = train.load_evaluators(cfg, model, tok, "cpu")
+        r = R.rlme_reward(evaluators, rw["meta_questions"], [p["question"] for p in problems for _ in range(samples)],
+                          out["completions"], answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"])
+        per_model[name] = {"reward": r["reward"].view(-1, samples),                  # [N, samples]
+                           "p_yes": r["logp"].exp().mean(1).view(-1, samples, r["logp"].shape[-1]),
+                           "length": out["completion_mask"].sum(-1).view(-1, samples),
+                           "finished": (~out["truncated"]).float().view(-1, samples)}
+    names = list(per_model)
+    print(f"held-out: first {n_problems} problems of {data}, {samples} samples each")
+    rows = [("reward", lambda m: m["reward"])]
+    rows += [(f"P(Yes) {q['question']}", lambda m, k=k: m["p_yes"][..., k]) for k, q in enumerate(rw["meta_questions"])]
+    rows += [("length (tokens)", lambda m: m["length"].float()), ("finished", lambda m: m["finished"])]
+    print(f"{'':45s} {names[0]:>10s} {names[1]:>12s}   paired difference (mean ± s.e. over problems)")
+    for label, get in rows:
+        a, b = get(per_model[names[0]]).mean(1), get(per_model[names[1]]).mean(1)  # per-problem means [N]
+        d = b - a
+        print(f"{label:45s} {a.mean():10.3f} {b.mean():12.3f}   {d.mean():+.3f} ± {d.std() / len(d) ** 0.5:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
-    ap.add_argument("--window", type=int, default=3)
-    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="equals")
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="length")
     ap.add_argument("--out", default="learning_check.png")
+    ap.add_argument("--heldout", type=int, default=0, help="held-out check on the first N test problems (0 = off)")
+    ap.add_argument("--samples", type=int, default=4, help="completions per held-out problem")
+    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                   "..", "shared", "data", "gsm8k", "test.jsonl"))
     a = ap.parse_args()
+    if a.heldout:
+        for run in a.runs:
+            heldout(run, a.heldout, a.samples, a.data)
+        return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     title, behaviour = BEHAVIOURS[a.behaviour]
-    print(f"{'run':24s} {'reward first':>12s} {'reward last':>12s} {'beh. first':>10s} {'beh. last':>10s}")
+    print(f"{'run':24s} {'steps':>5s} {'reward first':>15s} {'reward last':>15s} {'behaviour first':>17s} "
+          f"{'behaviour last':>17s}   (mean ± s.e. over {a.window} steps)")
     for run in a.runs:
         data = per_step(run, behaviour)
         steps = list(data)
         reward = [data[s][0] for s in steps]
         eq = [data[s][1] for s in steps]
-        w = a.window
-        print(f"{run:24s} {sum(reward[:w]) / w:12.3f} {sum(reward[-w:]) / w:12.3f} "
-              f"{sum(eq[:w]) / w:10.3f} {sum(eq[-w:]) / w:10.3f}")
+        w = max(1, min(a.window, len(steps) // 2))
+        print(f"{run:24s} {len(steps):5d} {window(reward[:w]):>15s} {window(reward[-w:]):>15s} "
+              f"{window(eq[:w]):>17s} {window(eq[-w:]):>17s}")
         for ax, ys in zip(axes, (reward, eq)):
             line, = ax.plot(steps, ys, alpha=0.3)
             ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))

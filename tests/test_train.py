@@ -231,11 +231,21 @@ def test_config_layering_and_overrides(tmp_path):
     (["optim.lr"], "expected key.sub=value"),
     (["reward.meta_questions=[{weight: 1}]"], "reward.meta_questions[0].question: missing"),
     (["reward.evaluators=[{name: a}, {name: a, kind: frozen_self}]"], "names must be unique"),
+    (["reward.meta_questions=[{question: Is it right?, weight: 1}]"],
+     "override 'reward.meta_questions=[{question: Is it right?, weight: 1}]': the value is not valid YAML at line 1, column 24"),
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
         T.load_config([], override)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_invalid_yaml_file_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  seed: 1\n rollout: [\n")
+    with pytest.raises(SystemExit) as e:
+        T.load_config([str(bad)])
+    assert str(e.value).startswith(f"config file {bad}: invalid YAML at line 3, column 2") and "\n" not in str(e.value)
 
 
 def test_world_size_must_divide_prompts():
