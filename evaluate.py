@@ -48,25 +48,12 @@ CANARIES = {"colon": ":", "step_by_step": "Let's solve this step by step.",
 
 
 def read_jsonl(path):
-    """Read a JSONL file into a list of dicts.
+    """The rows of a JSONL file (rollout.read_jsonl: one-line errors naming the line).
 
     Raises:
-        SystemExit: the file is missing, empty, or a line is not a JSON object (names the line).
+        SystemExit: the file is missing, empty, or a line is not a JSON object.
     """
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: no such file")
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})")
-            if not isinstance(row, dict):
-                raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    rows = [row for _, row in rollout.read_jsonl(path)]
     if not rows:
         raise SystemExit(f"{path}: file is empty")
     return rows

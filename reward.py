@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import rollout
-from rollout import left_pad, positions_from_mask, token_logprobs
+from rollout import left_pad, positions_from_mask, read_jsonl, token_logprobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,17 +434,7 @@ def _read_rows(path, split="train", config_name=None):
             raise SystemExit(f"{path}: folder has no .jsonl or .json files")
         return [r for f in files for r in _read_rows(f, split, config_name)]
     if path.endswith(".jsonl"):
-        if not os.path.isfile(path):
-            raise SystemExit(f"{path}: file does not exist")
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((path, f"{path}:{n}", json.loads(line)))
-                    except json.JSONDecodeError as e:
-                        raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
-        return rows
+        return [(path, f"{path}:{n}", row) for n, row in read_jsonl(path)]
     if path.endswith(".json"):
         if not os.path.isfile(path):
             raise SystemExit(f"{path}: file does not exist")

@@ -27,6 +27,39 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------------------------
+# Files
+
+
+def read_jsonl(path):
+    """The JSON objects of a JSON-lines file with their 1-based line numbers; blank lines skipped.
+
+    Every stage reads its JSONL inputs through this one function (it lives here because every
+    stage imports rollout), so a bad line gets the same one-line error everywhere.
+
+    Returns:
+        list[(line_number int, row dict)], empty for a file with no rows.
+    Raises:
+        SystemExit naming the file and line: the file does not exist, a line is not valid JSON,
+        or a line is not a JSON object.
+    """
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: file does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # Models
 
 

@@ -26,7 +26,6 @@ import os
 import re
 import resource
 import shutil
-import sys
 import time
 
 import torch
@@ -258,19 +257,6 @@ def check_scale_config(cfg, device):
 # Data
 
 
-def read_jsonl_checked(path):
-    """Find the first malformed line of a JSON-lines file; SystemExit naming file and line."""
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}:{n}: malformed JSON ({e.msg})")
-                if not isinstance(row, dict):
-                    raise SystemExit(f"{path}:{n}: expected a JSON object per line")
-
-
 def load_dataset_rows(source, config_name=None, split="train"):
     """Rows of a hub dataset id or local .jsonl/.json file, loaded through `datasets`.
     Returns a datasets.Dataset. SystemExit (one line) when the file is missing or malformed, or
@@ -283,8 +269,8 @@ def load_dataset_rows(source, config_name=None, split="train"):
         with open(source) as f:
             if not f.read(4096).strip():
                 raise SystemExit(f"data file {source} is empty")
-        if source.endswith(".jsonl"):
-            read_jsonl_checked(source)
+        if source.endswith(".jsonl"):  # datasets' own parse errors do not name the line
+            rollout.read_jsonl(source)
         try:
             ds = datasets.load_dataset("json", data_files=source, split="train")
         except Exception as e:  # datasets wraps parser errors in many types

@@ -205,3 +205,20 @@ def test_model_path_errors(tmp_path):
         rollout.resolve_model_path(str(tmp_path))
     with pytest.raises(SystemExit, match="not installed"):
         rollout.resolve_model_path("gguf:no_such_package_xyz/model.gguf")
+
+
+def test_read_jsonl_lines_and_errors(tmp_path):
+    """The one JSONL reader every stage uses: rows with their line numbers, one-line errors."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert rollout.read_jsonl(str(good)) == [(1, {"a": 1}), (3, {"a": 2})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n{"a": \n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON \(Expecting value\)"):
+        rollout.read_jsonl(str(bad))
+    listed = tmp_path / "list.jsonl"
+    listed.write_text('[1, 2]\n')
+    with pytest.raises(SystemExit, match=r"list.jsonl:1: expected a JSON object, got list"):
+        rollout.read_jsonl(str(listed))
+    with pytest.raises(SystemExit, match=r"missing.jsonl: file does not exist"):
+        rollout.read_jsonl(str(tmp_path / "missing.jsonl"))

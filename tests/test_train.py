@@ -288,7 +288,7 @@ def test_step_items_whole_groups_per_rank_and_resume_order():
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', "train.jsonl:2: malformed JSON"),
+    ('{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', "train.jsonl:2: not valid JSON"),
     ("", "is empty"),
 ])
 def test_bad_data_files(tmp_path, content, message):
