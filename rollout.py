@@ -344,8 +344,8 @@ def decode_cache(config, max_cache_len):
     every step (1.7 s of an 18.5 s CPU rollout, measured). Why only the filled part: a plain
     StaticLayer returns all `max_cache_len` positions and masks the empty ones, so step t of the
     decode attends over prompt + N positions instead of prompt + t (on SmolLM2, P=4 G=4 N=128,
-    the rollout's attention time halves: README, Performance). Sliding-window layers are kept as
-    transformers builds them.
+    the rollout's attention time drops by a quarter, 2.1 -> 1.6 s: README, Performance).
+    Sliding-window layers are kept as transformers builds them.
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
