@@ -2,10 +2,11 @@
 
     python scripts/learning_check.py runs/learn-s0 runs/learn-s1 --out runs/learning_check.png
 
-The behaviour configs/cpu_learn.yaml targets ("Is the solution concise?") is completion length in
-tokens (`--behaviour length`, the default) or the fraction of completions that finish within
-max_new_tokens (`--behaviour finished`); `equals` ('=' signs) and `answer` (says "answer") measure
-the earlier presets' questions (README). Prints, per run, the mean of the first and the last
+The behaviours configs/cpu_learn.yaml targets: completion length in tokens (`--behaviour length`,
+the default; "Is the solution concise?"), the fraction that finish within max_new_tokens
+(`finished`), and the fraction that state a \boxed{} final answer (`boxed`: the format the prompt
+asks for, which the evaluator prompt shows as "Final answer extracted from the solution");
+`equals` ('=' signs) and `answer` (says "answer") measure the earlier presets' questions (README). Prints, per run, the mean of the first and the last
 `--window` steps with the standard error of each window's mean (step-to-step noise: sd of the
 window's step means / sqrt(window)), and plots both quantities per step (thin: raw, thick: EMA 0.9
 as in the paper's curves).
@@ -34,14 +35,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def per_step(run_dir, behaviour):
-    """{step: (reward mean, behaviour mean)} from a run's samples.jsonl."""
+def per_step(run_dir, quantity):
+    """{step: mean of quantity(record)} over the records of a run's samples.jsonl."""
     steps = {}
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         for line in f:
             s = json.loads(line)
-            steps.setdefault(s["step"], []).append((s["reward"], behaviour(s)))
-    return {k: (sum(r for r, _ in v) / len(v), sum(b for _, b in v) / len(v)) for k, v in sorted(steps.items())}
+            steps.setdefault(s["step"], []).append(quantity(s))
+    return {k: sum(v) / len(v) for k, v in sorted(steps.items())}
 
 
 # behaviour name -> (plot title, function of one samples.jsonl record)
@@ -51,6 +52,7 @@ BEHAVIOURS = {
     "equals": ("'=' signs per completion", lambda rec: rec["completion"].count("=")),
     "length": ("completion length (tokens)", lambda rec: rec["length"]),
     "finished": ("fraction finished (EOS within max_new_tokens)", lambda rec: float(not rec["truncated"])),
+    "boxed": ("fraction with a \\boxed{} final answer", lambda rec: float(rec["extracted"] is not None)),
 }
 
 
@@ -97,12 +99,15 @@ def heldout(run_dir, n_problems, samples, data):
         per_model[name] = {"reward": r["reward"].view(-1, samples),                  # [N, samples]
                            "p_yes": r["logp"].exp().mean(1).view(-1, samples, r["logp"].shape[-1]),
                            "length": out["completion_mask"].sum(-1).view(-1, samples),
-                           "finished": (~out["truncated"]).float().view(-1, samples)}
+                           "finished": (~out["truncated"]).float().view(-1, samples),
+                           "boxed": torch.tensor([float(R.extract_boxed(c) is not None) for c in out["completions"]]
+                                                 ).view(-1, samples)}
     names = list(per_model)
     print(f"held-out: first {n_problems} problems of {data}, {samples} samples each")
     rows = [("reward", lambda m: m["reward"])]
     rows += [(f"P(Yes) {q['question']}", lambda m, k=k: m["p_yes"][..., k]) for k, q in enumerate(rw["meta_questions"])]
-    rows += [("length (tokens)", lambda m: m["length"].float()), ("finished", lambda m: m["finished"])]
+    rows += [("length (tokens)", lambda m: m["length"].float()), ("finished", lambda m: m["finished"]),
+             ("boxed final answer", lambda m: m["boxed"])]
     print(f"{'':45s} {names[0]:>10s} {names[1]:>12s}   paired difference (mean ± s.e. over problems)")
     for label, get in rows:
         a, b = get(per_model[names[0]]).mean(1), get(per_model[names[1]]).mean(1)  # per-problem means [N]
@@ -114,7 +119,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--behaviour", choices=sorted(BEHAVIOURS), default="length")
+    ap.add_argument("--behaviour", nargs="+", choices=sorted(BEHAVIOURS), default=["length", "boxed"])
     ap.add_argument("--out", default="learning_check.png")
     ap.add_argument("--heldout", type=int, default=0, help="held-out check on the first N test problems (0 = off)")
     ap.add_argument("--samples", type=int, default=4, help="completions per held-out problem")
@@ -125,24 +130,23 @@ def main():
         for run in a.runs:
             heldout(run, a.heldout, a.samples, a.data)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    title, behaviour = BEHAVIOURS[a.behaviour]
-    print(f"{'run':24s} {'steps':>5s} {'reward first':>15s} {'reward last':>15s} {'behaviour first':>17s} "
-          f"{'behaviour last':>17s}   (mean ± s.e. over {a.window} steps)")
+    names = ["reward"] + a.behaviour
+    titles = ["reward (sum of log P(Yes))"] + [BEHAVIOURS[b][0] for b in a.behaviour]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.5), squeeze=False)
+    print(f"{'run':24s} {'quantity':10s} {'steps':>5s} {'first':>15s} {'last':>15s}   "
+          f"(mean ± s.e. of the first / last {a.window} step means)")
     for run in a.runs:
-        data = per_step(run, behaviour)
-        steps = list(data)
-        reward = [data[s][0] for s in steps]
-        eq = [data[s][1] for s in steps]
+        series = [per_step(run, lambda rec: rec["reward"])] + [per_step(run, BEHAVIOURS[b][1]) for b in a.behaviour]
+        steps = list(series[0])
         w = max(1, min(a.window, len(steps) // 2))
-        print(f"{run:24s} {len(steps):5d} {window(reward[:w]):>15s} {window(reward[-w:]):>15s} "
-              f"{window(eq[:w]):>17s} {window(eq[-w:]):>17s}")
-        for ax, ys in zip(axes, (reward, eq)):
+        for name, ax, data in zip(names, axes[0], series):
+            ys = [data[s] for s in steps]
+            print(f"{run:24s} {name:10s} {len(steps):5d} {window(ys[:w]):>15s} {window(ys[-w:]):>15s}")
             line, = ax.plot(steps, ys, alpha=0.3)
             ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
-    axes[0].set(title="reward (sum of log P(Yes))", xlabel="step")
-    axes[1].set(title=title, xlabel="step")
-    axes[0].legend()
+    for ax, title in zip(axes[0], titles):
+        ax.set(title=title, xlabel="step")
+    axes[0][0].legend()
     fig.tight_layout()
     fig.savefig(a.out, dpi=100)
     print("wrote", a.out)
