@@ -1,6 +1,7 @@
 """train.py: advantages, CISPO/GRPO loss values and gradients, normalisers, layout equivalence,
 config and data errors."""
 import copy
+import glob
 import json
 import math
 import os
@@ -304,3 +305,12 @@ def test_missing_field_and_file(tmp_path):
         T.load_train_items(T.load_config([], [f"data.train={p}"]))
     with pytest.raises(SystemExit, match="does not exist"):
         T.load_train_items(T.load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
+
+
+@pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(os.path.dirname(T.__file__), "configs", "*.yaml"))))
+def test_every_preset_loads_and_validates(preset):
+    """A preset that drifts from config.yaml's schema (a renamed key, a bad value) fails here, not
+    halfway into somebody's run."""
+    cfg = T.load_config([preset])
+    T.validate_config(cfg)
+    assert cfg["run"]["total_steps"] >= 1
