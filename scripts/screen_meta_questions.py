@@ -2,6 +2,7 @@
 policy change it?
 
     python scripts/screen_meta_questions.py --n-prompts 16 --samples 4 rollout.max_new_tokens=64
+    python scripts/screen_meta_questions.py --n-prompts 32 --samples 8 --only concise,answer rollout.max_new_tokens=96
 
 For each candidate (meta-question, behaviour test on the completion text) this samples completions
 from the policy (configs/cpu.yaml by default), scores log P("Yes" | question) with the evaluator
@@ -76,9 +77,14 @@ def main(argv=None):
     p.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "cpu.yaml"))
     p.add_argument("--n-prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    p.add_argument("--only", nargs="*", choices=sorted(CANDIDATES), help="candidates to screen (default: all)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated candidates to screen (default: all of {','.join(sorted(CANDIDATES))})")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = p.parse_args(argv)
+    names = a.only.split(",") if a.only else sorted(CANDIDATES)
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"--only: unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(sorted(CANDIDATES))}")
     cfg = train.load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
     policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
@@ -90,7 +96,6 @@ def main(argv=None):
                            ro["top_k"], seed=cfg["run"]["seed"], micro_batch_size=16)
     problems = [it["question"] for it in items for _ in range(a.samples)]
     evaluator = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
-    names = a.only or sorted(CANDIDATES)
     mq = [{"question": CANDIDATES[n][0], "weight": 1.0, "target": "Yes"} for n in names]
     logp = R.rlme_reward(evaluator, mq, problems, out["completions"], answer_stub=rw["answer_stub"],
                          micro_batch_size=rw["micro_batch_size"])["logp"][:, 0, :]  # [N, K]
