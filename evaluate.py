@@ -272,6 +272,21 @@ def cmd_math(a):
 # Metrics: AUROC, reliability, EMA
 
 
+def midranks(values):
+    """1-based ranks of `values` (list[float]); equal values share the mean of their ranks."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
 def auroc(scores, labels):
     """Area under the ROC curve = P(score of a random positive > score of a random negative),
     ties counting 1/2 (Mann-Whitney U with mid-ranks).
@@ -285,16 +300,7 @@ def auroc(scores, labels):
     n_neg = len(labels) - n_pos
     if n_pos == 0 or n_neg == 0:
         return None
-    order = sorted(range(len(scores)), key=lambda i: scores[i])
-    ranks = [0.0] * len(scores)
-    i = 0
-    while i < len(order):  # equal scores share the mean of their 1-based ranks
-        j = i
-        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
+    ranks = midranks(scores)
     rank_sum = sum(r for r, y in zip(ranks, labels) if y)
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 

@@ -24,7 +24,6 @@ finished, and the per-problem paired difference (checkpoint - initial) as mean Â
 over the N problems.
 """
 import argparse
-import json
 import os
 import re
 import sys
@@ -34,14 +33,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import evaluate  # noqa: E402
+
 
 def per_step(run_dir, quantity):
     """{step: mean of quantity(record)} over the records of a run's samples.jsonl."""
     steps = {}
-    with open(os.path.join(run_dir, "samples.jsonl")) as f:
-        for line in f:
-            s = json.loads(line)
-            steps.setdefault(s["step"], []).append(quantity(s))
+    for s in evaluate.read_jsonl(os.path.join(run_dir, "samples.jsonl")):
+        steps.setdefault(s["step"], []).append(quantity(s))
     return {k: sum(v) / len(v) for k, v in sorted(steps.items())}
 
 
@@ -63,18 +63,9 @@ def window(xs):
     return f"{m:.3f} Â± {sd / len(xs) ** 0.5:.3f}"
 
 
-def ema(xs, alpha=0.9):
-    out = []
-    for x in xs:
-        out.append(x if not out else alpha * out[-1] + (1 - alpha) * x)
-    return out
-
-
 def heldout(run_dir, n_problems, samples, data):
     """Initial policy vs the run's latest checkpoint on the same held-out problems (see above)."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import evaluate
     import reward as R
     import rollout
     import train
@@ -143,7 +134,7 @@ def main():
             ys = [data[s] for s in steps]
             print(f"{run:24s} {name:10s} {len(steps):5d} {window(ys[:w]):>15s} {window(ys[-w:]):>15s}")
             line, = ax.plot(steps, ys, alpha=0.3)
-            ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
+            ax.plot(steps, evaluate.ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
     for ax, title in zip(axes[0], titles):
         ax.set(title=title, xlabel="step")
     axes[0][0].legend()

@@ -53,20 +53,8 @@ FEATURES = {
 
 
 def spearman(xs, ys):
-    """Spearman rank correlation (mid-ranks for ties); nan when either side is constant."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return torch.tensor(r)
-    a, b = ranks(xs), ranks(ys)
+    """Spearman rank correlation (mid-ranks for ties, evaluate.midranks); nan when either side is constant."""
+    a, b = torch.tensor(evaluate.midranks(xs)), torch.tensor(evaluate.midranks(ys))
     a, b = a - a.mean(), b - b.mean()
     den = (a.pow(2).sum() * b.pow(2).sum()).sqrt()
     return float("nan") if den == 0 else (a * b).sum().item() / den.item()
