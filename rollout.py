@@ -698,13 +698,7 @@ def token_logprobs(logits, targets, temperature=1.0):
         (equal to autograd's within float32 rounding: tests/test_rollout.py).
     Note: under grad the backward overwrites the (float32) logits in place; do not reuse them.
     """
-    logits = logits.float()
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogprob.apply(logits, targets, float(temperature))
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return _TokenLogprob.apply(logits.float(), targets, float(temperature))
 
 
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, share_prompt=True,
