@@ -17,6 +17,7 @@ SPEC §4.1. Everything downstream (reward.py, train.py, evaluate.py) works on th
 Run alone (JSONL in, JSONL out):  python rollout.py --model PATH --in prompts.jsonl --out rollouts.jsonl
 """
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -284,6 +285,49 @@ def repeat_cache(cache, counts):
         layer.values = layer.values.repeat_interleave(counts, dim=0)
 
 
+def read_only_cache(cache):
+    """The prompt's KV cache for ONE forward over the completions, written by nobody.
+
+    Each layer's update returns [prompt K/V | the new tokens' K/V] without storing the new part,
+    so the completion forward can be replayed in backward (activation checkpointing) and sees
+    the same keys both times; `get_seq_length` stays the prompt length, as the mask expects.
+
+    Args:
+        cache: transformers DynamicCache with full-attention layers (keys/values [N, h, T, d]).
+    Returns:
+        the same cache object, its layers replaced.
+    Raises:
+        ValueError: for a layer that is not a plain DynamicLayer (e.g. sliding window).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class ReadOnlyLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"read_only_cache: layer {i} is a {type(layer).__name__}, not a DynamicLayer")
+        new = ReadOnlyLayer()
+        new.lazy_initialization(layer.keys, layer.values)
+        new.keys, new.values = layer.keys, layer.values
+        cache.layers[i] = new
+    return cache
+
+
+@contextlib.contextmanager
+def set_attribute(modules, name, value):
+    """Set `name` to `value` on each module for the duration of the block, then restore it."""
+    old = [getattr(m, name) for m in modules]
+    for m in modules:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, v in zip(modules, old):
+            setattr(m, name, v)
+
+
 def prefill(model, prompts, counts, pad_id):
     """One forward over each distinct prompt; its cache repeated to `counts` rows.
 
@@ -298,8 +342,12 @@ def prefill(model, prompts, counts, pad_id):
     ids, attn = left_pad(prompts, pad_id)
     ids, attn = ids.to(device), attn.to(device)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
-                use_cache=True, logits_to_keep=1)
+    # This pass WRITES the cache: never activation-checkpointed (transformers would drop the cache;
+    # kept, the replay in backward would write it twice). Its activations stay: one row a group.
+    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    with set_attribute(checkpointed, "gradient_checkpointing", False):
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
+                    use_cache=True, logits_to_keep=1)
     reps = torch.tensor(counts, device=device)
     repeat_cache(cache, reps)
     return cache, out.logits[:, -1].repeat_interleave(reps, dim=0), attn.repeat_interleave(reps, dim=0)
@@ -708,7 +756,7 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
     Two ways, same numbers (tests/test_rollout.py, within 1e-5, gradients too):
     - share_prompt (default): rows with the same prompt next to each other (a group) run the
       prompt ONCE, with grad; its KV cache is repeated to the group's rows and only the
-      completion tokens run per row. For GSM8K prompts (~130 tokens) and 128-token completions
+      completion tokens run per row (prompts of one token run per row). For GSM8K prompts (~130 tokens) and 128-token completions
       with G = 4 this skips ~40 % of the update's forward and backward (README, Performance).
     - otherwise: one forward over [left-padded prompt | completion] per row.
     Only the logits of positions that predict completion tokens are materialised.
@@ -717,8 +765,8 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         prompt_ids: list[list[int]], N rows.
         completion_ids: LongTensor [N, L].
         pad_id: int, padding id of the tokenizer.
-        share_prompt: bool, see above. Ignored (every row runs its prompt) under activation
-            checkpointing with grad, where transformers turns the KV cache off.
+        share_prompt: bool, see above; also under activation checkpointing (the prompt pass is
+            not checkpointed, the completion pass is).
         prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
             DDP sees one forward per backward); default `model`.
     Returns:
@@ -729,18 +777,24 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
     completion_ids = completion_ids.to(device)
     n, length = completion_ids.shape
     distinct, counts = prompt_runs(prompt_ids)
-    # Under activation checkpointing transformers silently drops the cache in a forward with
-    # grad: the completions would not see the prompt. Never share there.
-    checkpointing = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    if share_prompt and len(distinct) < n and not checkpointing:
-        cache, first_logits, p_mask = prefill(prompt_model or model, distinct, counts, pad_id)
+    if share_prompt and len(distinct) < n and min(map(len, distinct)) > 1:
+        # The prompt pass runs all but each prompt's last token; the completion pass starts with
+        # that token, so its L positions predict exactly the L completion tokens: one LM head
+        # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
+        # weight-gradient product per micro-batch).
+        cache, _, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
+        last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)], device=device)
+        inputs = torch.cat([last[:, None], completion_ids[:, :-1]], dim=1)
         attn = torch.cat([p_mask, p_mask.new_ones(n, length)], dim=1)
-        out = model(input_ids=completion_ids, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
-                    cache=cache, use_cache=True, logits_to_keep=length)
-        # the prompt's last logits predict completion token 0; completion column t predicts t+1
-        first = token_logprobs(first_logits, completion_ids[:, 0], temperature)
-        rest = token_logprobs(out.logits[:, :-1], completion_ids[:, 1:], temperature)
-        return torch.cat([first[:, None], rest], dim=1)
+        # Under activation checkpointing (train.py) transformers replays each decoder layer in
+        # backward and drops the KV cache, lest the replay write it twice. This pass only READS
+        # the prompt's cache (read_only_cache), so the layers may keep it.
+        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+                  and hasattr(m, "_can_checkpoint_with_cache")]  # transformers' GradientCheckpointingLayer
+        with set_attribute(layers, "_can_checkpoint_with_cache", True):
+            out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
+                        cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
+        return token_logprobs(out.logits, completion_ids, temperature)
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
     attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)

@@ -20,6 +20,7 @@ Parallelism (train.parallel: ddp | fsdp2), the vLLM backend and the memory plan:
 """
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -31,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import metarm
 import reward as R
@@ -45,6 +47,7 @@ CHOICES = {
     "task": ["rlme", "rm_nlhf"],
     "model.dtype": ["float32", "bfloat16", "float16"],
     "model.chat_template": ["auto", True, False],
+    "model.gradient_checkpointing": ["none", "full", "selective"],
     "data.label_format": ["gsm8k", "plain"],
     "rollout.backend": ["hf", "vllm"],
     "reward.kind": ["rlme", "rlvr"],
@@ -509,8 +512,25 @@ def decoder_layers(policy):
     return layers
 
 
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def keep_matmul_outputs(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing policy (torch.utils.checkpoint): inside a checkpointed
+    decoder layer, save the outputs of matrix multiplies (q/k/v/o and MLP projections), recompute
+    everything else (RMSNorms, RoPE, attention, SiLU, products, residual adds) when backward
+    replays the layer.
+
+    What it buys (SmolLM2-135M, a micro-batch of 4 x 128 completion tokens, float32 CPU): the
+    activations held between forward and backward drop from ~0.97 GB to ~0.25 GB at no measurable
+    time cost (the replayed ops are elementwise, and attention over 128 x 214 positions is cheap);
+    full checkpointing would also replay the matmuls (~1/3 more update compute). README, Performance.
+    """
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=False,
-                gradient_checkpointing=False):
+                gradient_checkpointing="none"):
     """Wrap the policy for training (SPEC §7).
 
     ddp: DistributedDataParallel when world > 1, else the model itself.
@@ -519,14 +539,19 @@ def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=Fa
         computes in `dtype` (bf16) and reduces gradients in float32; on CPU everything stays
         float32 (gloo). cpu_offload keeps the shards, gradients and the AdamW step on the CPU.
         fully_shard changes the class of `policy` in place, so the returned model IS policy.
-    gradient_checkpointing: recompute activations in backward (non-reentrant: the variant that
-        works under FSDP2 and with DDP no_sync).
+    gradient_checkpointing: "none", "full" (keep only each decoder layer's input, replay the
+        layer in backward) or "selective" (also keep the matrix-multiply outputs, replay only the
+        cheap ops: `keep_matmul_outputs`). Non-reentrant: the variant that works under FSDP2 and
+        with DDP no_sync. Neither changes what is computed (tests/test_rollout.py).
 
     Returns:
         the module to run forward/backward on (DDP wrapper, or the policy).
     """
-    if gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing != "none":
+        kw = {"use_reentrant": False}
+        if gradient_checkpointing == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmul_outputs)
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     if parallel == "ddp":
         if world == 1:
             return policy

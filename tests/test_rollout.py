@@ -222,3 +222,36 @@ def test_read_jsonl_lines_and_errors(tmp_path):
         rollout.read_jsonl(str(listed))
     with pytest.raises(SystemExit, match=r"missing.jsonl: file does not exist"):
         rollout.read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_path, checkpointing):
+    """Under activation checkpointing (train.wrap_policy) the update still runs each group's
+    prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache)
+    and computes the same log-probs and gradients as without checkpointing."""
+    import train
+    a, b = [1, 50, 60, 70], [1, 90]
+    prompts = [a, a, a, b, b]
+    comp = torch.randint(3, 200, (5, 6), generator=torch.Generator().manual_seed(1))
+    weights = torch.arange(1.0, 31.0).view(5, 6)
+    out = {}
+    for mode in ("none", checkpointing):
+        model, tok = rollout.load_model(tiny_model_path)
+        model = train.wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
+        model.train()
+        calls = []
+        model.register_forward_hook(lambda m, args, kwargs, o: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
+        lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, 0.7, share_prompt=True)
+        (lp * weights).sum().backward()
+        # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
+        assert calls == [torch.Size([2, 3]), torch.Size([5, 6])]
+        out[mode] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert torch.allclose(out[checkpointing][0], out["none"][0], atol=1e-6)
+    for g1, g0 in zip(out[checkpointing][1], out["none"][1]):
+        assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
+    # the cache of the completion pass is read-only: the prompt's keys keep their length
+    cache, _, _ = rollout.prefill(model, [a, b], [3, 2], tok.pad_token_id)
+    ro = rollout.read_only_cache(cache)
+    k, v = ro.layers[0].update(torch.zeros(5, 2, 6, 16), torch.zeros(5, 2, 6, 16), 0)
+    assert k.shape[2] == 4 + 6 and ro.get_seq_length() == 4

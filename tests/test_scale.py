@@ -52,10 +52,10 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         torch.manual_seed(0)
         policy, tok = rollout.load_model(model_path)
         before = _flat(policy)
-        # seq_sum with activation checkpointing (every row runs its prompt), token_mean without it
-        # (each group's prompt runs once, two forwards through FSDP2 before one backward): the
+        # seq_sum with selective activation checkpointing, token_mean without it (each group's
+        # prompt runs once either way: two forwards through FSDP2 before one backward): the
         # update must not change with either
-        model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing=agg == "seq_sum")
+        model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
         assert model is policy and T.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world), _layout_cfg(2, agg),
@@ -396,10 +396,10 @@ def test_gpu_vllm_generate_and_weight_sync(smollm2_path):
 def test_torchrun_fsdp2_matches_ddp_and_resumes_in_one_process(tiny_model_path, tmp_path):
     from test_e2e import check_run_dir, small_args, torchrun
     ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp2")
-    # both with activation checkpointing, so both run every row's prompt (no train.share_prompt):
+    # both with activation checkpointing and every row running its prompt (no train.share_prompt):
     # AdamW turns float32-noise-sized gradient differences on near-zero gradients into lr-sized
     # steps, so two different (equally right) paths would not agree to 1e-4 after an update
-    gc = ["model.gradient_checkpointing=true"]
+    gc = ["model.gradient_checkpointing=full", "train.share_prompt=false"]
     torchrun(2, small_args(tiny_model_path, ddp, steps=2, extra=gc))
     torchrun(2, small_args(tiny_model_path, fsdp, steps=2, extra=["train.parallel=fsdp2"] + gc))
     m_d, s_d = check_run_dir(ddp, 2, n_samples=4)
