@@ -521,10 +521,12 @@ def keep_matmul_outputs(ctx, op, *args, **kwargs):
     everything else (RMSNorms, RoPE, attention, SiLU, products, residual adds) when backward
     replays the layer.
 
-    What it buys (SmolLM2-135M, a micro-batch of 4 x 128 completion tokens, float32 CPU): the
-    activations held between forward and backward drop from ~0.97 GB to ~0.25 GB at no measurable
-    time cost (the replayed ops are elementwise, and attention over 128 x 214 positions is cheap);
-    full checkpointing would also replay the matmuls (~1/3 more update compute). README, Performance.
+    What it buys (SmolLM2-135M, float32 CPU, micro-batches of 4 x 128 completion tokens; README,
+    Performance): the memory held between forward and backward drops from 0.96 to 0.56 GB a
+    micro-batch, for +2.0 s on a 21 s update (full checkpointing, which also replays the
+    matmuls: 0.26 GB, +2.6 s). On this CPU the step's peak RSS falls only 4.35 -> 4.11 GB (the heap's
+    free chunks and the weight-sized gradient temporaries dominate), so configs/cpu.yaml keeps
+    "none"; it is for long sequences and big models, where activations dominate.
     """
     return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
