@@ -285,6 +285,12 @@ def repeat_cache(cache, counts):
         layer.values = layer.values.repeat_interleave(counts, dim=0)
 
 
+def is_fsdp(model):
+    """True when `model` is sharded with FSDP2 (`fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
 def read_only_cache(cache):
     """The prompt's KV cache for ONE forward over the completions, written by nobody.
 
@@ -782,7 +788,7 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         # that token, so its L positions predict exactly the L completion tokens: one LM head
         # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
         # weight-gradient product per micro-batch).
-        cache, _, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
+        cache, prompt_logits, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
         last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)], device=device)
         inputs = torch.cat([last[:, None], completion_ids[:, :-1]], dim=1)
         attn = torch.cat([p_mask, p_mask.new_ones(n, length)], dim=1)
@@ -794,7 +800,14 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         with set_attribute(layers, "_can_checkpoint_with_cache", True):
             out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
                         cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
-        return token_logprobs(out.logits, completion_ids, temperature)
+        lp = token_logprobs(out.logits, completion_ids, temperature)
+        if torch.is_grad_enabled() and is_fsdp(model):
+            # FSDP2 unshards a layer's weights for backward when the layer's OUTPUT gets a
+            # gradient. Only the prompt pass's KV cache reaches the loss, not its last layer's
+            # output, whose backward would then find the weights resharded: route a zero
+            # gradient through the prompt pass's (unused) logits.
+            lp = lp + 0.0 * prompt_logits.sum()
+        return lp
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
     attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)

@@ -490,11 +490,6 @@ def peak_memory_mb(device):
 # needs grad_sync() and clip_grad_norm() to be the same code for both.
 
 
-def is_fsdp(model):
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def master_dtype(cfg):
     """dtype the trained policy is loaded in. FSDP2 keeps float32 master weights (sharded, so
     1/world of them per GPU) and computes in model.dtype through its MixedPrecisionPolicy; DDP
@@ -576,7 +571,7 @@ def grad_sync(model, world, sync):
     """Gradient accumulation over micro-batches: communicate gradients only when `sync` (the
     last micro-batch). DDP: `no_sync()` otherwise. FSDP2: `set_requires_gradient_sync(sync)`;
     unsynced micro-batches accumulate unsharded gradients, the last one reduce-scatters them."""
-    if is_fsdp(model):
+    if rollout.is_fsdp(model):
         model.set_requires_gradient_sync(sync)
         yield
     elif world > 1 and not sync:
@@ -606,7 +601,7 @@ def unsharded(model):
     every layer once (`unshard()`), keep them gathered through the forwards
     (`reshard_after_forward=False`), then free them. Costs one full copy of the weights in the
     compute dtype while generating. A no-op for DDP / plain models."""
-    if not is_fsdp(model):
+    if not rollout.is_fsdp(model):
         yield
         return
     from torch.distributed.fsdp import FSDPModule

@@ -56,7 +56,7 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         # prompt runs once either way: two forwards through FSDP2 before one backward): the
         # update must not change with either
         model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
-        assert model is policy and T.is_fsdp(policy)
+        assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world), _layout_cfg(2, agg),
                               world, CPU, tok.pad_token_id)
