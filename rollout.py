@@ -299,11 +299,11 @@ def read_only_cache(cache):
     the same keys both times; `get_seq_length` stays the prompt length, as the mask expects.
 
     Args:
-        cache: transformers DynamicCache with full-attention layers (keys/values [N, h, T, d]).
+        cache: transformers DynamicCache (keys/values [N, h, T, d]).
     Returns:
-        the same cache object, its layers replaced.
-    Raises:
-        ValueError: for a layer that is not a plain DynamicLayer (e.g. sliding window).
+        the same cache object, its full-attention layers replaced. Other layers (sliding window)
+        are kept: fine for one forward; under activation checkpointing their replay would write
+        twice, which torch.utils.checkpoint reports as a metadata mismatch (never silent).
     """
     from transformers.cache_utils import DynamicLayer
 
@@ -313,7 +313,7 @@ def read_only_cache(cache):
 
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
-            raise ValueError(f"read_only_cache: layer {i} is a {type(layer).__name__}, not a DynamicLayer")
+            continue
         new = ReadOnlyLayer()
         new.lazy_initialization(layer.keys, layer.values)
         new.keys, new.values = layer.keys, layer.values
@@ -762,8 +762,9 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
     Two ways, same numbers (tests/test_rollout.py, within 1e-5, gradients too):
     - share_prompt (default): rows with the same prompt next to each other (a group) run the
       prompt ONCE, with grad; its KV cache is repeated to the group's rows and only the
-      completion tokens run per row (prompts of one token run per row). For GSM8K prompts (~130 tokens) and 128-token completions
-      with G = 4 this skips ~40 % of the update's forward and backward (README, Performance).
+      completion tokens run per row (prompts of one token run per row). For GSM8K prompts
+      (~130 tokens) and 128-token completions with G = 4 this skips ~40 % of the update's
+      forward and backward (README, Performance).
     - otherwise: one forward over [left-padded prompt | completion] per row.
     Only the logits of positions that predict completion tokens are materialised.
 

@@ -74,8 +74,8 @@ LIST_ITEM_KEYS = {
 
 def _check_type(key, value, default):
     """One-line SystemExit when `value` does not have the type of the schema's default."""
-    if default is None or value is None and key in NULLABLE:
-        return
+    if default is None or value is None and key in NULLABLE or key in CHOICES:
+        return  # keys with a list of choices are checked against it (validate_config)
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),

@@ -224,6 +224,7 @@ def test_config_layering_and_overrides(tmp_path):
     (["rollout.groupsize=4"], "unknown config key rollout.groupsize"),
     (["rollout.group_size=four"], "config key rollout.group_size: expected int"),
     (["algo.loss=ppo"], "config key algo.loss: 'ppo' is not one of"),
+    (["model.gradient_checkpointing=true"], "config key model.gradient_checkpointing: True is not one of ['none', 'full', 'selective']"),
     (["algo.minibatches=3"], "config key algo.minibatches=3 does not divide"),
     (["rollout.group_size=0"], "config key rollout.group_size: must be >= 1"),
     (["reward.evaluators=[{kind: frozen}]"], "reward.evaluators[0].path"),
@@ -314,3 +315,13 @@ def test_every_preset_loads_and_validates(preset):
     cfg = T.load_config([preset])
     T.validate_config(cfg)
     assert cfg["run"]["total_steps"] >= 1
+
+
+def test_selective_checkpointing_keeps_only_matmul_outputs():
+    """train.keep_matmul_outputs: matrix multiplies are saved, everything else is replayed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.MUST_SAVE
+    for op in (aten.mul.Tensor, aten.silu.default, aten.rsqrt.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
