@@ -201,6 +201,12 @@ def validate_config(cfg, world_size=1):
             raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen")
         if ev.get("kind") == "frozen" and not ev.get("path"):
             raise SystemExit(f"config key reward.evaluators[{i}].path: a frozen evaluator needs a model path")
+    if cfg["task"] == "rlme" and cfg["reward"]["kind"] == "rlme":
+        # RLME Eq. 2-3: a weighted sum over evaluators x meta-questions; all-zero weights would
+        # give every sample reward 0, every advantage 0 and no gradient, silently.
+        for key in ("meta_questions", "evaluators"):
+            if all(item["weight"] == 0 for item in cfg["reward"][key]):
+                raise SystemExit(f"config key reward.{key}: every weight is 0, so every reward would be 0 (no learning signal)")
     r, a = cfg["rollout"], cfg["algo"]
     for key, v in [("rollout.prompts_per_step", r["prompts_per_step"]), ("rollout.group_size", r["group_size"]),
                    ("rollout.max_new_tokens", r["max_new_tokens"]), ("train.micro_batch_size", cfg["train"]["micro_batch_size"]),

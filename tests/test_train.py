@@ -224,6 +224,8 @@ def test_config_layering_and_overrides(tmp_path):
     (["rollout.groupsize=4"], "unknown config key rollout.groupsize"),
     (["rollout.group_size=four"], "config key rollout.group_size: expected int"),
     (["algo.loss=ppo"], "config key algo.loss: 'ppo' is not one of"),
+    (["reward.meta_questions=[{question: a, weight: 0}, {question: b, weight: 0.0}]"], "reward.meta_questions: every weight is 0"),
+    (["reward.evaluators=[{kind: live, weight: 0}]"], "reward.evaluators: every weight is 0"),
     (["model.gradient_checkpointing=true"], "config key model.gradient_checkpointing: True is not one of ['none', 'full', 'selective']"),
     (["algo.minibatches=3"], "config key algo.minibatches=3 does not divide"),
     (["rollout.group_size=0"], "config key rollout.group_size: must be >= 1"),
