@@ -71,6 +71,17 @@ def test_meta_question_appears_once_after_solution_despite_injection():
     assert "Final answer extracted from the solution: 5" in text
 
 
+def test_evaluator_prompt_without_a_boxed_answer_says_none():
+    """A solution with no \\boxed{} (empty, truncated, or an unclosed box) shows the evaluator
+    "none" as the extracted answer, and the whole prompt is exactly the template, filled."""
+    for solution in ["", "2 + 3 = 5, so the answer is 5", "so \\boxed{5"]:
+        text = R.build_evaluator_text(R.DEFAULT_EVALUATOR_TEMPLATE, "What is 2+3?", solution, "Is the answer correct?")
+        assert text == ("Below is a math problem and a proposed solution.\n\nProblem:\nWhat is 2+3?\n\n"
+                        f"<<<BEGIN SOLUTION>>>\n{solution}\n<<<END SOLUTION>>>\n\n"
+                        "Final answer extracted from the solution: none\n\n"
+                        "Question about the solution above: Is the answer correct?\nReply with Yes or No.")
+
+
 def test_reference_only_for_anchored_items():
     t0 = R.build_evaluator_text(R.DEFAULT_EVALUATOR_TEMPLATE, "p", "s", "q?")
     t1 = R.build_evaluator_text(R.DEFAULT_EVALUATOR_TEMPLATE, "p", "s", "q?", reference="42")
