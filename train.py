@@ -74,8 +74,12 @@ LIST_ITEM_KEYS = {
 
 def _check_type(key, value, default):
     """One-line SystemExit when `value` does not have the type of the schema's default."""
-    if default is None or value is None and key in NULLABLE or key in CHOICES:
-        return  # keys with a list of choices are checked against it (validate_config)
+    if key in CHOICES:  # check the choices themselves (type-strict: true is not 1), naming them
+        if not any(type(value) is type(c) and value == c for c in CHOICES[key]):
+            raise SystemExit(f"config key {key}: {value!r} is not one of {CHOICES[key]}")
+        return
+    if default is None or value is None and key in NULLABLE:
+        return
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
