@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
 
 
-def per_step(run_dir, quantity):
-    """{step: mean of quantity(record)} over the records of a run's samples.jsonl."""
+def per_step(records, quantity):
+    """{step: mean of quantity(record)} over a run's samples.jsonl records."""
     steps = {}
-    for s in evaluate.read_jsonl(os.path.join(run_dir, "samples.jsonl")):
+    for s in records:
         steps.setdefault(s["step"], []).append(quantity(s))
     return {k: sum(v) / len(v) for k, v in sorted(steps.items())}
 
@@ -127,7 +127,8 @@ def main():
     print(f"{'run':24s} {'quantity':10s} {'steps':>5s} {'first':>15s} {'last':>15s}   "
           f"(mean ± s.e. of the first / last {a.window} step means)")
     for run in a.runs:
-        series = [per_step(run, lambda rec: rec["reward"])] + [per_step(run, BEHAVIOURS[b][1]) for b in a.behaviour]
+        records = evaluate.read_jsonl(os.path.join(run, "samples.jsonl"))
+        series = [per_step(records, lambda rec: rec["reward"])] + [per_step(records, BEHAVIOURS[b][1]) for b in a.behaviour]
         steps = list(series[0])
         w = max(1, min(a.window, len(steps) // 2))
         for name, ax, data in zip(names, axes[0], series):
