@@ -2,12 +2,14 @@
 
     pip install -r requirements-bench.txt       # trl==1.16.0: benchmark-only, not in requirements.txt
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
+    python scripts/bench_vs_trl.py --check-loss                     # same loss and gradient on one batch
 
 What is "the same step": one rollout batch of P prompts x G completions of at most N new tokens
 (T = 1, top_p = 1, no top-k), the live self-evaluation reward log P("Yes" | evaluator prompt) of
 reward.py computed by the policy itself (the same function and prompt on both sides, so the
 reward stage measures the same code), then one CISPO optimizer step with on-policy ratio 1,
-mean-only advantages, no KL, AdamW, grad clip 1, micro-batches of --micro-batch sequences (4).
+mean-only advantages, no KL, the summed token loss divided by the batch's token count, AdamW at
+a constant learning rate, grad clip 1, micro-batches of --micro-batch sequences (4).
 TRL: GRPOTrainer(loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none",
 beta=0), everything else at TRL's defaults except fp32 (bf16=False) and the values above;
 `--trl-gradient-checkpointing 0` turns off TRL's default activation checkpointing.
@@ -16,6 +18,8 @@ Every run is a fresh subprocess, so its peak RSS is its own; the runs alternate 
 sides see the same machine load. Printed per run: median seconds per step (the first step is
 excluded: it warms allocators and caches), seconds by stage (rollout, reward, update), generated
 tokens/s during rollout, peak RSS; and per pair the ratio ours/TRL. A JSON summary goes to --out.
+`--check-loss` shows that both sides compute the same thing: our update and TRL's loss on one
+fixed batch, losses and gradients compared (`check_loss`).
 """
 import argparse
 import json
@@ -30,6 +34,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+# Our config values that make our step TRL's: TRL's CISPO divides the summed token loss by the
+# batch's token count (our token_mean; our default, RLME Eq. 8, divides by the sequence count:
+# one scalar, no cost, other numbers), and TRL here runs a constant learning rate.
+OURS_AS_TRL = ["algo.aggregation=token_mean", "optim.warmup_steps=0", "optim.schedule=constant"]
 
 
 def peak_rss_mb():
@@ -54,7 +63,8 @@ def run_ours(a):
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", a.config,
                f"run.out_dir={out_dir}", f"run.total_steps={a.steps}", "run.save_every=0",
                f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
-               f"train.micro_batch_size={a.micro_batch}", f"reward.micro_batch_size={a.micro_batch}", *a.ours_override]
+               f"train.micro_batch_size={a.micro_batch}", f"reward.micro_batch_size={a.micro_batch}",
+               *OURS_AS_TRL, *a.ours_override]
         t = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t
@@ -69,11 +79,29 @@ def run_ours(a):
 # TRL's side: GRPOTrainer in this process (called as a child with --side trl)
 
 
+def trl_args(a, cfg):
+    """TRL's GRPOConfig for the same step as ours: CISPO with sequence-level importance weights,
+    advantages r - group mean, no KL, fp32 on the CPU, our optimiser settings; the rest TRL's defaults."""
+    from trl import GRPOConfig
+    o = cfg["optim"]
+    return GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, max_steps=a.steps, seed=cfg["run"]["seed"], shuffle_dataset=False,
+        per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.P * a.G // a.micro_batch,
+        num_generations=a.G, max_completion_length=a.N, temperature=1.0, top_p=1.0, top_k=0,
+        loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none", beta=0.0,
+        epsilon_high=1.0 + cfg["algo"]["eps_high"], learning_rate=o["lr"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=o["weight_decay"], adam_beta1=o["beta1"], adam_beta2=o["beta2"],
+        max_grad_norm=o["grad_clip"], gradient_checkpointing=bool(a.trl_gradient_checkpointing),
+        dataloader_num_workers=0, log_completions=False,
+    )
+
+
 def run_trl_child(a):
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     import reward as R
     import rollout
@@ -102,18 +130,7 @@ def run_trl_child(a):
                             answer_stub=rw["answer_stub"], micro_batch_size=a.micro_batch)
         return out["reward"].tolist()
 
-    o = cfg["optim"]
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        logging_steps=1, max_steps=a.steps, seed=cfg["run"]["seed"], shuffle_dataset=False,
-        per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=a.P * a.G // a.micro_batch,
-        num_generations=a.G, max_completion_length=a.N, temperature=1.0, top_p=1.0, top_k=0,
-        loss_type="cispo", importance_sampling_level="sequence", scale_rewards="none", beta=0.0,
-        epsilon_high=1.0 + cfg["algo"]["eps_high"], learning_rate=o["lr"], lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=o["weight_decay"], adam_beta1=o["beta1"], adam_beta2=o["beta2"],
-        max_grad_norm=o["grad_clip"], gradient_checkpointing=bool(a.trl_gradient_checkpointing),
-        dataloader_num_workers=0, log_completions=False,
-    )
+    args = trl_args(a, cfg)
     timers = {"rollout": 0.0, "reward": 0.0}
 
     def timed(name, fn):
@@ -168,6 +185,90 @@ def run_trl(a):
 
 
 # ----------------------------------------------------------------------------------------------
+# The same numbers: both losses and gradients on one fixed batch (--check-loss)
+
+
+def check_loss(a):
+    """Our update's loss and gradient vs TRL's `_compute_loss` on ONE fixed batch.
+
+    The batch: step 0's P prompts, G completions each from our sampler (the run's seed), the
+    live self-evaluation reward of reward.py, advantages r - group mean. Both sides get the same
+    token ids, masks and advantages in micro-batches of --micro-batch rows; ours runs
+    train.update_policy (shared prompt pass, closed-form log-prob backward, token_mean
+    normaliser) with an optimiser that only records the gradient, TRL runs its loss per
+    micro-batch exactly as its training_step would (one full forward per row, then backward).
+    Prints both losses and the gradient difference; exits 1 when they disagree beyond 1e-4.
+    """
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    import reward as R
+    import rollout
+    import train
+
+    over = [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
+            f"train.micro_batch_size={a.micro_batch}", "optim.grad_clip=0", *OURS_AS_TRL]
+    cfg = train.load_config([a.config], over)
+    ro, rw = cfg["rollout"], cfg["reward"]
+    policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
+    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    items = train.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], 0, 1)
+    prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
+                  for it in items]
+    out = rollout.generate(policy, tok, prompt_ids, a.G, a.N, ro["temperature"], ro["top_p"], ro["top_k"],
+                           seed=train.sampling_seed(cfg["run"]["seed"], 0, 0))
+    ev = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+    rewards = R.rlme_reward(ev, rw["meta_questions"], [it["question"] for it in items for _ in range(a.G)],
+                            out["completions"], template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE,
+                            answer_stub=rw["answer_stub"], micro_batch_size=a.micro_batch)["reward"]
+    advantages = train.group_advantages(rewards, a.G)
+    mask = out["completion_mask"]
+    batch = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"], "completion_mask": mask,
+             "advantages": advantages}
+
+    def gradient():
+        g = torch.cat([p.grad.flatten() for p in policy.parameters()])
+        policy.zero_grad(set_to_none=True)
+        return g
+
+    # ours: the optimiser's step() records the gradient instead of applying it
+    grads = {}
+    recorder = type("GradientRecorder", (), {"step": lambda self: grads.update(ours=gradient()),
+                                             "zero_grad": lambda self, set_to_none=True: None})()
+    ours_loss = train.update_policy(policy, policy, recorder, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)["loss"]
+
+    # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
+    trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=lambda **kw: [0.0] * len(kw["prompts"]),
+                          args=trl_args(a, cfg), train_dataset=Dataset.from_list([{"prompt": "x"}] * a.P))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = a.P * a.G // a.micro_batch
+    trl_loss = 0.0
+    for s in range(0, a.P * a.G, a.micro_batch):
+        rows = list(range(s, s + a.micro_batch))
+        p_ids, p_mask = rollout.left_pad([out["prompt_ids"][i] for i in rows], tok.pad_token_id)
+        inputs = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": out["completion_ids"][rows],
+                  "completion_mask": mask[rows].long(), "advantages": advantages[rows],
+                  "num_items_in_batch": mask.sum(), "old_per_token_logps": None}
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        trl_loss += loss.item()
+    grads["trl"] = gradient()
+
+    g_ours, g_trl = grads["ours"].double(), grads["trl"].double()  # float64: 135M-term sums
+    rel = float((g_ours - g_trl).norm() / g_trl.norm())
+    print(f"fixed batch: {a.P} prompts x {a.G} completions, {int(mask.sum())} completion tokens, "
+          f"rewards {[round(float(r), 3) for r in rewards]}")
+    print(f"loss        ours {ours_loss:.8f}   TRL {trl_loss:.8f}   |diff| {abs(ours_loss - trl_loss):.2e}")
+    print(f"grad norm   ours {float(g_ours.norm()):.8f}   TRL {float(g_trl.norm()):.8f}")
+    print(f"gradient    |ours - TRL| / |TRL| = {rel:.2e}, max |diff| {float((g_ours - g_trl).abs().max()):.2e}, "
+          f"cosine {float(torch.nn.functional.cosine_similarity(g_ours, g_trl, dim=0)):.8f}")
+    same = abs(ours_loss - trl_loss) <= 1e-4 * max(1.0, abs(trl_loss)) and rel <= 1e-4
+    print("the same loss and gradient (within 1e-4)" if same else "DIFFERENT")
+    return same
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -182,6 +283,8 @@ def main(argv=None):
     p.add_argument("--trl-gradient-checkpointing", type=int, default=1, help="TRL's default is 1 (on)")
     p.add_argument("--only", choices=["ours", "trl"], help="run one side only (e.g. a scaling sweep)")
     p.add_argument("--out", default=None, help="JSON summary file")
+    p.add_argument("--check-loss", action="store_true",
+                   help="instead of timing: compare our loss and gradient with TRL's on one fixed batch")
     p.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("ours_override", nargs="*", help="extra key=value overrides for our train.py")
@@ -193,11 +296,13 @@ def main(argv=None):
     if a.side == "trl":
         json.dump(run_trl_child(a), open(a.result, "w"))
         return
-    if a.only != "ours":
+    if a.only != "ours" or a.check_loss:
         try:
             import trl  # noqa: F401
         except ImportError:
             raise SystemExit("TRL is a benchmark-only dependency: pip install -r requirements-bench.txt (or use --only ours)")
+    if a.check_loss:
+        raise SystemExit(0 if check_loss(a) else 1)
 
     sides = [s for s in ("ours", "trl") if a.only in (None, s)]
     results = []
