@@ -442,7 +442,7 @@ def _read_rows(path, split="train", config_name=None):
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
+            raise SystemExit(rollout.json_error(path, e.lineno, e))
         if isinstance(data, list):
             return [(path, f"{path} element {i}", r) for i, r in enumerate(data)]
         if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):

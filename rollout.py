@@ -31,6 +31,12 @@ import torch.nn.functional as F
 # Files
 
 
+def json_error(path, line, e):
+    """The one-line message for a json.JSONDecodeError `e` at `line` of `path`, with its column
+    (json's e.msg alone drops it, and some messages end in "at": "Unterminated string starting at")."""
+    return f"{path}:{line}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+
+
 def read_jsonl(path):
     """The JSON objects of a JSON-lines file with their 1-based line numbers; blank lines skipped.
 
@@ -51,9 +57,9 @@ def read_jsonl(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # without the newline, e.colno points into the line
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+                raise SystemExit(json_error(path, n, e))
             if not isinstance(row, dict):
                 raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             rows.append((n, row))

@@ -214,7 +214,10 @@ def test_read_jsonl_lines_and_errors(tmp_path):
     assert rollout.read_jsonl(str(good)) == [(1, {"a": 1}), (3, {"a": 2})]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"a": 1}\n{"a": \n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON \(Expecting value\)"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON \(Expecting value at column 7\)$"):
+        rollout.read_jsonl(str(bad))
+    bad.write_text('{"a": 1}\n\n{"a": "b\n')  # an unclosed string: json's message alone has no position
+    with pytest.raises(SystemExit, match=r"bad.jsonl:3: not valid JSON \(Unterminated string starting at column 7\)$"):
         rollout.read_jsonl(str(bad))
     listed = tmp_path / "list.jsonl"
     listed.write_text('[1, 2]\n')
