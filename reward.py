@@ -280,15 +280,19 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
         c_ids, c_mask = _right_pad(rows, pad_id, device)
         full = torch.cat([past, c_mask], dim=1)
         width = c_ids.shape[1]
+        # the logits at suffix column j predict column j+1: the target tokens at columns
+        # tgt_start .. tgt_start+len-1 are predicted from columns tgt_start-1 ... Only those go
+        # through the LM head (a bool logits_to_keep), not every column of the K meta-question
+        # tails (~20 tokens each): K = 4 scoring 10.3 -> 9.4 s, 1.65x -> 1.48x K = 1 (README).
+        col = torch.arange(width, device=device)[None, :]
+        first = torch.tensor(tgt_start, device=device)[:, None] - 1
+        pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
         logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
-                       cache=cache, use_cache=True).logits
-        # logits at suffix column j predict column j+1; target tokens sit at columns
-        # tgt_start .. tgt_start+len-1, so they are predicted from columns tgt_start-1 ...
-        lp = token_logprobs(logits[:, :-1], c_ids[:, 1:])  # [n*k, width-1]
-        col = torch.arange(width - 1, device=device)[None, :]
-        start_t = torch.tensor(tgt_start, device=device)[:, None] - 1
-        sel = (col >= start_t) & (col < start_t + torch.tensor(tgt_len, device=device)[:, None])
-        out.append((lp * sel).sum(-1).view(n, k).cpu())
+                       cache=cache, use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
+        next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)  # column j holds the token at j+1
+        lp = token_logprobs(logits, next_ids[pred])
+        row = pred.nonzero()[:, 0]
+        out.append(torch.zeros(n * k, device=device).index_add_(0, row, lp).view(n, k).cpu())
     return torch.cat(out)
 
 
