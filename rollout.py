@@ -812,8 +812,9 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
             # FSDP2 unshards a layer's weights for backward when the layer's OUTPUT gets a
             # gradient. Only the prompt pass's KV cache reaches the loss, not its last layer's
             # output, whose backward would then find the weights resharded: route a zero
-            # gradient through the prompt pass's (unused) logits.
-            lp = lp + 0.0 * prompt_logits.sum()
+            # gradient through the prompt pass's (unused) logits. An empty slice sums to exactly
+            # 0 even if a logit is inf or NaN (0.0 * sum would turn that into NaN log-probs).
+            lp = lp + prompt_logits[..., :0].sum()
         return lp
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([p_ids.to(device), completion_ids], dim=1)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -43,6 +44,13 @@ OURS_AS_TRL = ["algo.aggregation=token_mean", "optim.warmup_steps=0", "optim.sch
 
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+
+
+def run_child(cmd, what):
+    """Run one timed side in a fresh process; its stdout (progress bars) is dropped, its stderr
+    shown. SystemExit (one line) when it fails: its own error is the line above."""
+    if subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL).returncode:
+        raise SystemExit(f"bench: {what} failed (its error is above)")
 
 
 def summarize(steps):
@@ -66,7 +74,7 @@ def run_ours(a):
                f"train.micro_batch_size={a.micro_batch}", f"reward.micro_batch_size={a.micro_batch}",
                *OURS_AS_TRL, *a.ours_override]
         t = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        run_child(cmd, "our train.py")
         wall = time.perf_counter() - t
         rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     steps = [{"step": r["time/step"], "rollout": r["time/rollout"], "reward": r["time/reward"],
@@ -178,7 +186,7 @@ def run_trl(a):
                "--config", a.config, "--steps", str(a.steps), "--P", str(a.P), "--G", str(a.G), "--N", str(a.N),
                "--micro-batch", str(a.micro_batch), "--trl-gradient-checkpointing", str(a.trl_gradient_checkpointing)]
         t = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        run_child(cmd, "the TRL run")
         res = json.load(open(f.name))
         res["wall_s"] = time.perf_counter() - t
         return res
@@ -234,8 +242,7 @@ def check_loss(a):
 
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
-    recorder = type("GradientRecorder", (), {"step": lambda self: grads.update(ours=gradient()),
-                                             "zero_grad": lambda self, set_to_none=True: None})()
+    recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
     ours_loss = train.update_policy(policy, policy, recorder, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
@@ -291,6 +298,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is not timed)")
+    for name in ("pairs", "P", "G", "N", "micro_batch"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if (a.P * a.G) % a.micro_batch:
         raise SystemExit(f"--micro-batch {a.micro_batch} must divide P*G = {a.P * a.G}")
     if a.side == "trl":
