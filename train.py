@@ -1,7 +1,7 @@
 """RLME / RLVR / RM-NLHF training loop under torchrun: rollout -> reward -> advantage -> CISPO/GRPO update.
 
     torchrun --nproc_per_node 8 train.py --config config.yaml            # GPU node (nccl)
-    torchrun --nproc_per_node 1 train.py --config configs/cpu.yaml       # this laptop (gloo)
+    torchrun --nproc_per_node 1 train.py --config configs/cpu.yaml       # one CPU process (gloo)
     python train.py --config configs/cpu.yaml run.total_steps=3           # same, without torchrun
 
 One training step, top to bottom in `train()`:
