@@ -3,6 +3,7 @@
     pip install -r requirements-bench.txt       # trl==1.16.0: benchmark-only, not in requirements.txt
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
     python scripts/bench_vs_trl.py --check-loss                     # same loss and gradient on one batch
+    python scripts/bench_vs_trl.py --check-loss model.gradient_checkpointing=selective   # ours checkpointed
 
 What is "the same step": one rollout batch of P prompts x G completions of at most N new tokens
 (T = 1, top_p = 1, no top-k), the live self-evaluation reward log P("Yes" | evaluator prompt) of
@@ -206,6 +207,7 @@ def check_loss(a):
     normaliser) with an optimiser that only records the gradient, TRL runs its loss per
     micro-batch exactly as its training_step would (one full forward per row, then backward).
     Prints both losses and the gradient difference; exits 1 when they disagree beyond 1e-4.
+    Extra key=value overrides apply to our side (e.g. model.gradient_checkpointing=selective).
     """
     import torch
     from datasets import Dataset
@@ -216,10 +218,14 @@ def check_loss(a):
     import train
 
     over = [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
-            f"train.micro_batch_size={a.micro_batch}", "optim.grad_clip=0", *OURS_AS_TRL]
+            f"train.micro_batch_size={a.micro_batch}", *a.ours_override, "optim.grad_clip=0", *OURS_AS_TRL]
     cfg = train.load_config([a.config], over)
+    train.validate_config(cfg)
     ro, rw = cfg["rollout"], cfg["reward"]
     policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
+    # as train.py wraps it (one process: activation checkpointing if the overrides ask for it)
+    model = train.wrap_policy(policy, "ddp", 1, torch.device("cpu"),
+                              gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
     chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
     items = train.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], 0, 1)
     prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
@@ -243,7 +249,7 @@ def check_loss(a):
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
-    ours_loss = train.update_policy(policy, policy, recorder, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)["loss"]
+    ours_loss = train.update_policy(model, policy, recorder, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
     trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=lambda **kw: [0.0] * len(kw["prompts"]),
