@@ -327,3 +327,23 @@ def test_selective_checkpointing_keeps_only_matmul_outputs():
         assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.MUST_SAVE
     for op in (aten.mul.Tensor, aten.silu.default, aten.rsqrt.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():
+    """The global norm sqrt(sum_i g_i^2) (what clipping divides by) within 1e-6 of float64, also for
+    a 33M-element gradient (float32 norms of one long CPU tensor drift: ~1e-3 at this size); then
+    clipping to max_norm = E/2 scales every gradient by (E/2) / (E + 1e-6) (torch's eps)."""
+    torch.manual_seed(0)
+    long = torch.nn.Parameter(torch.zeros(1 << 25))
+    short = torch.nn.Parameter(torch.zeros(3))
+    long.grad = torch.randn(1 << 25) * 1e-5
+    short.grad = torch.tensor([3e-3, -4e-3, 12e-3])  # 3-4-12-13: norm 0.013
+    policy = torch.nn.ParameterList([long, short])
+    exact = float((long.grad.double().pow(2).sum() + 0.013 ** 2) ** 0.5)
+    assert T.clip_grad_norm(policy, 0.0) == pytest.approx(exact, rel=1e-6)
+    assert short.grad.tolist() == pytest.approx([3e-3, -4e-3, 12e-3])  # measure only: unchanged
+    assert T.clip_grad_norm(policy, exact / 2) == pytest.approx(exact, rel=1e-6)
+    coef = (exact / 2) / (exact + 1e-6)
+    assert short.grad.tolist() == pytest.approx([3e-3 * coef, -4e-3 * coef, 12e-3 * coef], rel=1e-6)
+    clipped = float((long.grad.double().pow(2).sum() + short.grad.double().pow(2).sum()) ** 0.5)
+    assert clipped == pytest.approx(exact * coef, rel=1e-6)
