@@ -327,6 +327,12 @@ def read_only_cache(cache):
     return cache
 
 
+def checkpointed_modules(model):
+    """The modules of `model` with activation checkpointing on (train.wrap_policy): transformers'
+    decoder layers, and the model that holds the flag."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+
+
 @contextlib.contextmanager
 def set_attribute(modules, name, value):
     """Set `name` to `value` on each module for the duration of the block, then restore it."""
@@ -356,8 +362,7 @@ def prefill(model, prompts, counts, pad_id):
     cache = DynamicCache(config=model.config)
     # This pass WRITES the cache: never activation-checkpointed (transformers would drop the cache;
     # kept, the replay in backward would write it twice). Its activations stay: one row a group.
-    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
-    with set_attribute(checkpointed, "gradient_checkpointing", False):
+    with set_attribute(checkpointed_modules(model), "gradient_checkpointing", False):
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
                     use_cache=True, logits_to_keep=1)
     reps = torch.tensor(counts, device=device)
@@ -802,8 +807,7 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         # Under activation checkpointing (train.py) transformers replays each decoder layer in
         # backward and drops the KV cache, lest the replay write it twice. This pass only READS
         # the prompt's cache (read_only_cache), so the layers may keep it.
-        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
-                  and hasattr(m, "_can_checkpoint_with_cache")]  # transformers' GradientCheckpointingLayer
+        layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
         with set_attribute(layers, "_can_checkpoint_with_cache", True):
             out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
                         cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)

@@ -249,7 +249,7 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
         # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
         assert calls == [torch.Size([2, 3]), torch.Size([5, 6])]
         out[mode] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
-    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert rollout.checkpointed_modules(model)
     assert torch.allclose(out[checkpointing][0], out["none"][0], atol=1e-6)
     for g1, g0 in zip(out[checkpointing][1], out["none"][1]):
         assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
