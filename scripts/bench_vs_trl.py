@@ -88,6 +88,18 @@ def run_ours(a):
 # TRL's side: GRPOTrainer in this process (called as a child with --side trl)
 
 
+def self_evaluation_reward(model, tok, chat, cfg, questions, completions, micro_batch):
+    """RLME Eq. 2-3 with one live evaluator, the policy scoring its own answers: reward.py's
+    rlme_reward with the config's meta-questions and template, the same call on both sides.
+    Returns FloatTensor [N]."""
+    import reward as R
+    rw = cfg["reward"]
+    ev = [{"name": "live", "model": model, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+    return R.rlme_reward(ev, rw["meta_questions"], questions, completions,
+                         template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE,
+                         answer_stub=rw["answer_stub"], micro_batch_size=micro_batch)["reward"]
+
+
 def trl_args(a, cfg):
     """TRL's GRPOConfig for the same step as ours: CISPO with sequence-level importance weights,
     advantages r - group mean, no KL, fp32 on the CPU, our optimiser settings; the rest TRL's defaults."""
@@ -112,7 +124,6 @@ def run_trl_child(a):
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    import reward as R
     import rollout
     import train
 
@@ -127,17 +138,12 @@ def run_trl_child(a):
         for it in train.step_items(items, step, a.P, cfg["run"]["seed"], 0, 1):
             text = cfg["data"]["prompt_template"].format(question=it["question"])
             rows.append({"prompt": [{"role": "user", "content": text}] if chat else text, "question": it["question"]})
-    rw = cfg["reward"]
-    template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
     holder = {}
 
     def live_self_eval(prompts, completions, question, **kwargs):
-        """RLME Eq. 2-3 with one live evaluator: the policy being trained scores its own answers."""
+        """TRL's reward function: the policy being trained scores its own answers."""
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        ev = [{"name": "live", "model": holder["trainer"].model, "tokenizer": tok, "chat": chat, "weight": 1.0}]
-        out = R.rlme_reward(ev, rw["meta_questions"], list(question), texts, template=template,
-                            answer_stub=rw["answer_stub"], micro_batch_size=a.micro_batch)
-        return out["reward"].tolist()
+        return self_evaluation_reward(holder["trainer"].model, tok, chat, cfg, list(question), texts, a.micro_batch).tolist()
 
     args = trl_args(a, cfg)
     timers = {"rollout": 0.0, "reward": 0.0}
@@ -213,7 +219,6 @@ def check_loss(a):
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    import reward as R
     import rollout
     import train
 
@@ -221,7 +226,7 @@ def check_loss(a):
             f"train.micro_batch_size={a.micro_batch}", *a.ours_override, "optim.grad_clip=0", *OURS_AS_TRL]
     cfg = train.load_config([a.config], over)
     train.validate_config(cfg)
-    ro, rw = cfg["rollout"], cfg["reward"]
+    ro = cfg["rollout"]
     policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
     # as train.py wraps it (one process: activation checkpointing if the overrides ask for it)
     model = train.wrap_policy(policy, "ddp", 1, torch.device("cpu"),
@@ -232,10 +237,8 @@ def check_loss(a):
                   for it in items]
     out = rollout.generate(policy, tok, prompt_ids, a.G, a.N, ro["temperature"], ro["top_p"], ro["top_k"],
                            seed=train.sampling_seed(cfg["run"]["seed"], 0, 0))
-    ev = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
-    rewards = R.rlme_reward(ev, rw["meta_questions"], [it["question"] for it in items for _ in range(a.G)],
-                            out["completions"], template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE,
-                            answer_stub=rw["answer_stub"], micro_batch_size=a.micro_batch)["reward"]
+    rewards = self_evaluation_reward(policy, tok, chat, cfg, [it["question"] for it in items for _ in range(a.G)],
+                                     out["completions"], a.micro_batch)
     advantages = train.group_advantages(rewards, a.G)
     mask = out["completion_mask"]
     batch = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"], "completion_mask": mask,
