@@ -25,12 +25,15 @@ Ablation switches (`metarm.mode`, the paper's ablations):
 
 The MetaRM state is a plain dict:
     mrm = {"model", "tokenizer", "optimizer" (online AdamW, created on first update), "mode",
-           "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates"}
+           "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates", "dtype"}
+It is trained, so its parameters and AdamW state are float32 whatever `metarm.dtype` says;
+`dtype` is the compute dtype of its forwards (autocast), as for the policy (train.compute_context).
 
 Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
             where train.py picks it up instead of cold-starting itself)
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -120,6 +123,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     Args:
         path: HF folder, hub id or gguf:<package>/<file> (see rollout.resolve_model_path).
         mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
+        dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
+            an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
     Returns:
         the mrm dict (see the top of this file).
     Raises:
@@ -132,7 +137,7 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     try:
         tok = AutoTokenizer.from_pretrained(resolved)
         model = AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=3 if mode == "classifier" else 1, dtype=rollout.DTYPES[dtype]).to(device)
+            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
     except (OSError, ValueError) as e:
         raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
     if tok.pad_token_id is None:
@@ -143,7 +148,7 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     tok.truncation_side = "left"  # keep the critique, which comes last
     return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
             "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
-            "weight_decay": float(weight_decay), "updates": 0}
+            "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
 
 
 def _forward(mrm, texts):
@@ -151,7 +156,10 @@ def _forward(mrm, texts):
     tok, model = mrm["tokenizer"], mrm["model"]
     device = next(model.parameters()).device
     enc = tok(texts, padding=True, truncation=True, max_length=mrm["max_length"], return_tensors="pt").to(device)
-    logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.float()
+    compute = (contextlib.nullcontext() if mrm["dtype"] == "float32"
+               else torch.autocast(device.type, dtype=rollout.DTYPES[mrm["dtype"]]))
+    with compute:  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.float()
     return logits if mrm["mode"] == "classifier" else logits[:, 0]
 
 
@@ -343,7 +351,7 @@ def load(path, device="cpu", dtype="float32"):
 
 def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, nlhf=None, chat_template="auto",
-               seed=0, micro_batch_size=None, log=print, grm=None):
+               seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32", fast=True):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     Args:
@@ -353,6 +361,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         dh_items: pairwise dicts with human critiques. judge: reward.make_judge(...) dict.
         nlhf: dict with lam, threshold, gate_on_outcome, max_critique_lines, max_critique_chars
             (defaults: 0.5, 0.5, True, 4, 1500).
+        compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
+        fast: False samples with the plain twin (rollout.generate_plain, train.fast_paths).
     Returns:
         dict: rollouts, examples, invalid, judge_failures, target_mean, loss_first, loss_last,
         seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
@@ -365,8 +375,12 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     chat = rollout.use_chat_template(tok, chat_template)
     prompts = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(it["context"], it["response_a"], it["response_b"],
                                                                      nl["max_critique_lines"]), chat) for it in dh_items]
-    out = rollout.generate(grm, tok, prompts, rollouts_per_prompt, max_new_tokens, temperature, seed=seed,
-                           micro_batch_size=micro_batch_size)
+    device = next(grm.parameters()).device
+    compute = (contextlib.nullcontext() if compute_dtype == "float32"
+               else torch.autocast(device.type, dtype=rollout.DTYPES[compute_dtype]))
+    with compute:
+        out = rollout.generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, micro_batch_size=micro_batch_size, fast=fast)
     del grm
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
     parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in out["completions"]]

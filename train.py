@@ -89,6 +89,9 @@ def _check_type(key, value, default):
         raise SystemExit(f"config key {key}: expected {type(default).__name__}, got {value!r}")
 
 
+# Keys that no longer exist, and what replaced them (a one-line error instead of "unknown key").
+RENAMED = {"train.share_prompt": "train.fast_paths (true: the group's prompt runs once in the update)"}
+
 NULLABLE = {"reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
             "judge.api_key_env", "metarm.model", "metarm.path"}
 
@@ -106,6 +109,8 @@ def _merge(base, new, prefix=""):
         raise SystemExit(f"config {prefix or 'file'}: expected a mapping, got {new!r}")
     for k, v in new.items():
         key = f"{prefix}{k}"
+        if key in RENAMED:
+            raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
         if k not in base:
             raise SystemExit(f"unknown config key {key} (known: {', '.join(sorted(base))})")
         if isinstance(base[k], dict):
@@ -188,6 +193,10 @@ def validate_config(cfg, world_size=1):
     for i, mq in enumerate(cfg["reward"]["meta_questions"]):
         if not mq.get("question"):
             raise SystemExit(f"config key reward.meta_questions[{i}].question: missing")
+        for field in ("target", "negative"):
+            if field in mq and not mq[field].strip():
+                raise SystemExit(f"config key reward.meta_questions[{i}].{field}: empty (the evaluator's answer "
+                                 f"to score, e.g. \"Yes\")")
         mq.setdefault("weight", 1.0)
         mq.setdefault("target", "Yes")
         mq.setdefault("negative", "No")
@@ -218,6 +227,25 @@ def validate_config(cfg, world_size=1):
                    ("run.total_steps", cfg["run"]["total_steps"])]:
         if v < 1:
             raise SystemExit(f"config key {key}: must be >= 1, got {v}")
+    if r["group_size"] < 2:
+        # RLME Eq. 5 / GRPO: A = r - mean(group); a group of one has A = 0, so nothing is learned
+        raise SystemExit(f"config key rollout.group_size: must be >= 2 (advantages compare the samples of a "
+                         f"group; G = 1 gives every advantage 0), got {r['group_size']}")
+    if a["loss"] == "cispo" and a["kl_coef"] > 0:
+        raise SystemExit(f"config key algo.kl_coef={a['kl_coef']}: the KL term is GRPO's (algo.loss=grpo); "
+                         f"CISPO (RLME Eq. 8) has none, so it would be ignored")
+    o = cfg["optim"]
+    for key, ok, need in [("lr", o["lr"] > 0, "> 0"), ("weight_decay", o["weight_decay"] >= 0, ">= 0"),
+                          ("beta1", 0 <= o["beta1"] < 1, "in [0, 1)"), ("beta2", 0 <= o["beta2"] < 1, "in [0, 1)"),
+                          ("grad_clip", o["grad_clip"] >= 0, ">= 0 (0 = off)"),
+                          ("warmup_steps", o["warmup_steps"] >= 0, ">= 0")]:
+        if not ok:
+            raise SystemExit(f"config key optim.{key}: must be {need}, got {o[key]}")
+    if cfg["data"]["max_prompt_tokens"] < 0 or cfg["nlhf"]["max_prompt_tokens"] < 0:
+        raise SystemExit("config key data.max_prompt_tokens / nlhf.max_prompt_tokens: must be >= 0 (0 = model context - max_new_tokens)")
+    if cfg["model"]["dtype"] == "float16" and cfg["train"]["parallel"] == "fsdp2":
+        raise SystemExit("config key model.dtype=float16 with train.parallel=fsdp2: float16 needs loss scaling, "
+                         "which is implemented for ddp only; use model.dtype=bfloat16")
     if r["prompts_per_step"] % world_size:
         raise SystemExit(f"config key rollout.prompts_per_step={r['prompts_per_step']} is not divisible by "
                          f"the world size {world_size} (whole groups per rank)")
@@ -237,7 +265,8 @@ def validate_config(cfg, world_size=1):
     if "{question}" not in cfg["data"]["prompt_template"]:
         raise SystemExit("config key data.prompt_template: must contain {question}")
     nl = cfg["nlhf"]
-    for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, float("inf"))]:
+    # λ weighs the process reward against the outcome reward (RM-NLHF Eq. 8): a share in [0, 1]
+    for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
         if not lo <= nl[key] <= hi:
             raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
     if cfg["task"] == "rm_nlhf":
@@ -500,11 +529,27 @@ def peak_memory_mb(device):
 # needs grad_sync() and clip_grad_norm() to be the same code for both.
 
 
-def master_dtype(cfg):
-    """dtype the trained policy is loaded in. FSDP2 keeps float32 master weights (sharded, so
-    1/world of them per GPU) and computes in model.dtype through its MixedPrecisionPolicy; DDP
-    keeps every parameter in model.dtype, as before."""
-    return "float32" if cfg["train"]["parallel"] == "fsdp2" else cfg["model"]["dtype"]
+def compute_context(dtype, parallel, device):
+    """Mixed precision of every forward of the trained policy: the context to run it in.
+
+    The trained parameters and the AdamW state are always float32 (master weights): an AdamW
+    step of ~1e-6 on a bf16 weight of ~0.02 (bf16 spacing there ~1e-4) rounds to nothing, so a
+    bf16-stored policy does not train. Compute runs in `model.dtype`, as TRL and accelerate do:
+    - FSDP2 on GPU: its MixedPrecisionPolicy gathers the parameters in `dtype` (wrap_policy),
+      so nothing more is needed here;
+    - everywhere else (DDP, one process, FSDP2 on the CPU): torch.autocast to `dtype`, which runs
+      matrix multiplies in `dtype` and keeps reductions (softmax, norms) in float32.
+    Backward runs outside the context (torch's autocast guidance); it follows the forward's dtypes.
+
+    Args:
+        dtype: "float32" | "bfloat16" | "float16" (model.dtype). parallel: "ddp" | "fsdp2".
+        device: torch.device.
+    Returns:
+        a context manager (a no-op for float32).
+    """
+    if dtype == "float32" or (parallel == "fsdp2" and device.type == "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=rollout.DTYPES[dtype])
 
 
 def decoder_layers(policy):
@@ -591,21 +636,27 @@ def grad_sync(model, world, sync):
         yield
 
 
-def clip_grad_norm(policy, max_norm):
-    """Clip the global gradient norm (max_norm <= 0: measure only). Returns the norm before
-    clipping as a float. Under FSDP2 the gradients are DTensor shards; clip_grad_norm_ reduces
-    their norms over the mesh, so the norm is the global one (tests/test_scale.py).
+def clip_grad_norm_plain(policy, max_norm):
+    """Clip the global gradient norm to `max_norm` (<= 0: measure only); returns the norm before
+    clipping as a float. torch's clip_grad_norm_; under FSDP2 the gradients are DTensor shards
+    and the norm it returns is reduced over the mesh, i.e. the global one (tests/test_scale.py)."""
+    from torch.distributed.tensor import DTensor
+    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
 
-    On the CPU the norm is taken over 64K-element chunks: torch's float32 CPU norm of one long
-    tensor drifts (torch 2.13, against float64: 1e-5 relative at 1M elements, 1.7e-3 at SmolLM2's
-    28M-element tied embedding; SmolLM2's global norm 3.7e-4 low), chunks keep it within ~1e-6
-    (SmolLM2: 1.9e-7) for +14 ms an optimizer step (tests/test_train.py).
+
+def clip_grad_norm(policy, max_norm, fast=True):
+    """`clip_grad_norm_plain`, with the norm of CPU gradients taken over 64K-element chunks
+    (fast=False: the plain twin; tests/test_train.py compares both with float64).
+
+    Why: torch's float32 CPU norm of one long tensor drifts (torch 2.13: ~1e-3 relative at a
+    28M-element tied embedding, so the logged norm and the clip coefficient were off); chunked
+    partial norms keep it within ~1e-6. GPU and FSDP2 (DTensor) gradients take the plain path.
     """
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    if not grads or any(isinstance(g, DTensor) or g.device.type != "cpu" for g in grads):
-        gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
-        return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
+    if not fast or not grads or any(isinstance(g, DTensor) or g.device.type != "cpu" for g in grads):
+        return clip_grad_norm_plain(policy, max_norm)
     gn = torch.nn.utils.get_total_norm([c for g in grads for c in g.reshape(-1).split(1 << 16)])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(policy.parameters(), max_norm, gn)
@@ -688,7 +739,7 @@ def latest_checkpoint(out_dir):
     return os.path.join(root, f"step_{max(steps):06d}") if steps else None
 
 
-def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None):
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None, scaler=None):
     """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
     that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
     into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
@@ -715,7 +766,8 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict()},
+    torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None},
                os.path.join(tmp, "trainer_state.pt"))
     if extra is not None:
         extra(tmp)
@@ -726,7 +778,7 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def load_trainer_state(ckpt, policy, optimizer, scheduler):
+def load_trainer_state(ckpt, policy, optimizer, scheduler, scaler=None):
     """Restore optimizer and scheduler from ckpt/trainer_state.pt; returns the step.
 
     The optimizer state is the full name-keyed dict written by save_checkpoint; each rank reads
@@ -742,6 +794,8 @@ def load_trainer_state(ckpt, policy, optimizer, scheduler):
     else:
         set_optimizer_state_dict(policy, optimizer, osd, options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])  # float16: the loss scale continues where it was
     return state["step"]
 
 
@@ -810,18 +864,48 @@ def load_do_items(cfg):
     return items[:nl["max_items"]] if nl["max_items"] else items
 
 
-def keep_short_pairs(items, tokenizer, chat, nl, key):
-    """Items whose GRM prompt has at most nlhf.max_prompt_tokens tokens (0 = all): long pairs
-    cost memory quadratically in attention and linearly in the [tokens x vocab] logits of the
-    update. SystemExit (one line) when none is left. `key` names the data key in the message."""
-    if not nl["max_prompt_tokens"] or not items:
-        return items
-    lengths = [len(grm_prompt_ids(tokenizer, it, chat, nl)) for it in items]
-    kept = [it for it, n in zip(items, lengths) if n <= nl["max_prompt_tokens"]]
-    if not kept:
-        raise SystemExit(f"config key nlhf.max_prompt_tokens={nl['max_prompt_tokens']}: no item of {key} is that "
-                         f"short (shortest GRM prompt: {min(lengths)} tokens)")
-    return kept
+def prompt_token_limit(setting, model, max_new_tokens, key):
+    """The prompt-length limit in tokens: `setting`, or when it is 0 the model's context
+    (config.max_position_embeddings) minus max_new_tokens. SystemExit (one line) when no prompt
+    could fit."""
+    context = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
+    limit = setting or context - max_new_tokens
+    if limit < 1:
+        raise SystemExit(f"config key {key}: no prompt fits (model context {context} tokens, "
+                         f"rollout.max_new_tokens={max_new_tokens})")
+    return limit
+
+
+def keep_short(items, prompt_ids, limit, key, overhead):
+    """Items whose prompt has at most `limit` tokens, and how many were dropped.
+
+    A prompt longer than the model's context does not fail: it makes the rollout crawl (a
+    64k-token GSM8K-style question sat at 0 % of step 1 for minutes), so it is dropped at load
+    and counted. Only prompts whose UTF-8 length exceeds `limit` minus the template's own tokens
+    are tokenised: a token covers at least one byte, so a shorter text cannot exceed the limit
+    (GSM8K's 7.5k questions then need no tokenising at all).
+
+    Args:
+        items: list of item dicts. prompt_ids(item, text_only) -> list[int] of its prompt ids;
+            with text_only=True it returns the prompt's text instead (for the byte bound).
+        limit: int tokens. key: the config key named in the error.
+        overhead: tokens the template adds around an empty text (chat header, BOS).
+    Returns:
+        (kept items, number dropped). Raises SystemExit (one line) when none is left.
+    """
+    kept, longest = [], 0
+    for it in items:
+        if len(prompt_ids(it, text_only=True).encode("utf-8")) + overhead + 16 <= limit:
+            kept.append(it)
+            continue
+        n = len(prompt_ids(it, text_only=False))
+        longest = max(longest, n)
+        if n <= limit:
+            kept.append(it)
+    if items and not kept:
+        raise SystemExit(f"config key {key}={limit}: no item is that short (shortest prompt over the limit: "
+                         f"{longest} tokens)")
+    return kept, len(items) - len(kept)
 
 
 def nlhf_step_items(dh, do, step, cfg, rank, world):
@@ -838,10 +922,18 @@ def nlhf_step_items(dh, do, step, cfg, rank, world):
     return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
 
 
-def grm_prompt_ids(tokenizer, item, chat, nl):
-    """Token ids of the GRM prompt for one pairwise item (SPEC §5.2; chat template when `chat`)."""
+def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
+    """Token ids of the GRM prompt for one pairwise item (SPEC §5.2; chat template when `chat`);
+    its text (the user message) with text_only=True."""
     text = R.build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"])
-    return rollout.build_prompt_ids(tokenizer, text, chat)
+    return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
+
+
+def policy_prompt_ids(tokenizer, item, chat, template, text_only=False):
+    """Token ids of the policy prompt for one training item (data.prompt_template, chat template
+    when `chat`); its text with text_only=True."""
+    text = template.format(question=item["question"])
+    return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
 
 
 def setup_metarm(cfg, ckpt, policy, tokenizer, dh, judge, device, rank, world):
@@ -874,11 +966,14 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, dh, judge, device, rank, world):
             # a plain copy of the same base weights, freed after the cold start)
             grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
                 rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-            stats = metarm.cold_start(mrm, cfg["model"]["policy"], items, judge, m["rollouts_per_prompt"],
-                                      m["max_new_tokens"], m["temperature"], m["epochs"], m["lr"], m["warmup_frac"],
-                                      m["weight_decay"], nl, cfg["model"]["chat_template"], cfg["run"]["seed"],
-                                      cfg["rollout"]["micro_batch_size"] or None, log=lambda s: print(f"[train] {s}", flush=True),
-                                      grm=grm)
+            stats = metarm.cold_start(mrm, cfg["model"]["policy"], items, judge,
+                                      rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
+                                      temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"],
+                                      warmup_frac=m["warmup_frac"], weight_decay=m["weight_decay"], nlhf=nl,
+                                      chat_template=cfg["model"]["chat_template"], seed=cfg["run"]["seed"],
+                                      micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
+                                      log=lambda s: print(f"[train] {s}", flush=True), grm=grm,
+                                      compute_dtype=cfg["model"]["dtype"], fast=cfg["train"]["fast_paths"])
             del grm
             metarm.save(mrm, path)
     if world > 1:
@@ -1005,22 +1100,66 @@ def nlhf_step_metrics(records, step_metrics):
 # The loop
 
 
-def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, ref_model=None):
+def micro_batches(rows, size):
+    """Consecutive chunks of `size` row indices (the last one shorter)."""
+    rows = list(rows)
+    return [rows[s:s + size] for s in range(0, len(rows), size)]
+
+
+def rows_logprobs(model, batch, rows, pad_id, cfg, prompt_model=None):
+    """Per-token log-probs of the completions of `rows` under `model` (logits / temperature),
+    over the first `width` columns: the longest masked completion among `rows` (columns that
+    are padding in every row are trimmed).
+
+    Returns:
+        (FloatTensor [len(rows), width], width). With grad when called under grad mode.
+    """
+    width = max(1, int(batch["completion_mask"][rows].sum(-1).max()))
+    lp = rollout.completion_logprobs(model, [batch["prompt_ids"][i] for i in rows], batch["completion_ids"][rows, :width],
+                                     pad_id, cfg["rollout"]["temperature"], fast=cfg["train"]["fast_paths"],
+                                     prompt_model=prompt_model)
+    return lp, width
+
+
+@torch.no_grad()
+def frozen_logprobs(model, batch, pad_id, cfg, device):
+    """The no-grad pass of the update: per-token log-probs of every completion under `model`,
+    prompt AND completion through `model` itself: the behaviour policy pi_b (model = the policy,
+    before any optimizer step; RLME Eq. 6's denominator) or the GRPO reference pi_ref (model =
+    the frozen initial policy; the k3 KL). A pass never borrows another model's prompt cache.
+
+    Returns:
+        list (N) of FloatTensor [L_i] on CPU (L_i = the width of row i's micro-batch).
+    """
+    out = [None] * len(batch["prompt_ids"])
+    for rows in micro_batches(range(len(out)), cfg["train"]["micro_batch_size"]):
+        with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
+            lp, _ = rows_logprobs(model, batch, rows, pad_id, cfg)
+        for i, row in zip(rows, lp.float().cpu()):
+            out[i] = row
+    return out
+
+
+def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, ref_model=None, scaler=None):
     """One rollout batch's worth of optimizer steps (SPEC §4.4): `algo.updates_per_batch` passes,
     each split into `algo.minibatches` optimizer steps over whole groups, each accumulated over
     micro-batches of `train.micro_batch_size` sequences.
 
-    The loss of an optimizer step is sum(per-token loss) / normaliser with ONE normaliser
+    First the no-grad passes (`frozen_logprobs`): behaviour log-probs when the update is
+    off-policy (or to log the vLLM gap), reference log-probs for GRPO's KL. Then the optimizer
+    steps. The loss of an optimizer step is sum(per-token loss) / normaliser with ONE normaliser
     counted over all its micro-batches on all ranks, so 1 rank x 4 micro-batches, 2 ranks x 2 and
     1 rank x 1 give the same update (tests/test_train.py).
 
     Args:
         model: the policy, DDP-wrapped when world > 1 (used for the forward with grad).
-        policy: the unwrapped policy (no-grad forwards, grad clipping).
+        policy: the unwrapped policy (float32 master weights; no-grad passes, grad clipping).
         batch: dict with "prompt_ids" list[list[int]] (N), "completion_ids" LongTensor [N, L],
             "completion_mask" FloatTensor [N, L], "advantages" FloatTensor [N], and optionally
             "valid" BoolTensor [N] (False rows are left out of the loss and the normaliser).
-        cfg: full config (reads algo, train, optim, rollout.temperature/max_new_tokens/group_size).
+        cfg: full config (reads algo, train, optim, model.dtype, rollout.temperature/max_new_tokens/group_size).
+        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0), else None.
+        scaler: torch.amp.GradScaler for model.dtype float16 (loss scaling), else None.
     Returns:
         dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
         (list[float], global, before clipping), "is_weight" / "clipped" (FloatTensor [N], last
@@ -1028,43 +1167,21 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
         masked tokens when batch has "rollout_logprobs" [N, L] (vLLM), else None.
     """
     algo, o, ro = cfg["algo"], cfg["optim"], cfg["rollout"]
-    G, per_mb, temperature = ro["group_size"], cfg["train"]["micro_batch_size"], ro["temperature"]
-    prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+    G, per_mb = ro["group_size"], cfg["train"]["micro_batch_size"]
     mask = batch["completion_mask"].float()
     if "valid" in batch:
         mask = mask * batch["valid"].float()[:, None]
     advantages = batch["advantages"]
-    n_local = len(prompt_ids)
+    n_local = len(batch["prompt_ids"])
     model.train()
 
-    # A group's prompt runs once per micro-batch, not G times (rollout.completion_logprobs); the
-    # prompt pass goes through the unwrapped policy so that DDP sees one forward per backward.
-    share = cfg["train"]["share_prompt"]
-
-    def forward(m, rows):
-        width = max(1, int(mask[rows].sum(-1).max()))  # trim columns that are padding everywhere
-        return rollout.completion_logprobs(m, [prompt_ids[i] for i in rows], completion_ids[rows, :width],
-                                           pad_id, temperature, share_prompt=share, prompt_model=policy), width
-
-    # Behaviour log-probs: with one optimizer step per batch, pi_theta == pi_b at the update, so
-    # the ratio is exactly 1 and we skip a whole forward pass; otherwise recompute them with the
-    # training model before the first update, without grad (SPEC §4.4). Same for the reference.
+    # No-grad passes. With one optimizer step per batch pi_theta == pi_b at the update, so the
+    # ratio is exactly 1 and the behaviour pass is skipped; otherwise it runs before the first
+    # step (SPEC §4.4). With vLLM rollouts the trainer recomputes it anyway, to log the gap (§7).
     off_policy = algo["updates_per_batch"] > 1 or algo["minibatches"] > 1
-    # With vLLM rollouts the trainer recomputes them anyway, to log the vLLM-trainer gap (SPEC §7).
     rollout_lp = batch.get("rollout_logprobs")
-    need_behaviour = off_policy or rollout_lp is not None
-    behaviour, ref = [None] * n_local, [None] * n_local
-    with torch.no_grad():
-        for s in range(0, n_local, per_mb):
-            rows = list(range(s, min(s + per_mb, n_local)))
-            if need_behaviour:
-                lp, _ = forward(policy, rows)
-                for i, row in zip(rows, lp.cpu()):
-                    behaviour[i] = row
-            if ref_model is not None:
-                lp, _ = forward(ref_model, rows)
-                for i, row in zip(rows, lp.cpu()):
-                    ref[i] = row
+    behaviour = frozen_logprobs(policy, batch, pad_id, cfg, device) if off_policy or rollout_lp is not None else None
+    ref = frozen_logprobs(ref_model, batch, pad_id, cfg, device) if ref_model is not None else None
 
     mb_groups = n_local // G // algo["minibatches"]
     loss_total, grad_norms = 0.0, []
@@ -1076,22 +1193,31 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
             n_seq = all_sum((mask[idx].sum(-1) > 0).sum(), world)
             n_tok = all_sum(mask[idx].sum(), world)
             norm = max(loss_normaliser(algo, n_seq, n_tok, ro["max_new_tokens"]), 1.0)
-            chunks = [idx[s:s + per_mb] for s in range(0, len(idx), per_mb)]
+            chunks = micro_batches(idx, per_mb)
             for c, rows in enumerate(chunks):
                 # DDP all-reduces / FSDP2 reduce-scatters gradients on the last micro-batch only.
-                last = c == len(chunks) - 1
-                with grad_sync(model, world, last):
-                    lp, width = forward(model, rows)
+                with grad_sync(model, world, sync=c == len(chunks) - 1):
+                    with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
+                        # the prompt pass goes through the unwrapped policy: DDP sees one forward per backward
+                        lp, width = rows_logprobs(model, batch, rows, pad_id, cfg, prompt_model=policy)
                     beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if off_policy else None
-                    rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref_model is not None else None
-                    loss_sum, st = policy_loss(lp, beh, advantages[rows].to(device), mask[rows, :width].to(device), algo, rl)
+                    rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref is not None else None
+                    loss_sum, st = policy_loss(lp.float(), beh, advantages[rows].to(device),
+                                               mask[rows, :width].to(device), algo, rl)
                     # DDP and FSDP2 average gradients over ranks; x world turns that into a global sum / norm.
-                    (loss_sum * world / norm).backward()
+                    loss = loss_sum * world / norm
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
                 loss_total += float(loss_sum.detach()) / norm
                 is_weights[rows] = st["is_weight"].float().cpu()
                 clipped[rows] = st["clipped"].float().cpu()
-            grad_norms.append(clip_grad_norm(policy, o["grad_clip"]))
-            optimizer.step()
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip and log the true gradient norm
+            grad_norms.append(clip_grad_norm(policy, o["grad_clip"], fast=cfg["train"]["fast_paths"]))
+            if scaler is not None:
+                scaler.step(optimizer)  # skipped when a gradient is inf/NaN (float16 overflow)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     gap = logp_gap(behaviour, rollout_lp, mask) if rollout_lp is not None else None
     return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped,
@@ -1121,10 +1247,11 @@ def rollout_batch(engine, model, policy, tokenizer, prompt_ids, cfg, seed):
     ro = cfg["rollout"]
     eos = rollout.eos_ids(policy, tokenizer)
     if engine is None:
-        with unsharded(model):
-            return rollout.generate(policy, tokenizer, prompt_ids, ro["group_size"], ro["max_new_tokens"],
-                                    ro["temperature"], ro["top_p"], ro["top_k"], seed=seed,
-                                    micro_batch_size=ro["micro_batch_size"] or None)
+        with unsharded(model), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
+            return rollout.generate(policy, tokenizer, prompt_ids, group_size=ro["group_size"],
+                                    max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
+                                    top_p=ro["top_p"], top_k=ro["top_k"], seed=seed,
+                                    micro_batch_size=ro["micro_batch_size"] or None, fast=cfg["train"]["fast_paths"])
     out = rollout.generate_vllm(engine["llm"], tokenizer, prompt_ids, ro["group_size"], ro["max_new_tokens"],
                                 ro["temperature"], ro["top_p"], ro["top_k"], seed=seed, eos=eos)
     rollout.vllm_sleep(engine)
@@ -1151,8 +1278,30 @@ def lr_lambda(cfg):
     return f
 
 
+def check_startup(cfg):
+    """What can be known about this machine before anything is loaded: the device exists, the
+    output folder can be written. One-line SystemExit naming the key."""
+    if cfg["train"]["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("config key train.device=cuda: no CUDA device on this machine (use train.device=cpu or auto)")
+    out_dir = cfg["run"]["out_dir"]
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"config key run.out_dir={out_dir}: cannot write there ({e.strerror})")
+
+
+def checkpoint_step(ckpt):
+    """The step of a checkpoint folder out_dir/checkpoints/step_NNNNNN."""
+    return int(os.path.basename(ckpt).split("_")[1])
+
+
 def train(cfg):
     tc = cfg["train"]
+    check_startup(cfg)
     rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
                                             cpu_collectives=tc["cpu_offload"])
     validate_config(cfg, world)
@@ -1160,6 +1309,15 @@ def train(cfg):
     run, ro, rw, algo = cfg["run"], cfg["rollout"], cfg["reward"], cfg["algo"]
     out_dir = run["out_dir"]
     is_main = rank == 0
+    ckpt = latest_checkpoint(out_dir) if run["resume"] else None
+    if ckpt and checkpoint_step(ckpt) >= run["total_steps"]:
+        if is_main:
+            print(f"[train] {out_dir} is complete: its checkpoint is at step {checkpoint_step(ckpt)} and "
+                  f"run.total_steps={run['total_steps']}; to train further raise run.total_steps "
+                  f"(or set run.out_dir / run.resume=false for a new run)", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
 
     # --- data, models, optimizer -------------------------------------------------------------
     task = cfg["task"]
@@ -1169,18 +1327,33 @@ def train(cfg):
         dh_items, do_items = load_dh_items(cfg), load_do_items(cfg)
     else:
         items = load_train_items(cfg)
-    ckpt = latest_checkpoint(out_dir) if run["resume"] else None
-    policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], master_dtype(cfg), device)
+    # The trained policy is float32 (master weights) whatever model.dtype says; its forwards
+    # compute in model.dtype (compute_context, or FSDP2's MixedPrecisionPolicy on GPU).
+    policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
+    overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
-        dh_items = keep_short_pairs(dh_items, tokenizer, chat, cfg["nlhf"], "nlhf.dh")
-        do_items = keep_short_pairs(do_items, tokenizer, chat, cfg["nlhf"], "nlhf.do")
+        nl = cfg["nlhf"]
+        limit = prompt_token_limit(nl["max_prompt_tokens"], policy, ro["max_new_tokens"], "nlhf.max_prompt_tokens")
+        ids = functools.partial(grm_prompt_ids, tokenizer, chat=chat, nl=nl)
+        dh_items, dropped = keep_short(dh_items, lambda it, text_only: ids(it, text_only=text_only), limit,
+                                       "nlhf.max_prompt_tokens", overhead)
+        do_items, dropped_do = keep_short(do_items, lambda it, text_only: ids(it, text_only=text_only), limit,
+                                          "nlhf.max_prompt_tokens", overhead)
+        dropped += dropped_do
+    else:
+        limit = prompt_token_limit(cfg["data"]["max_prompt_tokens"], policy, ro["max_new_tokens"], "data.max_prompt_tokens")
+        items, dropped = keep_short(items, lambda it, text_only: policy_prompt_ids(
+            tokenizer, it, chat, cfg["data"]["prompt_template"], text_only=text_only), limit, "data.max_prompt_tokens", overhead)
+    if dropped and is_main:
+        print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens "
+              f"({'nlhf' if task == 'rm_nlhf' else 'data'}.max_prompt_tokens)", flush=True)
     model = wrap_policy(policy, tc["parallel"], world, device, cfg["model"]["dtype"], tc["cpu_offload"],
                         cfg["model"]["gradient_checkpointing"])
     engine = make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank)
     evaluators = load_evaluators(cfg, policy, tokenizer, device) if task == "rlme" and rw["kind"] == "rlme" else []
     ref_model = None
-    if algo["loss"] == "grpo" and algo["kl_coef"] > 0:
+    if algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         ref_model, _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         ref_model.eval().requires_grad_(False)
     o = cfg["optim"]
@@ -1189,9 +1362,12 @@ def train(cfg):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
                                   weight_decay=o["weight_decay"], fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    # float16 has 5 exponent bits: small gradients underflow to 0 without loss scaling (bf16 has
+    # float32's range and needs none)
+    scaler = torch.amp.GradScaler(device.type) if cfg["model"]["dtype"] == "float16" else None
     start_step = 0
     if ckpt:
-        start_step = load_trainer_state(ckpt, policy, optimizer, scheduler)
+        start_step = load_trainer_state(ckpt, policy, optimizer, scheduler, scaler)
     mrm = None
     if task == "rm_nlhf":  # the MetaRM (SPEC §5.4): restored with the checkpoint, loaded, or cold-started
         mrm, mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh_items, judge, device, rank, world)
@@ -1223,8 +1399,7 @@ def train(cfg):
             prompt_ids = [grm_prompt_ids(tokenizer, it, chat, cfg["nlhf"]) for it in batch]
         else:
             batch = step_items(items, step, ro["prompts_per_step"], run["seed"], rank, world)
-            prompt_ids = [rollout.build_prompt_ids(tokenizer, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
-                          for it in batch]
+            prompt_ids = [policy_prompt_ids(tokenizer, it, chat, cfg["data"]["prompt_template"]) for it in batch]
         ro_out = rollout_batch(engine, model, policy, tokenizer, prompt_ids, cfg,
                                sampling_seed(run["seed"], step, rank))
         mask = ro_out["completion_mask"]
@@ -1240,10 +1415,13 @@ def train(cfg):
             nlhf = nlhf_rewards(samples, ro_out["completions"], judge, mrm, cfg, world, step, t0)
             rewards, valid = nlhf["reward"], nlhf["valid"]
         elif rw["kind"] == "rlme":
-            out = R.rlme_reward(evaluators, rw["meta_questions"], [it["question"] for it in samples],
-                                ro_out["completions"], [it["label"] for it in samples],
-                                [it["anchored"] for it in samples], template, rw["answer_stub"],
-                                rw["renormalize"], rw["micro_batch_size"], rw["nonfinite_logp"])
+            with compute_context(cfg["model"]["dtype"], tc["parallel"], device):  # the live evaluator is the policy
+                out = R.rlme_reward(evaluators, rw["meta_questions"], problems=[it["question"] for it in samples],
+                                    solutions=ro_out["completions"], references=[it["label"] for it in samples],
+                                    anchored=[it["anchored"] for it in samples], template=template,
+                                    answer_stub=rw["answer_stub"], renormalize=rw["renormalize"],
+                                    micro_batch_size=rw["micro_batch_size"], nonfinite_logp=rw["nonfinite_logp"],
+                                    fast=tc["fast_paths"])
             rewards, logp_q, nonfinite = out["reward"], out["logp"], out["nonfinite"]
         else:
             rewards = rlvr.clone()
@@ -1260,7 +1438,8 @@ def train(cfg):
             batch["valid"] = valid
         if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and the gap is logged
             batch["rollout_logprobs"] = ro_out["logprobs"]
-        upd = update_policy(model, policy, optimizer, batch, cfg, world, device, tokenizer.pad_token_id, ref_model)
+        upd = update_policy(model, policy, optimizer, batch, cfg, world, device, tokenizer.pad_token_id,
+                            ref_model=ref_model, scaler=scaler)
         push_weights(engine, policy)  # the next rollout samples from the updated policy (SPEC §7)
         is_weights, clipped = upd["is_weight"], upd["clipped"]
         scheduler.step()
@@ -1337,7 +1516,8 @@ def train(cfg):
         done = step + 1
         if (run["save_every"] and done % run["save_every"] == 0) or done == run["total_steps"]:
             save_checkpoint(out_dir, done, policy, tokenizer, optimizer, scheduler, run["keep_checkpoints"], rank,
-                            extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
+                            extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None,
+                            scaler=scaler)
             if world > 1:
                 dist.barrier()
         if run["stop_after"] and done - start_step >= run["stop_after"]:

@@ -396,10 +396,10 @@ def test_gpu_vllm_generate_and_weight_sync(smollm2_path):
 def test_torchrun_fsdp2_matches_ddp_and_resumes_in_one_process(tiny_model_path, tmp_path):
     from test_e2e import check_run_dir, small_args, torchrun
     ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp2")
-    # both with activation checkpointing and every row running its prompt (no train.share_prompt):
+    # both with activation checkpointing and through the plain twins (train.fast_paths=false):
     # AdamW turns float32-noise-sized gradient differences on near-zero gradients into lr-sized
     # steps, so two different (equally right) paths would not agree to 1e-4 after an update
-    gc = ["model.gradient_checkpointing=full", "train.share_prompt=false"]
+    gc = ["model.gradient_checkpointing=full", "train.fast_paths=false"]
     torchrun(2, small_args(tiny_model_path, ddp, steps=2, extra=gc))
     torchrun(2, small_args(tiny_model_path, fsdp, steps=2, extra=["train.parallel=fsdp2"] + gc))
     m_d, s_d = check_run_dir(ddp, 2, n_samples=4)

@@ -1,5 +1,6 @@
 """train.py: advantages, CISPO/GRPO loss values and gradients, normalisers, layout equivalence,
 config and data errors."""
+import contextlib
 import copy
 import glob
 import json
@@ -127,10 +128,11 @@ def test_grpo_token_clip_and_kl():
 
 # --- layout equivalence: micro-batches and ranks give one big batch's update -------------------------
 
-def _layout_cfg(micro, agg, share_prompt=True):
+def _layout_cfg(micro, agg, fast_paths=True, parallel="ddp", dtype="float32"):
     return {"algo": dict(ALGO, aggregation=agg), "optim": {"grad_clip": 0.0},
             "rollout": {"group_size": 2, "temperature": 0.8, "max_new_tokens": 5},
-            "train": {"micro_batch_size": micro, "share_prompt": share_prompt}}
+            "model": {"dtype": dtype},
+            "train": {"micro_batch_size": micro, "fast_paths": fast_paths, "parallel": parallel}}
 
 
 def _layout_batch():
@@ -147,7 +149,7 @@ def _layout_batch():
     return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask, "advantages": adv}
 
 
-def _run_layout(model_path, rank, world, micro, agg, out, port=None, share_prompt=True):
+def _run_layout(model_path, rank, world, micro, agg, out, port=None, fast_paths=True):
     import rollout
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -161,7 +163,7 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None, share_promp
     sl = slice(rank * per, (rank + 1) * per)
     mine = {"prompt_ids": b["prompt_ids"][sl], "completion_ids": b["completion_ids"][sl],
             "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
-    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, share_prompt), world, torch.device("cpu"),
+    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world, torch.device("cpu"),
                           tok.pad_token_id)
     loss = T.all_sum(upd["loss"], world)
     delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
@@ -180,14 +182,15 @@ def _free_port():
 
 @pytest.mark.parametrize("agg", ["seq_sum", "token_mean"])
 def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
-    # reference: 1 rank x 1 micro-batch, every row running its own prompt; the others share each
-    # group's prompt (rollout.completion_logprobs) and must give the same update
+    # reference: 1 rank x 1 micro-batch through the plain twins (one forward over prompt +
+    # completion per row, log_softmax + gather, clip_grad_norm_); the others share each group's
+    # prompt (rollout.completion_logprobs, fast) and must give the same update
     results = {}
-    for name, world, micro, share in [("1x1 unshared", 1, 8, False), ("1x1", 1, 8, True), ("1x4", 1, 2, True),
-                                      ("2x2", 2, 2, True)]:
+    for name, world, micro, fast in [("1x1 plain", 1, 8, False), ("1x1", 1, 8, True), ("1x4", 1, 2, True),
+                                     ("2x2", 2, 2, True)]:
         out = str(tmp_path / f"{name}.pt")
         if world == 1:
-            _run_layout(tiny_model_path, 0, 1, micro, agg, out, share_prompt=share)
+            _run_layout(tiny_model_path, 0, 1, micro, agg, out, fast_paths=fast)
         else:
             ctx = mp.get_context("spawn")
             port = _free_port()
@@ -196,7 +199,7 @@ def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
             [p.join(120) for p in procs]
             assert all(p.exitcode == 0 for p in procs)
         results[name] = torch.load(out)
-    ref = results["1x1 unshared"]
+    ref = results["1x1 plain"]
     assert ref["delta"].abs().max() > 1e-4  # the update is not trivially zero
     for name in ("1x1", "1x4", "2x2"):
         assert results[name]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
@@ -237,6 +240,16 @@ def test_config_layering_and_overrides(tmp_path):
     (["reward.evaluators=[{name: a}, {name: a, kind: frozen_self}]"], "names must be unique"),
     (["reward.meta_questions=[{question: Is it right?, weight: 1}]"],
      "override 'reward.meta_questions=[{question: Is it right?, weight: 1}]': the value is not valid YAML at line 1, column 24"),
+    # settings that would silently do nothing or break mid-run (issue 13)
+    (["algo.kl_coef=0.01"], "config key algo.kl_coef=0.01: the KL term is GRPO's"),
+    (["task=rm_nlhf", "nlhf.lam=1.5"], "config key nlhf.lam: must be in [0.0, 1.0], got 1.5"),
+    (["nlhf.lam=-0.1"], "config key nlhf.lam: must be in [0.0, 1.0], got -0.1"),
+    (["optim.lr=-1"], "config key optim.lr: must be > 0, got -1.0"),
+    (["optim.beta2=1.0"], "config key optim.beta2: must be in [0, 1), got 1.0"),
+    (["reward.meta_questions=[{question: 'Is it right?', target: ''}]"], "reward.meta_questions[0].target: empty"),
+    (["rollout.group_size=1"], "config key rollout.group_size: must be >= 2"),
+    (["train.share_prompt=false"], "config key train.share_prompt was replaced by train.fast_paths"),
+    (["model.dtype=float16", "train.parallel=fsdp2"], "model.dtype=float16 with train.parallel=fsdp2"),
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
@@ -347,3 +360,140 @@ def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():
     assert short.grad.tolist() == pytest.approx([3e-3 * coef, -4e-3 * coef, 12e-3 * coef], rel=1e-6)
     clipped = float((long.grad.double().pow(2).sum() + short.grad.double().pow(2).sum()) ** 0.5)
     assert clipped == pytest.approx(exact * coef, rel=1e-6)
+
+
+# --- plain twins: every pass of the update, fast == plain (issue 13) -------------------------------
+
+def _grm_batch(tok):
+    """Two groups of 2 GRM prompts (RM-NLHF's pairwise prompt, ~100+ tokens) with random completions."""
+    import reward as R
+    g = torch.Generator().manual_seed(1)
+    items = [{"context": "What is 2+3?", "response_a": "5", "response_b": "6"},
+             {"context": "Name a prime number larger than ten.", "response_a": "12", "response_b": "13"}]
+    prompts = [T.grm_prompt_ids(tok, it, True, {"max_critique_lines": 4}) for it in items for _ in range(2)]
+    comp = torch.randint(3, 200, (4, 6), generator=g)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 3 + [0.0] * 3, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
+    return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.7, -0.7])}
+
+
+def _update(model_path, cfg, batch, ref_path=None, checkpointing="none"):
+    """One update_policy call with SGD(lr=1) (update = -grad); returns loss, grad norm, delta."""
+    import rollout
+    torch.manual_seed(0)
+    policy, tok = rollout.load_model(model_path)
+    before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
+    model = T.wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
+    ref = rollout.load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    upd = T.update_policy(model, policy, opt, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id, ref_model=ref)
+    delta = torch.cat([p.detach().flatten() for p in policy.parameters()]) - before
+    return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][-1], "delta": delta}
+
+
+@pytest.fixture(scope="module")
+def other_model_path(tmp_path_factory):
+    from conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_ref"), seed=1)
+
+
+@pytest.mark.parametrize("case", ["cispo", "cispo_off_policy", "grpo_kl", "grpo_kl_grm", "full", "selective"])
+def test_update_passes_fast_equal_plain(tiny_model_path, other_model_path, case):
+    """Every pass of the update through the fast paths (shared prompt pass, read-only cache,
+    closed-form log-prob backward, chunked norm) gives what the plain twins give (one forward over
+    prompt + completion per row, log_softmax + gather, clip_grad_norm_): the policy pass with
+    gradient; the behaviour pass (off-policy: 2 updates per batch); the GRPO reference pass
+    (kl_coef 1 so that the KL term weighs); the RM-NLHF GRM pass; under activation checkpointing."""
+    import rollout
+    cfg = _layout_cfg(2, "seq_sum")
+    batch, ref = _layout_batch(), None
+    if case == "cispo_off_policy":
+        cfg["algo"]["updates_per_batch"] = 2
+    if case.startswith("grpo"):
+        cfg["algo"].update(loss="grpo", kl_coef=1.0, aggregation="token_mean", advantage_std=True)
+        ref = other_model_path
+    if case == "grpo_kl_grm":
+        batch = _grm_batch(rollout.load_model(tiny_model_path)[1])
+    checkpointing = case if case in ("full", "selective") else "none"
+    cfg["optim"]["grad_clip"] = 1e-3  # clipping active: the norm itself is compared through the update
+    fast = _update(tiny_model_path, cfg, batch, ref, checkpointing)
+    plain = _update(tiny_model_path, copy.deepcopy(cfg) | {"train": dict(cfg["train"], fast_paths=False)}, batch, ref,
+                    checkpointing)
+    assert fast["delta"].abs().max() > 1e-6  # a real update
+    assert fast["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-6)
+    assert fast["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert (fast["delta"] - plain["delta"]).abs().max().item() < 1e-6 + 1e-4 * plain["delta"].abs().max().item()
+
+
+def test_reference_pass_is_the_reference_model_alone(tiny_model_path, other_model_path):
+    """GRPO's k3 KL compares the policy with the reference model: the no-grad reference pass runs
+    the prompt AND the completion through the reference model (an earlier version built the
+    prompt's KV cache with the policy: a hybrid up to 0.1 nats off). frozen_logprobs(ref) must be
+    the plain per-row log-probs under ref, and differ from the policy's."""
+    import rollout
+    cfg = _layout_cfg(2, "seq_sum")
+    batch = _layout_batch()
+    policy, tok = rollout.load_model(tiny_model_path)
+    ref, _ = rollout.load_model(other_model_path)
+    got = T.frozen_logprobs(ref, batch, tok.pad_token_id, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        want = rollout.completion_logprobs_plain(ref, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
+                                                 temperature=0.8)
+        pol = rollout.completion_logprobs_plain(policy, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
+                                                temperature=0.8)
+    m = batch["completion_mask"]
+    for i, row in enumerate(got):
+        n = int(m[i].sum())
+        assert row[:n].tolist() == pytest.approx(want[i, :n].tolist(), abs=1e-5), i
+    assert max((want - pol).abs().mul(m).max().item(), 0) > 1e-2  # the two models differ
+
+
+def test_bf16_keeps_float32_master_weights_and_moves_them(tiny_model_path):
+    """model.dtype bfloat16: the policy stays float32 and computes under autocast; one AdamW step of
+    lr 1e-6 moves (nearly) every weight by ~lr, as in float32 (a bf16-stored weight of ~0.02 has a
+    spacing of ~1e-4: the same step would round to nothing)."""
+    import rollout
+    batch = _layout_batch()
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _layout_cfg(2, "seq_sum", dtype=dtype)
+        torch.manual_seed(0)
+        policy, tok = rollout.load_model(tiny_model_path)
+        before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
+        T.update_policy(policy, policy, opt, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)
+        assert all(p.dtype == torch.float32 for p in policy.parameters())
+        assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+        d = (torch.cat([p.detach().flatten() for p in policy.parameters()]) - before).abs()
+        moved[dtype] = ((d > 0).float().mean().item(), d[d > 0].median().item())
+    for dtype in moved:
+        frac, med = moved[dtype]
+        assert frac > 0.9 and med == pytest.approx(1e-6, rel=0.1), (dtype, moved)
+
+
+def test_compute_context_autocasts_except_fsdp2_on_gpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(T.compute_context("float32", "ddp", cpu), contextlib.nullcontext)
+    ctx = T.compute_context("bfloat16", "ddp", cpu)
+    assert isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
+    assert isinstance(T.compute_context("bfloat16", "fsdp2", cpu), torch.autocast)  # FSDP2 on CPU: autocast
+    assert isinstance(T.compute_context("bfloat16", "fsdp2", cuda), contextlib.nullcontext)  # MixedPrecisionPolicy
+    with T.compute_context("bfloat16", "ddp", cpu):
+        y = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16
+
+
+def test_clip_grad_norm_fast_equals_plain():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1 << 18, 7)]
+    grads = [torch.randn(1 << 18) * 1e-3, torch.randn(7)]
+    norms = []
+    for fast in (True, False):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        norms.append(T.clip_grad_norm(torch.nn.ParameterList(params), 0.5, fast=fast))
+        clipped = [p.grad.clone() for p in params]
+        norms.append(clipped)
+    assert norms[0] == pytest.approx(norms[2], rel=1e-6)
+    for a, b in zip(norms[1], norms[3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
