@@ -893,18 +893,18 @@ def keep_short(items, prompt_ids, limit, key, overhead):
     Returns:
         (kept items, number dropped). Raises SystemExit (one line) when none is left.
     """
-    kept, longest = [], 0
+    kept, shortest = [], None
     for it in items:
         if len(prompt_ids(it, text_only=True).encode("utf-8")) + overhead + 16 <= limit:
             kept.append(it)
             continue
         n = len(prompt_ids(it, text_only=False))
-        longest = max(longest, n)
         if n <= limit:
             kept.append(it)
+        else:
+            shortest = n if shortest is None else min(shortest, n)
     if items and not kept:
-        raise SystemExit(f"config key {key}={limit}: no item is that short (shortest prompt over the limit: "
-                         f"{longest} tokens)")
+        raise SystemExit(f"config key {key}: every prompt is over {limit} tokens (the shortest has {shortest})")
     return kept, len(items) - len(kept)
 
 

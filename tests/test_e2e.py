@@ -75,11 +75,51 @@ def test_torchrun_two_ranks_tiny_model(tiny_model_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_rlvr_baseline_runs(tiny_model_path, tmp_path):
+def test_rlvr_baseline_runs_drops_long_prompts_and_says_when_complete(tiny_model_path, tmp_path):
+    # a GSM8K-style file with one 200,000-character question (~64k tokens, the model's context is
+    # 2048): dropped at load with a count instead of a rollout that crawls
+    rows = [json.loads(line) for line in open(data_path("gsm8k", "train.jsonl")).readlines()[:6]]
+    rows.insert(2, {"question": "How many apples? " * 12_000, "answer": "#### 3"})
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "rlvr")
-    torchrun(1, small_args(tiny_model_path, out, steps=1, extra=["reward.kind=rlvr"]))
+    args = small_args(tiny_model_path, out, steps=1, extra=["reward.kind=rlvr", f"data.train={data}"])
+    p = torchrun(1, args)
+    assert "dropped 1 items whose prompt is over 2036 tokens (data.max_prompt_tokens)" in p.stdout
     _, samples = check_run_dir(out, 1, n_samples=4)
     assert all(s["reward"] == s["rlvr_reward"] and s["reward"] in (0.0, 1.0) for s in samples)
+    assert all(len(s["problem"]) < 1000 for s in samples)
+    # the same command again: one line saying the run is complete, nothing redone or rewritten
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    p = torchrun(1, args)
+    assert "is complete: its checkpoint is at step 1 and run.total_steps=1; to train further raise run.total_steps" in p.stdout
+    assert "train:" not in p.stderr  # no progress bar
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+
+
+def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path):
+    """What a user can set wrongly ends in one line naming the key, before the (slow) model load:
+    the model path is deliberately one that does not exist, so reaching the model load would
+    print a different message."""
+    base = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "cpu.yaml"),
+            f"data.train={data_path('gsm8k', 'train.jsonl')}", "model.policy=/no/such/model"]
+    cases = {
+        "config key optim.lr: must be > 0, got -1.0": ["optim.lr=-1", f"run.out_dir={tmp_path}/a"],
+        "config key train.device=cuda: no CUDA device on this machine": ["train.device=cuda", f"run.out_dir={tmp_path}/b"],
+        "config key run.out_dir=/proc/forbidden: cannot write there": ["run.out_dir=/proc/forbidden"],
+        "config key reward.meta_questions[0].target: empty": [
+            "reward.meta_questions=[{question: 'Is the answer correct?', target: ''}]", f"run.out_dir={tmp_path}/c"],
+        "config key rollout.group_size: must be >= 2": ["rollout.group_size=1", f"run.out_dir={tmp_path}/d"],
+        "config key algo.kl_coef=0.1: the KL term is GRPO's": ["algo.kl_coef=0.1", f"run.out_dir={tmp_path}/e"],
+    }
+    if torch.cuda.is_available():
+        del cases["config key train.device=cuda: no CUDA device on this machine"]
+    procs = {msg: subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for msg, extra in cases.items()}
+    for msg, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])
+        assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,20 +79,34 @@ def test_step_items_mix_sets_and_split_ranks():
     assert all(it["set"] == "dh" for it in train.nlhf_step_items(dh, [], 3, cfg, 0, 1))
 
 
-def test_keep_short_pairs(tiny_model_path):
-    from transformers import AutoTokenizer
+def test_keep_short_drops_long_prompts(tiny_model_path):
+    """Prompts over the limit are dropped and counted (GRM prompts and policy prompts alike); the
+    limit defaults to the model's context minus max_new_tokens; none left is a one-line error."""
+    from transformers import AutoConfig, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     nl = dict(small_cfg()["nlhf"])
     items = [pair(0), dict(pair(1), response_b="very long " * 300)]
     n0 = len(train.grm_prompt_ids(tok, items[0], True, nl))
-    nl["max_prompt_tokens"] = n0
-    assert [it["id"] for it in train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")] == ["p0"]
-    nl["max_prompt_tokens"] = 0
-    assert len(train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")) == 2
-    nl["max_prompt_tokens"] = n0 - 1
-    with pytest.raises(SystemExit, match=f"nlhf.max_prompt_tokens={n0 - 1}: no item of nlhf.dh is that short "
-                                         rf"\(shortest GRM prompt: {n0} tokens\)"):
-        train.keep_short_pairs(items, tok, True, nl, "nlhf.dh")
+    overhead = len(rollout.build_prompt_ids(tok, "", True))
+    ids = lambda it, text_only: train.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
+    kept, dropped = train.keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
+    assert [it["id"] for it in kept] == ["p0"] and dropped == 1
+    assert train.keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
+    n1 = len(ids(items[1], False))
+    with pytest.raises(SystemExit, match=rf"config key nlhf.max_prompt_tokens: every prompt is over {n0 - 1} tokens "
+                                         rf"\(the shortest has {n0}\)"):
+        train.keep_short(items, ids, n0 - 1, "nlhf.max_prompt_tokens", overhead)
+    assert n1 > n0
+    # a GSM8K-style question of 200,000 characters (the issue's 64k-token prompt) among short ones
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_path))  # context 2048
+    limit = train.prompt_token_limit(0, model, 12, "data.max_prompt_tokens")
+    assert limit == 2048 - 12
+    qs = [{"question": "What is 2+3?"}, {"question": "How many? " * 20_000}, {"question": "What is 4+4?"}]
+    pids = lambda it, text_only: train.policy_prompt_ids(tok, it, True, "{question}\nAnswer.", text_only=text_only)
+    kept, dropped = train.keep_short(qs, pids, limit, "data.max_prompt_tokens", overhead)
+    assert [q["question"] for q in kept] == ["What is 2+3?", "What is 4+4?"] and dropped == 1
+    with pytest.raises(SystemExit, match="config key data.max_prompt_tokens: no prompt fits"):
+        train.prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
 
 
 def test_rewards_without_metarm_hand_numbers():
