@@ -48,31 +48,31 @@ def _flat(model):
 def _fsdp_layout_worker(rank, world, port, model_path, out):
     _init(rank, world, port)
     results = {}
-    for agg in ("seq_sum", "token_mean"):
+    for agg, fast in (("seq_sum", True), ("token_mean", True), ("seq_sum", False)):
         torch.manual_seed(0)
         policy, tok = rollout.load_model(model_path)
         before = _flat(policy)
         # seq_sum with selective activation checkpointing, token_mean without it (each group's
         # prompt runs once either way: two forwards through FSDP2 before one backward): the
-        # update must not change with either
+        # update must not change with either; and the plain twins under FSDP2 (fast_paths false)
         model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
         assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
-        upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world), _layout_cfg(2, agg),
-                              world, CPU, tok.pad_token_id)
-        results[agg] = {"loss": T.all_sum(upd["loss"], world), "grad_norm": upd["grad_norms"][0],
-                        "delta": _flat(policy) - before}
+        upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
+                              _layout_cfg(2, agg, fast_paths=fast, parallel="fsdp2"), world, CPU, tok.pad_token_id)
+        results[agg if fast else agg + " plain"] = {"loss": T.all_sum(upd["loss"], world),
+                                                    "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-def _plain_update(model_path, micro, agg, grad_clip=0.0):
+def _plain_update(model_path, micro, agg, grad_clip=0.0, fast_paths=True):
     torch.manual_seed(0)
     policy, tok = rollout.load_model(model_path)
     before = _flat(policy)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    cfg = _layout_cfg(micro, agg)
+    cfg = _layout_cfg(micro, agg, fast_paths=fast_paths)
     cfg["optim"]["grad_clip"] = grad_clip
     upd = T.update_policy(policy, policy, opt, _layout_batch(), cfg, 1, CPU, tok.pad_token_id)
     return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
@@ -83,10 +83,12 @@ def test_fsdp2_layout_gives_the_same_update_and_grad_norm(tiny_model_path, tmp_p
     _spawn(_fsdp_layout_worker, 2, tiny_model_path, out)
     fsdp = torch.load(out)
     for agg in ("seq_sum", "token_mean"):
-        ref = _plain_update(tiny_model_path, 8, agg)   # 1 rank x 1 micro-batch
+        ref = _plain_update(tiny_model_path, 8, agg, fast_paths=False)   # 1 rank x 1 micro-batch, plain twins
         acc = _plain_update(tiny_model_path, 2, agg)   # 1 rank x 4 micro-batches
         assert ref["delta"].abs().max() > 1e-4 and ref["grad_norm"] > 1e-3
-        for name, r in (("1x4", acc), ("fsdp2 2x2", fsdp[agg])):
+        runs = [("1x4", acc), ("fsdp2 2x2", fsdp[agg])] + ([("fsdp2 2x2 plain", fsdp[agg + " plain"])]
+                                                          if agg + " plain" in fsdp else [])
+        for name, r in runs:
             assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5), name
             assert (r["delta"] - ref["delta"]).abs().max().item() < 1e-5, name
             # the norm clip_grad_norm_ returns from DTensor shards is the global one
