@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import rollout
-from rollout import left_pad, positions_from_mask, read_jsonl, token_logprobs
+from rollout import left_pad, positions_from_mask, read_jsonl, token_logprobs, token_logprobs_plain
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,6 +131,10 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
     The policy can and will write "Is the answer correct? Yes" or a fake closing delimiter into
     its solution, so every meta-question string and both delimiters are cut out of the solution
     first: the meta-question then appears exactly once, after the closing delimiter.
+    The cutting repeats until the text stops changing: one pass can create what it removes, as in
+    "Is the answer <<<BEGIN SOLUTION>>>correct?" (cutting the delimiter joins the question) or
+    "Is the answer Is the answer correct?correct?" (cutting the inner copy leaves the outer one).
+    Each pass that changes the text shortens it, so the loop ends.
     str.format does not re-read substituted values, so braces in the solution are harmless.
 
     Args:
@@ -141,8 +145,12 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
         str, the evaluator's user message (or plain prompt before the answer stub).
     """
     extracted = extract_boxed(solution)
-    for s in list(meta_questions) + [question, *SOLUTION_DELIMITERS]:
-        solution = solution.replace(s, "")
+    cut = list(meta_questions) + [question, *SOLUTION_DELIMITERS]
+    previous = None
+    while solution != previous:
+        previous = solution
+        for s in cut:
+            solution = solution.replace(s, "")
     return template.format(
         problem=problem, solution=solution.strip(), question=question,
         extracted=extracted if extracted is not None else "none",
@@ -214,7 +222,36 @@ def _right_pad(rows, pad_id, device):
 
 
 @torch.no_grad()
-def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
+def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
+    """log p(target | prompt) under `model`, teacher-forced (the plain twin of score_targets):
+
+        score[i, k] = sum_t log softmax(f(prompt_ik + target_ik[:t]))[target_ik[t]]
+
+    one unpadded forward per (prompt + target) row, so no padding, positions or cache are involved.
+
+    Args:
+        model: causal LM (eval mode; no grad is taken).
+        prompt_ids: list (N) of lists (K) of list[int], each non-empty.
+        target_ids: same nesting, the target answer ids (each non-empty).
+        pad_id, micro_batch_size: accepted so that the call matches score_targets; unused (no
+            padding, one row per forward).
+    Returns:
+        FloatTensor [N, K] float32, on CPU.
+    """
+    device = next(model.parameters()).device
+    out = torch.zeros(len(prompt_ids), len(prompt_ids[0]))
+    for i, (prompts, targets) in enumerate(zip(prompt_ids, target_ids)):
+        for k, (p, t) in enumerate(zip(prompts, targets)):
+            logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
+            # the logits at position j predict token j + 1: positions len(p)-1 .. end-1 predict t
+            out[i, k] = token_logprobs_plain(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
+    return out
+
+
+# Fast version: runs each shared prefix (group, then sample) once through a KV cache and only the
+# target positions through the LM head; tests/test_reward.py compares it with score_targets_plain.
+@torch.no_grad()
+def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None, fast=True):
     """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax (SPEC §4.2).
 
     Nothing is computed twice. Evaluator prompts form a tree: the samples of one group share the
@@ -234,9 +271,12 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
         micro_batch_size: samples (each with all K rows) per forward.
         groups: list (N) of hashable group keys, e.g. the problem text: samples with the same
             key next to each other share stage A. None = no sharing across samples.
+        fast: False routes to score_targets_plain (config `train.fast_paths`; `groups` unused there).
     Returns:
         FloatTensor [N, K] of sum_t log p(target_t | prompt, target_<t), float32, on CPU.
     """
+    if not fast:
+        return score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=micro_batch_size)
     device = next(model.parameters()).device
     groups = list(range(len(prompt_ids))) if groups is None else list(groups)
     out = []
@@ -298,7 +338,7 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
 
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, answer_stub="\nAnswer:", renormalize=False,
-                micro_batch_size=8, nonfinite_logp=-50.0):
+                micro_batch_size=8, nonfinite_logp=-50.0, fast=True):
     """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3, SPEC §4.2).
 
     p_{j,k} = pi_phi_j(a_k | x, y, q_k) is evaluator j's probability of the whole target string
@@ -315,6 +355,7 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             the paper's reward).
         nonfinite_logp: a log p that is NaN/inf (a broken evaluator) is replaced by this value
             and counted, so the update never sees NaN.
+        fast: passed to score_targets (False: its plain twin; config `train.fast_paths`).
     Returns:
         dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (after renormalising),
         "nonfinite" int count of replaced values.
@@ -342,7 +383,7 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
         # samples of one problem (a group) are adjacent: score_targets runs their shared
         # evaluator-prompt prefix once
         lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
-                           micro_batch_size, groups=problems)
+                           micro_batch_size=micro_batch_size, groups=problems, fast=fast)
         if renormalize:
             k = len(questions)
             lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])

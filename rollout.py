@@ -1,7 +1,8 @@
 """Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, log-probs.
 
 SPEC §4.1. Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that
-`generate` returns, so a second backend (vLLM, SPEC §7) only has to return the same dict:
+`generate` returns (`generate_plain`, its transformers-based twin, returns the same), so a second
+backend (vLLM, SPEC §7) only has to return the same dict:
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
@@ -466,8 +467,65 @@ def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature
 
 
 @torch.no_grad()
+def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                   top_k=0, seed=0, micro_batch_size=None):
+    """Sample `group_size` completions per prompt with transformers' `model.generate` (the plain
+    twin of `generate`): every row runs its own prompt, HF's logits warpers and multinomial draw.
+
+    Sampling: temperature > 0 samples from softmax(logits / T) restricted by top_k, then top_p;
+    temperature 0 is greedy decoding. Rows stop at the first EOS (any of eos_ids); rows that
+    finished early are filled with pad_id, as in `generate`, also when pad_id is an EOS id.
+
+    Args:
+        prompt_ids: list[list[int]], P prompts.
+        group_size: G completions per prompt; rows of one group are adjacent.
+        max_new_tokens: int, longest completion.
+        temperature, top_p, top_k: sampling settings (top_k=0 means off).
+        seed: the global torch RNG (of the model's device) is seeded with it inside a fork, so
+            the caller's RNG state is untouched and the same seed gives the same samples.
+        micro_batch_size: rows per `model.generate` call (None = all P*G at once).
+    Returns:
+        the rollout dict described at the top of this file (no "logprobs").
+    """
+    from transformers import GenerationConfig
+    model_was_training = model.training
+    model.eval()
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = next(model.parameters()).device
+    mb = micro_batch_size or len(rows)
+    # HF applies T, top_p, top_k only when sampling. top_k is always passed (0 = off): left out,
+    # HF would apply its default top_k of 50.
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 \
+        else {"do_sample": False}
+    # HF fills every knob the call leaves unset from model.generation_config (a checkpoint may ship
+    # a repetition_penalty or min_p): with an empty one, only the settings passed below apply.
+    bare = GenerationConfig()
+    chunks = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            set_attribute([model], "generation_config", bare):
+        torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
+        for start in range(0, len(rows), mb):
+            ids, attn = left_pad(rows[start:start + mb], pad_id)
+            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
+            chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
+    width = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
+    mask, truncated = completion_mask(completion_ids, eos)
+    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                   for row, m in zip(completion_ids, mask)]
+    model.train(model_was_training)
+    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
+            "truncated": truncated, "completions": completions}
+
+
+# Fast version: one prefill per group, a static KV cache and inverse-CDF sampling;
+# tests/test_rollout.py compares it with generate_plain (greedy token for token, sampled by distribution).
+@torch.no_grad()
 def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-             top_k=0, seed=0, micro_batch_size=None):
+             top_k=0, seed=0, micro_batch_size=None, fast=True):
     """Sample `group_size` completions per prompt (SPEC §4.1) with our own decode loop
     (`sample_rows`) over the model's forward and a transformers StaticCache.
 
@@ -477,7 +535,8 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     Sharing the prefill, a static cache and inverse-CDF sampling took the rollout of
     configs/cpu.yaml from 22.4 s to 18 s (README, Performance). Tokens come from the same
     distribution: tests/test_rollout.py checks greedy decoding token for token against
-    `model.generate`, and the sampler's draws and top-k/top-p masks by hand.
+    generate_plain (`model.generate`), sampled tokens by their frequencies against it and the
+    model's softmax, and the sampler's draws and top-k/top-p masks by hand.
 
     Args:
         prompt_ids: list[list[int]], P prompts.
@@ -487,9 +546,15 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
         seed: sampling seed; train.py derives it from (run seed, rank, step) so runs resume
             with the same samples.
         micro_batch_size: rows per decode batch (None = all P*G at once).
+        fast: False routes to generate_plain (config `train.fast_paths`); the two draw from the
+            same distribution but not the same samples for one seed.
     Returns:
         the rollout dict described at the top of this file.
     """
+    if not fast:
+        return generate_plain(model, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              micro_batch_size=micro_batch_size)
     model_was_training = model.training
     model.eval()
     rows = [p for p in prompt_ids for _ in range(group_size)]
@@ -719,6 +784,22 @@ def vllm_push_weights(engine, named_tensors):
 # Log-probs
 
 
+def token_logprobs_plain(logits, targets, temperature=1.0):
+    """log softmax(logits / T)[target] by the textbook formula (the plain twin of token_logprobs).
+
+    Args:
+        logits: FloatTensor [..., V], any float dtype (computed in float32).
+        targets: LongTensor [...], token ids in [0, V).
+        temperature: float, logits are divided by it (the sampling temperature).
+    Returns:
+        FloatTensor [...] float32, log p(target); autograd provides the backward.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# Fast version: closed-form backward written in place into the saved logits (no [.., V] temporaries);
+# tests/test_rollout.py compares values and gradients with token_logprobs_plain.
 class _TokenLogprob(torch.autograd.Function):
     """log softmax(z)[target], z = logits / T, with a hand-written backward.
 
@@ -752,50 +833,89 @@ class _TokenLogprob(torch.autograd.Function):
         return dz, None, None
 
 
-def token_logprobs(logits, targets, temperature=1.0):
+def token_logprobs(logits, targets, temperature=1.0, fast=True):
     """log softmax(logits / T)[target] without materialising the log-softmax.
 
     Args:
         logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
         temperature: the sampling temperature (SPEC §4.4: both sides divide by the same T).
+        fast: False routes to token_logprobs_plain (config `train.fast_paths`).
     Returns:
-        FloatTensor [...] in float32. With grad, the backward is `_TokenLogprob`'s closed form
-        (equal to autograd's within float32 rounding: tests/test_rollout.py).
-    Note: under grad the backward overwrites the (float32) logits in place; do not reuse them.
+        FloatTensor [...] in float32. With grad and fast=True, the backward is `_TokenLogprob`'s
+        closed form (equal to autograd's within float32 rounding: tests/test_rollout.py).
+    Note: under grad the fast backward overwrites the (float32) logits in place; do not reuse them.
     """
+    if not fast:
+        return token_logprobs_plain(logits, targets, temperature)
     return _TokenLogprob.apply(logits.float(), targets, float(temperature))
 
 
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, share_prompt=True,
-                        prompt_model=None):
+def completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id, temperature=1.0):
+    """Per-token log-probs of the completions under `model` (the plain twin of completion_logprobs):
+
+        logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
+
+    ONE forward over [left-padded prompt | completion] for the whole batch, every row running its
+    own prompt, then token_logprobs_plain. Positions come from the attention mask
+    (positions_from_mask), as in `generate`, so left padding does not shift them.
+
+    Args:
+        model: a causal LM (transformers), or its DDP/FSDP wrapper.
+        prompt_ids: list[list[int]], N rows (non-empty).
+        completion_ids: LongTensor [N, L].
+        pad_id: int, padding id of the tokenizer.
+        temperature: logits are divided by it (the sampling temperature).
+    Returns:
+        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
+        Gradient flows when called under grad mode.
+    """
+    device = next(model.parameters()).device
+    completion_ids = completion_ids.to(device)
+    n, length = completion_ids.shape
+    p_ids, p_mask = left_pad(prompt_ids, pad_id)
+    ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
+    attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                logits_to_keep=length + 1, use_cache=False)
+    # logits at column t predict token t+1: of the last L+1 columns, all but the final one
+    # predict exactly the L completion tokens.
+    return token_logprobs_plain(out.logits[:, :-1], completion_ids, temperature)
+
+
+# Fast version: shares each group's prompt pass across its G rows and uses _TokenLogprob's
+# closed-form backward; tests/test_rollout.py compares it with completion_logprobs_plain.
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, fast=True, prompt_model=None):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
 
-    Two ways, same numbers (tests/test_rollout.py, within 1e-5, gradients too):
-    - share_prompt (default): rows with the same prompt next to each other (a group) run the
-      prompt ONCE, with grad; its KV cache is repeated to the group's rows and only the
-      completion tokens run per row (prompts of one token run per row). For GSM8K prompts
-      (~130 tokens) and 128-token completions with G = 4 this skips ~40 % of the update's
-      forward and backward (README, Performance).
-    - otherwise: one forward over [left-padded prompt | completion] per row.
+    fast=False returns completion_logprobs_plain (one forward per row over prompt + completion).
+    fast=True, same numbers (tests/test_rollout.py, values and gradients):
+    - rows with the same prompt next to each other (a group) run the prompt ONCE, with grad; its
+      KV cache is repeated to the group's rows and only the completion tokens run per row. For
+      GSM8K prompts (~130 tokens), 128-token completions and G = 4 this skips a large part of
+      the update's forward and backward (README, Performance).
+    - when no prompt is shared, or some prompt is a single token, it falls back to one forward
+      over [left-padded prompt | completion] per row, with token_logprobs' fast backward.
     Only the logits of positions that predict completion tokens are materialised.
 
     Args:
         prompt_ids: list[list[int]], N rows.
         completion_ids: LongTensor [N, L].
         pad_id: int, padding id of the tokenizer.
-        share_prompt: bool, see above; also under activation checkpointing (the prompt pass is
-            not checkpointed, the completion pass is).
+        fast: bool, see above (config `train.fast_paths`); fast=True also works under activation
+            checkpointing (the prompt pass is not checkpointed, the completion pass is).
         prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
-            DDP sees one forward per backward); default `model`.
+            DDP sees one forward per backward); default `model`. Ignored when fast=False.
     Returns:
-        FloatTensor [N, L]; positions after the first EOS hold junk and must be masked.
+        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
         Gradient flows when called under grad mode.
     """
+    if not fast:
+        return completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id=pad_id, temperature=temperature)
     device = next(model.parameters()).device
     completion_ids = completion_ids.to(device)
     n, length = completion_ids.shape
     distinct, counts = prompt_runs(prompt_ids)
-    if share_prompt and len(distinct) < n and min(map(len, distinct)) > 1:
+    if len(distinct) < n and min(map(len, distinct)) > 1:
         # The prompt pass runs all but each prompt's last token; the completion pass starts with
         # that token, so its L positions predict exactly the L completion tokens: one LM head
         # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
@@ -856,9 +976,10 @@ def main(argv=None):
                     prompts.append(json.loads(line)[a.field])
                 except (json.JSONDecodeError, KeyError) as e:
                     raise SystemExit(f"{a.inp}:{n}: bad line ({type(e).__name__}: {e})")
-    r = generate(model, tok, [build_prompt_ids(tok, p, chat) for p in prompts], a.group_size,
-                 a.max_new_tokens, a.temperature, seed=a.seed)
-    lp = completion_logprobs(model, r["prompt_ids"], r["completion_ids"], tok.pad_token_id, a.temperature)
+    r = generate(model, tok, [build_prompt_ids(tok, p, chat) for p in prompts], group_size=a.group_size,
+                 max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+    lp = completion_logprobs(model, r["prompt_ids"], r["completion_ids"], pad_id=tok.pad_token_id,
+                             temperature=a.temperature)
     with open(a.out, "w") as f:
         for i, text in enumerate(r["completions"]):
             m = r["completion_mask"][i].bool()

@@ -25,21 +25,23 @@ def test_mask_several_eos_ids():
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and truncated.tolist() == [False, False]
 
 
-def test_token_logprobs_temperature_by_hand():
+@pytest.mark.parametrize("fast", [True, False])
+def test_token_logprobs_temperature_by_hand(fast):
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     target = torch.tensor([2])
     # T = 2: logits/2 = [0.5, 1, 1.5]; log p(2) = 1.5 - log(e^0.5 + e^1 + e^1.5)
     expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
-    assert rollout.token_logprobs(logits, target, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
+    assert rollout.token_logprobs(logits, target, temperature=2.0, fast=fast).item() == pytest.approx(expected, abs=1e-6)
     # T = 1 is the plain log-softmax
     expected1 = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
-    assert rollout.token_logprobs(logits, target).item() == pytest.approx(expected1, abs=1e-6)
+    assert rollout.token_logprobs(logits, target, fast=fast).item() == pytest.approx(expected1, abs=1e-6)
 
 
-def test_token_logprobs_gradient_by_hand():
+@pytest.mark.parametrize("fast", [True, False])
+def test_token_logprobs_gradient_by_hand(fast):
     # d log softmax(z)[t] / d logits = (onehot(t) - softmax(z)) / T with z = logits / T.
     logits = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
-    rollout.token_logprobs(logits, torch.tensor([2]), temperature=2.0).sum().backward()
+    rollout.token_logprobs(logits, torch.tensor([2]), temperature=2.0, fast=fast).sum().backward()
     e = [math.exp(0.5), math.exp(1.0), math.exp(1.5)]
     p = [x / sum(e) for x in e]
     expected = [(-p[0]) / 2, (-p[1]) / 2, (1 - p[2]) / 2]
@@ -47,26 +49,31 @@ def test_token_logprobs_gradient_by_hand():
     assert logits.tolist() == [[1.0, 2.0, 3.0]]  # the caller's leaf is not overwritten
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_closed_form_backward_equals_autograd(temperature):
-    # The hand-written backward (rollout._TokenLogprob) against autograd's log_softmax + gather, on
-    # a non-contiguous view of an intermediate tensor (as completion_logprobs passes logits[:, :-1])
-    # with an upstream weight, so the in-place backward path is the one exercised.
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_fast_equals_plain(temperature, dtype):
+    """The hand-written backward (rollout._TokenLogprob) against token_logprobs_plain (autograd's
+    log_softmax + gather), values and gradients, on a non-contiguous view of an intermediate tensor
+    (as completion_logprobs passes logits[:, :-1]) with an upstream weight, so the in-place
+    backward path is the one exercised; bf16 logits are upcast to float32 by both."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 5, 50, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (3, 4), generator=g)
     upstream = torch.randn(3, 4, generator=g)
 
-    def run(fn):
+    def run(fast):
         w.grad = None
-        logits = (w * 3.0)[:, :-1]  # [3, 4, 50] view of a non-leaf
-        lp = fn(logits)
+        logits = (w * 3.0).to(dtype)[:, :-1]  # [3, 4, 50] view of a non-leaf
+        lp = rollout.token_logprobs(logits, targets, temperature, fast=fast)
         (lp * upstream).sum().backward()
         return lp.detach(), w.grad.clone()
 
-    ours, ours_grad = run(lambda z: rollout.token_logprobs(z, targets, temperature))
-    ref, ref_grad = run(lambda z: torch.log_softmax(z / temperature, -1).gather(-1, targets[..., None]).squeeze(-1))
-    assert torch.allclose(ours, ref, atol=1e-6) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
+    ours, ours_grad = run(True)
+    ref, ref_grad = run(False)
+    assert ours.dtype == ref.dtype == torch.float32
+    assert torch.equal(ref, rollout.token_logprobs_plain((w * 3.0).to(dtype)[:, :-1], targets, temperature))
+    # float32 rounding of log-probs of magnitude ~10 and of gradients of magnitude ~1
+    assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
     assert ours_grad.abs().sum() > 0
 
 
@@ -76,15 +83,16 @@ def test_left_pad_and_positions():
     assert rollout.positions_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
 
 
-def test_completion_logprobs_ignore_padding(tiny_model_path):
+@pytest.mark.parametrize("fast", [True, False])
+def test_completion_logprobs_ignore_padding(tiny_model_path, fast):
     """A row's log-probs must not depend on how much left padding its batch needed."""
     model, tok = rollout.load_model(tiny_model_path)
     model.eval()
     short, long = [1, 50, 60], [1, 50, 60, 70, 80, 90, 100]
     comp = torch.tensor([[11, 12, 13, 2], [21, 22, 2, 2]])
     with torch.no_grad():
-        both = rollout.completion_logprobs(model, [short, long], comp, tok.pad_token_id, temperature=0.7)
-        alone = rollout.completion_logprobs(model, [short], comp[:1], tok.pad_token_id, temperature=0.7)
+        both = rollout.completion_logprobs(model, [short, long], comp, tok.pad_token_id, temperature=0.7, fast=fast)
+        alone = rollout.completion_logprobs(model, [short], comp[:1], tok.pad_token_id, temperature=0.7, fast=fast)
         # the same thing by hand: one unpadded forward, logits / T, log-softmax
         full = torch.tensor([short + comp[0].tolist()])
         logits = model(input_ids=full).logits[0, len(short) - 1:-1] / 0.7
@@ -142,19 +150,151 @@ def test_sample_next_top_k_top_p_and_greedy():
     assert set(_draw(probs, 10, temperature=0.0).tolist()) == {2}  # T = 0: argmax
 
 
-def test_greedy_generate_matches_transformers(tiny_model_path):
-    """Our decode loop (shared prefill, static cache, left padding, group split across decode
-    batches) picks exactly the tokens transformers' generate picks."""
+def _small_vocab_model(tok, sharpen, seed=0, vocab=96):
+    """A tiny untied Llama over the first `vocab` ids of the real tokenizer, built in memory, its
+    final norm scaled by `sharpen` so that its next-token distribution is peaked: greedy decoding
+    then changes token from step to step and some rows reach EOS early, and a few thousand samples
+    resolve the whole sampling distribution (over the full 49k vocabulary each draw would cost a
+    [rows, 49152] softmax)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(sharpen)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval()
+
+
+@pytest.mark.parametrize("which, pad", [("tiny", "eos"), ("small_vocab", "eos"), ("small_vocab", "other")])
+def test_greedy_generate_fast_equals_plain(tiny_model_path, which, pad):
+    """Greedy decoding: generate (shared prefill, static cache, inverse-CDF sampler) == generate_plain
+    (transformers' generate) token for token, with left padding, a group split across decode
+    batches, rows that end early (padded after their EOS, pad == EOS as on SmolLM2, or another id)
+    and rows that run to max_new_tokens."""
     model, tok = rollout.load_model(tiny_model_path)
-    prompts = [[1, 50, 60, 70, 80], [1, 90]]
-    ours = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=8, temperature=0.0,
-                            micro_batch_size=4)
-    ids, attn = rollout.left_pad(prompts, tok.pad_token_id)
-    hf = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, do_sample=False,
-                        pad_token_id=tok.pad_token_id, eos_token_id=rollout.eos_ids(model, tok))[:, ids.shape[1]:]
-    hf = torch.nn.functional.pad(hf, (0, 8 - hf.shape[1]), value=tok.pad_token_id).repeat_interleave(3, dim=0)
-    mask = ours["completion_mask"].bool()
-    assert torch.equal(ours["completion_ids"][:, :8][mask], hf[:, :ours["completion_ids"].shape[1]][mask])
+    if which == "small_vocab":
+        model = _small_vocab_model(tok, sharpen=40.0)
+        model.generation_config.repetition_penalty = 5.0  # a checkpoint's default that must not apply
+    if pad == "other":
+        tok.pad_token = tok.convert_ids_to_tokens(0)
+        assert tok.pad_token_id not in rollout.eos_ids(model, tok)
+    prompts = [[1, 50, 60, 70, 80], [1, 90], [1, 5, 6]]
+    kw = dict(group_size=3, max_new_tokens=12, temperature=0.0, micro_batch_size=4)
+    fast = rollout.generate(model, tok, prompts, **kw)
+    plain = rollout.generate(model, tok, prompts, fast=False, **kw)
+    assert torch.equal(fast["completion_ids"], plain["completion_ids"])
+    for key in ("completion_mask", "truncated"):
+        assert torch.equal(fast[key], plain[key]), key
+    assert fast["completions"] == plain["completions"] and fast["prompt_ids"] == plain["prompt_ids"]
+    if which == "small_vocab":  # the case that tests the stopping rule: some rows end early, some do not
+        ends = plain["completion_mask"].sum(1)
+        assert plain["truncated"].any() and (ends < 12).any()
+        row = int((ends < 12).nonzero()[0])
+        assert (plain["completion_ids"][row, int(ends[row]):] == tok.pad_token_id).all()
+
+
+def _sampling_probs(logits, temperature, top_k=0, top_p=1.0):
+    """The distribution the samplers must draw from, written out in float64: softmax(logits / T),
+    restricted to the top_k most likely tokens, then to the smallest most-likely set whose mass
+    reaches top_p, renormalised. Returns (probs [V], the cumulative masses of the sorted kept
+    tokens, to check that top_p is not on a boundary where rounding could decide)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[order[:top_k] if top_k > 0 else order] = True
+    p = torch.where(keep, p, 0.0)
+    p = p / p.sum()
+    cum = p[order].cumsum(0)
+    if top_p < 1.0:
+        n_keep = int((cum < top_p).sum()) + 1  # the first sorted token whose cumulative mass reaches top_p is kept
+        p[order[n_keep:]] = 0.0
+        p = p / p.sum()
+    return p, cum
+
+
+def _chi_square_ok(counts, probs, n):
+    """Pearson's chi-square of `counts` against `probs` (tokens with expected count < 5 pooled into
+    one bin) below the 1e-4 upper quantile of its distribution (Wilson-Hilferty approximation),
+    and no draw of a token of probability 0. Returns (ok, statistic, threshold)."""
+    if counts[probs == 0].sum() > 0:
+        return False, float("inf"), 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]) if (~big).any() else counts[big]
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]) if (~big).any() else expected[big]
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    z = 3.719  # the standard normal's 1e-4 upper quantile
+    threshold = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < threshold, stat, threshold
+
+
+# T = 2 flattens the distribution: 12 % of its mass lies outside the 50 most likely tokens, which
+# transformers' default top_k = 50 would cut (generate_plain must pass top_k = 0, "off", to it).
+@pytest.mark.parametrize("settings", [dict(temperature=2.0), dict(temperature=0.7, top_k=5),
+                                      dict(temperature=1.3, top_p=0.71), dict(temperature=1.0, top_k=8, top_p=0.9)],
+                         ids=["T2", "T0.7-k5", "T1.3-p0.71", "T1-k8-p0.9"])
+def test_sampled_generate_fast_and_plain_follow_the_softmax(tiny_model_path, settings):
+    """Sampled tokens of both generate paths, one step from a fixed prompt, follow the model's
+    next-token distribution (temperature, top_k, top_p) by a chi-square test at a fixed seed."""
+    _, tok = rollout.load_model(tiny_model_path)
+    model = _small_vocab_model(tok, sharpen=20.0)
+    model.generation_config.min_p = 0.05  # a checkpoint's sampling default that must not apply
+    prompt, n = [1, 50, 60], 5000
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs, cum = _sampling_probs(logits, **settings)
+    top_p = settings.get("top_p", 1.0)
+    assert top_p == 1.0 or (cum - top_p).abs().min() > 1e-3  # a well-posed top_p: not on a boundary
+    assert (probs > 0).sum() > 3 and probs.max() < 0.9  # a distribution worth testing
+    for fast in (True, False):
+        out = rollout.generate(model, tok, [prompt], group_size=n, max_new_tokens=1, seed=7, fast=fast,
+                               top_k=settings.get("top_k", 0), top_p=top_p, temperature=settings["temperature"])
+        counts = torch.bincount(out["completion_ids"][:, 0], minlength=probs.shape[0]).double()
+        ok, stat, threshold = _chi_square_ok(counts, probs, n)
+        assert ok, (fast, stat, threshold)
+
+
+def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
+    """The same on the tiny model with the tokenizer's full vocabulary (49k logits per row): with
+    top_k = 4 only the 4 most likely tokens come out, at their renormalised probabilities."""
+    model, tok = rollout.load_model(tiny_model_path)
+    prompt, n = [1, 50, 60], 600
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs, _ = _sampling_probs(logits, temperature=0.5, top_k=4)
+    for fast in (True, False):
+        out = rollout.generate(model, tok, [prompt], group_size=n, max_new_tokens=1, temperature=0.5, top_k=4,
+                               seed=3, fast=fast)
+        counts = torch.bincount(out["completion_ids"][:, 0], minlength=probs.shape[0]).double()
+        ok, stat, threshold = _chi_square_ok(counts, probs, n)
+        assert ok, (fast, stat, threshold)
+
+
+def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
+    """generate_plain: same seed, same samples; another seed, other samples; the caller's global
+    RNG stream is not advanced (the draws run in a forked RNG)."""
+    _, tok = rollout.load_model(tiny_model_path)
+    model = _small_vocab_model(tok, sharpen=20.0)
+    prompts = [[1, 50, 60], [1, 70]]
+    kw = dict(group_size=4, max_new_tokens=6, fast=False)
+    torch.manual_seed(99)
+    before = torch.random.get_rng_state()
+    a = rollout.generate(model, tok, prompts, seed=5, **kw)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    b = rollout.generate(model, tok, prompts, seed=5, **kw)
+    c = rollout.generate(model, tok, prompts, seed=6, **kw)
+    assert torch.equal(a["completion_ids"], b["completion_ids"])
+    assert not torch.equal(a["completion_ids"], c["completion_ids"])
+    assert a["prompt_ids"] == [prompts[0]] * 4 + [prompts[1]] * 4
+    mask, trunc = rollout.completion_mask(a["completion_ids"], rollout.eos_ids(model, tok))
+    assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
 
 
 @torch.no_grad()
@@ -177,25 +317,58 @@ def test_decode_cache_logits_equal_full_forward(tiny_model_path):
     assert cache.layers[0].keys.shape[2] == ids.shape[1] + 3  # preallocated once, not grown
 
 
+A, B, C = [1, 50, 60, 70], [1, 90], [1, 33, 44]
+LAYOUTS = {
+    "groups": [A, A, A, B, C, C],             # shared-prompt path: unequal groups and prompt lengths
+    "no_sharing": [A, B, C, [1, 5, 6, 7, 8], [1, 9], [1, 2, 3]],  # fast falls back to one pass
+    "one_token_prompt": [A, A, A, [1], [1], [1]],                  # ... as it does for 1-token prompts
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("grad", [False, True])
-def test_shared_prompt_logprobs_equal_per_row(tiny_model_path, grad):
-    """completion_logprobs running each group's prompt once == every row running its own prompt,
-    values and gradients (unequal groups, unequal prompt lengths)."""
+def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout):
+    """completion_logprobs (each group's prompt run once) == completion_logprobs_plain (every row
+    runs its own prompt), values and gradients of the parameters."""
     model, tok = rollout.load_model(tiny_model_path)
-    a, b, c = [1, 50, 60, 70], [1, 90], [1, 33, 44]
-    prompts = [a, a, a, b, c, c]
+    prompts = LAYOUTS[layout]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
     out = {}
-    for share in (False, True):
+    for fast in (False, True):
         model.zero_grad()
         with torch.set_grad_enabled(grad):
-            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, 0.7, share_prompt=share)
+            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
         if grad:
             (lp * torch.arange(1.0, 31.0).view(6, 5)).sum().backward()
-        out[share] = (lp.detach(), [p.grad.clone() for p in model.parameters()] if grad else [])
+        out[fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()] if grad else [])
+    with torch.no_grad():
+        direct = rollout.completion_logprobs_plain(model, prompts, comp, tok.pad_token_id, temperature=0.7)
+    assert torch.equal(out[False][0], direct)  # fast=False is the plain twin itself
     assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
     for g1, g0 in zip(out[True][1], out[False][1]):  # float32 summation order: ~5e-6 of the largest entry
         assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max()
+
+
+def test_completion_logprobs_fast_equals_plain_bf16_autocast(tiny_model_path):
+    """Under bf16 autocast (float32 weights, as train.py's CPU/GPU bf16 presets run) the shared-
+    prompt path still computes what the plain twin computes, values and gradients."""
+    model, tok = rollout.load_model(tiny_model_path)
+    prompts = LAYOUTS["groups"]
+    comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for fast in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
+        (lp * torch.arange(1.0, 31.0).view(6, 5)).sum().backward()
+        out[fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+    assert out[True][0].dtype == torch.float32
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3) and the two paths round at
+    # different places (a cached prompt pass vs one pass): 1e-2 on log-probs of magnitude ~11, and
+    # 3e-2 of the largest gradient entry, instead of float32's 1e-5 and 2e-5.
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-2)
+    for g1, g0 in zip(out[True][1], out[False][1]):
+        assert (g1 - g0).abs().max() <= 3e-2 * g0.abs().max()
 
 
 def test_model_path_errors(tmp_path):
@@ -229,9 +402,10 @@ def test_read_jsonl_lines_and_errors(tmp_path):
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
 def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_path, checkpointing):
-    """Under activation checkpointing (train.wrap_policy) the update still runs each group's
-    prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache)
-    and computes the same log-probs and gradients as without checkpointing."""
+    """Under activation checkpointing (train.wrap_policy) the fast path still runs each group's
+    prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache),
+    and both paths, with or without checkpointing, compute the log-probs and gradients of the
+    plain twin without checkpointing."""
     import train
     a, b = [1, 50, 60, 70], [1, 90]
     prompts = [a, a, a, b, b]
@@ -239,20 +413,31 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
     weights = torch.arange(1.0, 31.0).view(5, 6)
     out = {}
     for mode in ("none", checkpointing):
-        model, tok = rollout.load_model(tiny_model_path)
-        model = train.wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
-        model.train()
-        calls = []
-        model.register_forward_hook(lambda m, args, kwargs, o: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
-        lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, 0.7, share_prompt=True)
-        (lp * weights).sum().backward()
-        # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
-        assert calls == [torch.Size([2, 3]), torch.Size([5, 6])]
-        out[mode] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+        for fast in (False, True):
+            model, tok = rollout.load_model(tiny_model_path)
+            model = train.wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
+            model.train()
+            calls = []
+            model.register_forward_hook(lambda m, args, kwargs, o: calls.append(kwargs["input_ids"].shape),
+                                        with_kwargs=True)
+            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
+            (lp * weights).sum().backward()
+            if fast:  # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
+                assert calls == [torch.Size([2, 3]), torch.Size([5, 6])]
+            else:  # one pass over [left-padded prompt | completion]
+                assert calls == [torch.Size([5, 4 + 6])]
+            out[mode, fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
     assert rollout.checkpointed_modules(model)
-    assert torch.allclose(out[checkpointing][0], out["none"][0], atol=1e-6)
-    for g1, g0 in zip(out[checkpointing][1], out["none"][1]):
-        assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
+    ref_lp, ref_grads = out["none", False]
+    for key, (lp, grads) in out.items():
+        assert torch.allclose(lp, ref_lp, atol=1e-5), key
+        for g1, g0 in zip(grads, ref_grads):  # float32 summation order
+            assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max(), key
+    # checkpointing replays the same computation: same path, same rounding
+    for fast in (False, True):
+        assert torch.allclose(out[checkpointing, fast][0], out["none", fast][0], atol=1e-6)
+        for g1, g0 in zip(out[checkpointing, fast][1], out["none", fast][1]):
+            assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
     # the cache of the completion pass is read-only: the prompt's keys keep their length
     cache, _, _ = rollout.prefill(model, [a, b], [3, 2], tok.pad_token_id)
     ro = rollout.read_only_cache(cache)
