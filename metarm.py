@@ -435,9 +435,10 @@ def main(argv=None):
         items = items[:m["cold_start_items"]]
     mrm = load_metarm(base, m["mode"], nl["lam"], m["dtype"], "cpu", m["batch_size"], m["max_length"],
                       m["online_lr"], m["weight_decay"])
-    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, m["rollouts_per_prompt"], m["max_new_tokens"],
-                       m["temperature"], m["epochs"], m["lr"], m["warmup_frac"], m["weight_decay"], nl,
-                       cfg["model"]["chat_template"], seed)
+    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, rollouts_per_prompt=m["rollouts_per_prompt"],
+                       max_new_tokens=m["max_new_tokens"], temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"],
+                       warmup_frac=m["warmup_frac"], weight_decay=m["weight_decay"], nlhf=nl,
+                       chat_template=cfg["model"]["chat_template"], seed=seed, fast=cfg["train"]["fast_paths"])
     save(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

@@ -67,11 +67,13 @@ def main(argv=None):
             times[name] = time.perf_counter() - t
             return out
 
-        out = timed("rollout", lambda: rollout.generate(policy, tok, prompts, ro["group_size"], ro["max_new_tokens"],
-                                                        ro["temperature"], ro["top_p"], ro["top_k"], seed=s))
+        fast = cfg["train"]["fast_paths"]  # train.fast_paths=false profiles the plain twins
+        out = timed("rollout", lambda: rollout.generate(policy, tok, prompts, group_size=ro["group_size"],
+                                                        max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
+                                                        top_p=ro["top_p"], top_k=ro["top_k"], seed=s, fast=fast))
         rew = timed("reward", lambda: R.rlme_reward(evaluators, rw["meta_questions"], [it["question"] for it in samples],
                                                     out["completions"], template=template, answer_stub=rw["answer_stub"],
-                                                    micro_batch_size=rw["micro_batch_size"]))
+                                                    micro_batch_size=rw["micro_batch_size"], fast=fast))
         adv = train.group_advantages(rew["reward"], ro["group_size"])
         b = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
              "completion_mask": out["completion_mask"], "advantages": adv}
@@ -93,7 +95,8 @@ def main(argv=None):
     for k in a.K:
         t = time.perf_counter()
         R.rlme_reward(evaluators, questions(k), [it["question"] for it in samples], out["completions"],
-                      template=template, answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"])
+                      template=template, answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"],
+                      fast=cfg["train"]["fast_paths"])
         dt = time.perf_counter() - t
         base = base or dt
         print(f"  K={k}: {dt:.1f} s  ({dt / base:.2f} x K={a.K[0]})")
