@@ -37,8 +37,10 @@ def smollm2_path():
     return rollout.resolve_model_path(SMOLLM2)
 
 
-def make_tiny_model(path, seed=0):
-    """Write a tiny random Llama (2 layers, hidden 64) with the real SmolLM2 tokenizer to `path`."""
+def make_tiny_model(path, seed=0, dtype=None):
+    """Write a tiny random Llama (2 layers, hidden 64) with the real SmolLM2 tokenizer to `path`.
+    `dtype` (a torch dtype, e.g. torch.bfloat16): the weights are saved in it (config.json says so);
+    None = float32. The same seed gives the same weights, rounded to `dtype`."""
     import rollout
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(SMOLLM2))
@@ -50,6 +52,8 @@ def make_tiny_model(path, seed=0):
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -58,3 +62,72 @@ def make_tiny_model(path, seed=0):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_bf16_path(tmp_path_factory):
+    """The tiny random model of `tiny_model_path` (same seed), saved in bfloat16."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_bf16"), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_fp16_path(tmp_path_factory):
+    """The tiny random model of `tiny_model_path` (same seed), saved in float16."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_fp16"), dtype=torch.float16)
+
+
+TINY_MODEL_FIXTURE = {"float32": "tiny_model_path", "bfloat16": "tiny_model_bf16_path", "float16": "tiny_model_fp16_path"}
+
+
+def start_transformers_serve(model_path, log_path, timeout=120):
+    """Start `transformers serve <model_path>` on a free 127.0.0.1 port (CPU, offline) and wait for
+    /health. Returns (Popen, base_url). Stop it with stop_server(proc)."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", str(model_path),
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    if not os.path.exists(cmd[0]):
+        cmd[0] = "transformers"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"transformers serve exited {proc.returncode}: {open(log_path).read()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError(f"transformers serve did not come up in {timeout} s: {open(log_path).read()[-2000:]}")
+
+
+def stop_server(proc):
+    import subprocess
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_judge_server(tiny_model_path, tmp_path_factory):
+    """A real local OpenAI-compatible server (`transformers serve`, CPU) serving the float32 tiny
+    random model: {"base_url", "model", "log"}. Its answers do not follow any judge format."""
+    log = str(tmp_path_factory.mktemp("serve") / "serve.log")
+    proc, base_url = start_transformers_serve(tiny_model_path, log)
+    try:
+        yield {"base_url": base_url, "model": tiny_model_path, "log": log}
+    finally:
+        stop_server(proc)

@@ -216,7 +216,7 @@ def test_vllm_request_seeds_distinct():
 # --- config errors (SPEC §3) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, device, message", [
-    (["train.cpu_offload=true"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
+    (["train.cpu_offload=true", "train.parallel=ddp"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
     (["train.cpu_offload=true", "train.parallel=fsdp2"], "cpu", "config key train.cpu_offload=true needs a CUDA device"),
     (["rollout.backend=vllm"], "cpu", "config key rollout.backend=vllm needs a CUDA device"),
     (["rollout.vllm_sleep_level=3"], "cpu", "config key rollout.vllm_sleep_level: 3 is not one of"),
