@@ -176,7 +176,7 @@ bare() {
     fi
     [ ${#FAST[@]} -gt 0 ] && BIG+=(--fast-paths false)
 
-    stage rlme_ddp "$T_RUN" "${TORCHRUN[@]}" "${RL[@]}" "run.out_dir=$OUT/rlme_ddp"
+    stage rlme_ddp "$T_RUN" "${TORCHRUN[@]}" "${RL[@]}" "run.out_dir=$OUT/rlme_ddp" train.parallel=ddp
     stage rlme_fsdp2 "$T_RUN" "${TORCHRUN[@]}" "${RL[@]}" "run.out_dir=$OUT/rlme_fsdp2" train.parallel=fsdp2
     stage big_update "$T_BIG" "$PY" scripts/gpu_check.py big-update "${BIG[@]}"
     stage rm_nlhf "$T_NLHF" "${TORCHRUN[@]}" "${NL[@]}" "run.out_dir=$OUT/rm_nlhf"
