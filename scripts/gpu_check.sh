@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the scale-out path (SPEC §7, issue 5): one GPU, real SmolLM2, meant to finish in
-# under 8 minutes on one H200. NOT YET RUN: written on a machine without a GPU (docs_scale.md).
+# GPU check of the scale-out path: one GPU, meant to finish in under 8 minutes on one H200.
+# NOT YET RUN on a GPU: written and smoke-tested on a machine without one (README, GPU check).
 #
 #   bash scripts/gpu_check.sh [OUT]          # default OUT=runs/gpu_check
 #
