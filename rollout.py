@@ -466,6 +466,22 @@ def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature
     return torch.stack(tokens, dim=1)
 
 
+def rollout_dict(tokenizer, rows, chunks, eos, pad_id):
+    """The rollout dict (top of this file) from the completion ids of each decode chunk.
+
+    Args:
+        rows: list[list[int]], the N prompt rows. chunks: list of LongTensor [n_c, L_c] whose rows
+            follow `rows`; shorter chunks are right-padded with pad_id to the longest.
+    """
+    width = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
+    mask, truncated = completion_mask(completion_ids, eos)
+    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                   for row, m in zip(completion_ids, mask)]
+    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
+            "truncated": truncated, "completions": completions}
+
+
 @torch.no_grad()
 def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                    top_k=0, seed=0, micro_batch_size=None):
@@ -511,14 +527,8 @@ def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, tem
             out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
             chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
-    width = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
-    mask, truncated = completion_mask(completion_ids, eos)
-    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                   for row, m in zip(completion_ids, mask)]
     model.train(model_was_training)
-    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
-            "truncated": truncated, "completions": completions}
+    return rollout_dict(tokenizer, rows, chunks, eos, pad_id)
 
 
 # Fast version: one prefill per group, a static KV cache and inverse-CDF sampling;
@@ -568,14 +578,8 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
         distinct, counts = prompt_runs(rows[start:start + mb])
         chunks.append(sample_rows(model, distinct, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k,
                                   generator).cpu())
-    width = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
-    mask, truncated = completion_mask(completion_ids, eos)
-    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                   for row, m in zip(completion_ids, mask)]
     model.train(model_was_training)
-    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
-            "truncated": truncated, "completions": completions}
+    return rollout_dict(tokenizer, rows, chunks, eos, pad_id)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -869,17 +873,23 @@ def completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id, tempera
         FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
         Gradient flows when called under grad mode.
     """
+    completion_ids = completion_ids.to(next(model.parameters()).device)
+    return token_logprobs_plain(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+
+
+def completion_logits(model, prompt_ids, completion_ids, pad_id):
+    """Logits [N, L, V] that predict the L completion tokens: one forward over [left-padded prompt |
+    completion] (positions from the attention mask, so left padding does not shift them)."""
     device = next(model.parameters()).device
-    completion_ids = completion_ids.to(device)
     n, length = completion_ids.shape
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
-    ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
+    ids = torch.cat([p_ids.to(device), completion_ids.to(device)], dim=1)
     attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                 logits_to_keep=length + 1, use_cache=False)
     # logits at column t predict token t+1: of the last L+1 columns, all but the final one
     # predict exactly the L completion tokens.
-    return token_logprobs_plain(out.logits[:, :-1], completion_ids, temperature)
+    return out.logits[:, :-1]
 
 
 # Fast version: shares each group's prompt pass across its G rows and uses _TokenLogprob's
@@ -940,14 +950,8 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
             # 0 even if a logit is inf or NaN (0.0 * sum would turn that into NaN log-probs).
             lp = lp + prompt_logits[..., :0].sum()
         return lp
-    p_ids, p_mask = left_pad(prompt_ids, pad_id)
-    ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
-    attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                logits_to_keep=length + 1, use_cache=False)
-    # logits at column t predict token t+1: the last L+1 columns minus the final one predict
-    # exactly the L completion tokens.
-    return token_logprobs(out.logits[:, :-1], completion_ids, temperature)
+    # no prompt to share: the plain twin's forward, with the closed-form log-prob backward
+    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ import http.server
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -418,31 +417,11 @@ def test_proxy_f1_hand_numbers():
 @pytest.mark.slow
 @pytest.mark.server
 def test_judge_against_transformers_serve(smollm2_path, tmp_path):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    log = open(tmp_path / "serve.log", "w")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", smollm2_path,
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    if not os.path.exists(cmd[0]):
-        cmd[0] = "transformers"
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    from conftest import start_transformers_serve, stop_server
+    proc, base_url = start_transformers_serve(smollm2_path, tmp_path / "serve.log")
     try:
-        import urllib.request
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-2000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("transformers serve did not come up in 120 s")
         # a 2-core CPU makes ~2-3 tokens/s here: one short answer, one retry, bounded by timeout_s
-        judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": smollm2_path,
+        judge = reward.make_judge({"base_url": base_url, "model": smollm2_path,
                                    "max_retries": 1, "timeout_s": 30, "max_tokens": 12, "concurrency": 2,
                                    "backoff_base_s": 0.1})
         item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly; Response A is right."}
@@ -460,13 +439,7 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
         m = reward.nlhf_metrics(samples)
         assert m["judge/calls"] == 1 and 0.0 <= m["judge/fail_rate"] <= 1.0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_server(proc)
 
 
 def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
