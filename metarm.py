@@ -33,7 +33,6 @@ Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (sav
             where train.py picks it up instead of cold-starting itself)
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -156,9 +155,7 @@ def _forward(mrm, texts):
     tok, model = mrm["tokenizer"], mrm["model"]
     device = next(model.parameters()).device
     enc = tok(texts, padding=True, truncation=True, max_length=mrm["max_length"], return_tensors="pt").to(device)
-    compute = (contextlib.nullcontext() if mrm["dtype"] == "float32"
-               else torch.autocast(device.type, dtype=rollout.DTYPES[mrm["dtype"]]))
-    with compute:  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
+    with rollout.autocast(mrm["dtype"], device.type):  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
         logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.float()
     return logits if mrm["mode"] == "classifier" else logits[:, 0]
 
@@ -376,9 +373,7 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     prompts = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(it["context"], it["response_a"], it["response_b"],
                                                                      nl["max_critique_lines"]), chat) for it in dh_items]
     device = next(grm.parameters()).device
-    compute = (contextlib.nullcontext() if compute_dtype == "float32"
-               else torch.autocast(device.type, dtype=rollout.DTYPES[compute_dtype]))
-    with compute:
+    with rollout.autocast(compute_dtype, device.type):
         out = rollout.generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed, micro_batch_size=micro_batch_size, fast=fast)
     del grm

@@ -2,7 +2,7 @@
 
 SPEC §4.1. Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that
 `generate` returns (`generate_plain`, its transformers-based twin, returns the same), so a second
-backend (vLLM, SPEC §7) only has to return the same dict:
+backend (vLLM, README "Scale out") only has to return the same dict:
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
@@ -141,6 +141,15 @@ def resolve_model_path(path, cache_dir=None):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(dtype, device_type):
+    """Compute in `dtype` ("float32" | "bfloat16" | "float16") over float32 weights: torch.autocast
+    on `device_type` ("cpu" | "cuda"), a no-op context for float32. Mixed precision of every
+    trained model (train.compute_context, metarm)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[dtype])
 
 
 def load_model(path, dtype="float32", device="cpu"):

@@ -547,9 +547,9 @@ def compute_context(dtype, parallel, device):
     Returns:
         a context manager (a no-op for float32).
     """
-    if dtype == "float32" or (parallel == "fsdp2" and device.type == "cuda"):
+    if parallel == "fsdp2" and device.type == "cuda":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=rollout.DTYPES[dtype])
+    return rollout.autocast(dtype, device.type)
 
 
 def decoder_layers(policy):
@@ -923,7 +923,7 @@ def nlhf_step_items(dh, do, step, cfg, rank, world):
 
 
 def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
-    """Token ids of the GRM prompt for one pairwise item (SPEC §5.2; chat template when `chat`);
+    """Token ids of the GRM prompt for one pairwise item (reward.build_grm_prompt; chat template when `chat`);
     its text (the user message) with text_only=True."""
     text = R.build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"])
     return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
@@ -1177,7 +1177,8 @@ def update_policy(model, policy, optimizer, batch, cfg, world, device, pad_id, r
 
     # No-grad passes. With one optimizer step per batch pi_theta == pi_b at the update, so the
     # ratio is exactly 1 and the behaviour pass is skipped; otherwise it runs before the first
-    # step (SPEC §4.4). With vLLM rollouts the trainer recomputes it anyway, to log the gap (§7).
+    # step (RLME Eq. 6's pi_b). With vLLM rollouts the trainer recomputes it anyway, to log the gap
+    # (README, Scale out).
     off_policy = algo["updates_per_batch"] > 1 or algo["minibatches"] > 1
     rollout_lp = batch.get("rollout_logprobs")
     behaviour = frozen_logprobs(policy, batch, pad_id, cfg, device) if off_policy or rollout_lp is not None else None
@@ -1336,15 +1337,13 @@ def train(cfg):
         nl = cfg["nlhf"]
         limit = prompt_token_limit(nl["max_prompt_tokens"], policy, ro["max_new_tokens"], "nlhf.max_prompt_tokens")
         ids = functools.partial(grm_prompt_ids, tokenizer, chat=chat, nl=nl)
-        dh_items, dropped = keep_short(dh_items, lambda it, text_only: ids(it, text_only=text_only), limit,
-                                       "nlhf.max_prompt_tokens", overhead)
-        do_items, dropped_do = keep_short(do_items, lambda it, text_only: ids(it, text_only=text_only), limit,
-                                          "nlhf.max_prompt_tokens", overhead)
+        dh_items, dropped = keep_short(dh_items, ids, limit, "nlhf.max_prompt_tokens", overhead)
+        do_items, dropped_do = keep_short(do_items, ids, limit, "nlhf.max_prompt_tokens", overhead)
         dropped += dropped_do
     else:
         limit = prompt_token_limit(cfg["data"]["max_prompt_tokens"], policy, ro["max_new_tokens"], "data.max_prompt_tokens")
-        items, dropped = keep_short(items, lambda it, text_only: policy_prompt_ids(
-            tokenizer, it, chat, cfg["data"]["prompt_template"], text_only=text_only), limit, "data.max_prompt_tokens", overhead)
+        ids = functools.partial(policy_prompt_ids, tokenizer, chat=chat, template=cfg["data"]["prompt_template"])
+        items, dropped = keep_short(items, ids, limit, "data.max_prompt_tokens", overhead)
     if dropped and is_main:
         print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens "
               f"({'nlhf' if task == 'rm_nlhf' else 'data'}.max_prompt_tokens)", flush=True)
@@ -1371,8 +1370,7 @@ def train(cfg):
     mrm = None
     if task == "rm_nlhf":  # the MetaRM (SPEC §5.4): restored with the checkpoint, loaded, or cold-started
         mrm, mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh_items, judge, device, rank, world)
-    if is_main:
-        os.makedirs(out_dir, exist_ok=True)
+    if is_main:  # out_dir exists: check_startup made it
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
         for name in ("metrics.jsonl", "samples.jsonl"):
