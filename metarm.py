@@ -1,19 +1,20 @@
 """MetaRM: a scalar regression model that predicts the RM-NLHF reward where no human critique exists.
 
-SPEC §5.4. The GRM earns 1 + λ·R_process on D_H items, where a judge compares its critique with
-the human one. D_O items have a preference label but no human critique, so the process term is
-predicted instead: the MetaRM reads (conversation, response A, response B, GRM critique) and
-regresses the D_H reward R ∈ {0, 1, 1 + λ} with MSE.
+RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5), where a judge
+compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
+critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
+response B, GRM critique), regresses the D_H reward R ∈ {0, 1, 1 + λ} with MSE (Eq. 6-7), and its
+prediction R̂ sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8).
 
-Order of one online step (SPEC §5.4), wired in train.py:
-    (1) roll out the GRM on D_H and D_O prompts
-    (2) D_H rewards from the judge                      reward.score_dh
-    (3) update the MetaRM on those D_H samples          metarm.update     (lr 5e-6, one pass)
-    (4) predict R̂ for D_O samples with the UPDATED MetaRM   metarm.predict
-    (5) D_O rewards                                     reward.score_do / reward.do_reward
-    (6) GRPO update of the GRM
+One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
+    Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
+    Step 2  D_H rewards from the judge (Eq. 4-5)                 reward.score_dh
+    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (one pass, lr 5e-6)
+    Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
+            then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
+    Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
 
-Ablation switches (`metarm.mode`, the paper's ablations):
+Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H):
     none         no MetaRM: D_O reward is the outcome only (-1 / 0 / 1); cold start is skipped
     offline      cold start, then frozen: update() is a no-op that still reports agreement
     online       cold start + one update per step (default, the paper's method)
@@ -41,37 +42,104 @@ import shutil
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import config
 import reward
 import rollout
 
-METARM_DEFAULTS = {
-    "mode": "online",              # none | offline | online | metarm_only | binary | classifier (see top)
-    "model": None,                 # base weights; None = the GRM's base (model.policy)
-    "cold_start": True,            # train.py: cold-start at step 0 when no saved MetaRM exists
-    "rollouts_per_prompt": 4,      # N cold-start rollouts per D_H prompt (SPEC default 4; paper text 8)
-    "cold_start_items": 0,         # D_H items used for the cold start; 0 = all
-    "epochs": 3,                   # cold start
-    "lr": 1.0e-5,                  # cold start, cosine with warmup
-    "warmup_frac": 0.01,
-    "weight_decay": 0.01,
-    "online_lr": 5.0e-6,           # online update, one pass per step, constant
-    "batch_size": 8,
-    "max_length": 1024,            # tokens; truncated from the LEFT so the critique (at the end) survives
-    "max_new_tokens": 256,         # cold-start rollouts
-    "temperature": 1.0,
-    "dtype": "float32",
-    "path": None,                  # where cold-start saves / train.py resumes the MetaRM; None = <out_dir>/metarm
-}
+
+# ==============================================================================================
+# THE RM-NLHF REWARD STEP (Algorithm 1, steps 2-4): judge D_H, update the MetaRM, predict D_O
+# ==============================================================================================
+
+
+def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
+    """Rewards of one step's GRM completions, Algorithm 1's steps 2-4 in its order (RM-NLHF App. D.1):
+      Step 2  D_H: parse, judge (only valid + right verdicts), R = -1 | 0 | 1 + λ·R_process   (Eq. 4-5)
+      Step 3  MetaRM update on those D_H samples (all ranks' samples: online_update)         (Eq. 7)
+      Step 4  MetaRM prediction R̂ for the D_O samples with the UPDATED MetaRM               (Eq. 6)
+              and R' = -1 | 0 | 1 + max(0, R̂ - 1), R̂ clipped to [0, 1 + λ]               (Eq. 8; reward.do_reward)
+
+    Args:
+        items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated).
+        completions: list[str] (N). judge: reward.make_judge dict. mrm: MetaRM dict or None (mode none).
+        cfg: the full config (nlhf, metarm.mode, run.seed). world: number of ranks. step: 0-based.
+        t0: time.perf_counter() at the start of the step; the "order/*" metrics are seconds since it.
+    Returns:
+        dict, the same shape as train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the
+        judge failed), "valid" BoolTensor [N] (False = judge failure: left out of group statistics
+        and of the loss), "records" list (N) of samples.jsonl fields (pair, verdict, critique,
+        judge F1 or why not, R̂, reward), "metrics" dict (MetaRM loss/agreement, order of operations).
+    """
+    nl, mode = cfg["nlhf"], cfg["metarm"]["mode"]
+    parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in completions]
+    dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
+    do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
+    samples = [None] * len(items)
+    metrics = {}
+    # Step 2: D_H rewards from the judge
+    dh = reward.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, lam=nl["lam"],
+                         threshold=nl["threshold"], gate_on_outcome=nl["gate_on_outcome"])
+    for i, s in zip(dh_idx, dh):
+        s["f1_why"] = s["judge_why"] if s["judged"] else ("invalid format" if not s["valid"] else "wrong verdict: judge not called")
+        samples[i] = dict(s, r_hat=None)
+    metrics["order/judge_done_s"] = time.perf_counter() - t0
+    # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
+    updates_before = mrm["updates"] if mrm is not None else 0
+    if mrm is not None:
+        metrics.update(online_update(mrm, [items[i] for i in dh_idx], dh, world=world, seed=cfg["run"]["seed"] * 7_919 + step))
+    metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
+    # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
+    metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
+    critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
+    r_hat = predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
+    metrics["metarm/updated_before_predict"] = mrm is None or metrics["order/metarm_update_done_s"] <= metrics["order/metarm_predict_start_s"]
+    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
+    # Step 4, continued: D_O rewards
+    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode)
+    for i, s in zip(do_idx, do):
+        samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False,
+                          judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
+                          metarm_updates=mrm["updates"] if mrm is not None else None)
+    metrics["order/do_reward_done_s"] = time.perf_counter() - t0
+    keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged", "f1", "precision", "recall",
+            "judge_why", "judge_attempts", "f1_why", "r_process", "r_hat", "reward", "metarm_updates")
+    records = [{"item": it["id"], "set": it["set"], "source": it["source"], "winner": it["winner"],
+                **{k: s.get(k) for k in keep}} for it, s in zip(items, samples)]
+    return {"reward": torch.tensor([s["reward"] if s["reward"] is not None else 0.0 for s in samples]),
+            "valid": torch.tensor([s["reward"] is not None for s in samples]),
+            "records": records, "metrics": metrics}
+
+
+def online_update(mrm, items, samples, *, world, seed):
+    """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`).
+
+    Under torchrun the (item, sample) pairs are all-gathered, rank 0 alone runs `update` (it holds
+    the online optimizer state, which is saved with its checkpoints) and then broadcasts the new
+    parameters, so every rank predicts D_O with the same, updated MetaRM. Returns the update's
+    metrics (rank 0's) plus metarm/updates, the count after this step's update, on every rank."""
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, list(zip(items, samples)))
+        pairs = [p for part in parts for p in part]
+        items, samples = [p[0] for p in pairs], [p[1] for p in pairs]
+    out = update(mrm, items, samples, seed=seed) if (world == 1 or dist.get_rank() == 0) else None
+    if world > 1:
+        box = [out, mrm["updates"]]
+        dist.broadcast_object_list(box, src=0)
+        out, mrm["updates"] = box
+        broadcast_parameters(mrm["model"])
+    return dict(out, **{"metarm/updates": mrm["updates"]})
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs and targets
+# The MetaRM's input, target and loss (RM-NLHF Eq. 6-7)
 
 
 def metarm_text(context, response_a, response_b, critique):
-    """The MetaRM input (SPEC §5.4): conversation, both responses and the GRM critique, as text.
+    """The MetaRM input M_φ(q, y_A, y_B, ĉ) (RM-NLHF Eq. 6): conversation, both responses and the GRM critique, as text.
     No chat template: this model is a regressor, not a chat model."""
     return (f"[Conversation]\n{context.strip()}\n\n[Response A]\n{response_a.strip()}\n\n"
             f"[Response B]\n{response_b.strip()}\n\n[Critique]\n{(critique or '').strip()}")
@@ -95,7 +163,7 @@ def train_target(r, mode, lam):
 def examples_from_samples(items, samples):
     """MetaRM training examples from scored D_H samples: every valid verdict whose reward is known.
 
-    Invalid formats (R = -1) are left out: SPEC §5.4 trains on R ∈ {0, 1, 1 + λ} and D_O never
+    Invalid formats (R = -1) are left out: the MetaRM regresses R ∈ {0, 1, 1 + λ} and D_O never
     asks the MetaRM about them. Judge failures (reward None) are left out too.
 
     Args:
@@ -111,43 +179,17 @@ def examples_from_samples(items, samples):
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Model
+def metarm_loss(mrm, texts, rewards):
+    """Loss on one batch. MSE(ŷ, R) (RM-NLHF Eq. 7; 'binary': MSE to 1[R > 1]); 'classifier':
+    cross-entropy over the classes (0, 1, 1 + λ).
 
-
-def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01):
-    """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
-
-    Args:
-        path: HF folder, hub id or gguf:<package>/<file> (see rollout.resolve_model_path).
-        mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
-        dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
-            an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
-    Returns:
-        the mrm dict (see the top of this file).
-    Raises:
-        SystemExit with one line when the path cannot be loaded or mode is unknown.
+    Args: texts: list[str]; rewards: list[float] D_H rewards R. Returns: scalar tensor (grad).
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    if mode not in reward.METARM_MODES or mode == "none":
-        raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
-    resolved = rollout.resolve_model_path(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(resolved)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    # the sequence classifier pools the last non-pad token and needs the pad id in its config
-    model.config.pad_token_id = tok.pad_token_id
-    tok.padding_side = "right"
-    tok.truncation_side = "left"  # keep the critique, which comes last
-    return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
-            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
-            "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
+    out = _forward(mrm, texts)
+    targets = [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
+    if mrm["mode"] == "classifier":
+        return F.cross_entropy(out, torch.tensor(targets, device=out.device))
+    return F.mse_loss(out, torch.tensor(targets, dtype=torch.float32, device=out.device))
 
 
 def _forward(mrm, texts):
@@ -160,17 +202,8 @@ def _forward(mrm, texts):
     return logits if mrm["mode"] == "classifier" else logits[:, 0]
 
 
-def metarm_loss(mrm, texts, rewards):
-    """Loss on one batch. MSE(ŷ, R) (SPEC §5.4; 'binary': MSE to 1[R > 1]); 'classifier':
-    cross-entropy over the classes (0, 1, 1 + λ).
-
-    Args: texts: list[str]; rewards: list[float] D_H rewards R. Returns: scalar tensor (grad).
-    """
-    out = _forward(mrm, texts)
-    targets = [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
-    if mrm["mode"] == "classifier":
-        return F.cross_entropy(out, torch.tensor(targets, device=out.device))
-    return F.mse_loss(out, torch.tensor(targets, dtype=torch.float32, device=out.device))
+# ----------------------------------------------------------------------------------------------
+# Predict and update (Algorithm 1, steps 3-4)
 
 
 @torch.no_grad()
@@ -194,7 +227,7 @@ def predict_texts(mrm, texts):
 
 
 def predict(mrm, items, critiques):
-    """R̂ for D_O samples (SPEC §5.4 step 4). items: pairwise dicts; critiques: the GRM critiques
+    """R̂ for D_O samples (Algorithm 1, step 4; RM-NLHF Eq. 6). items: pairwise dicts; critiques: the GRM critiques
     (None for an invalid sample gives None: its reward is -1 whatever R̂ says).
     Returns list[float | None]."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
@@ -206,54 +239,9 @@ def predict(mrm, items, critiques):
     return out
 
 
-def _batches(n, batch_size, seed):
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
-
-
-def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, log=None):
-    """Cold-start training (SPEC §5.4): AdamW, `epochs` passes, linear warmup over `warmup_frac`
-    of the steps (at least 1 step), then cosine decay to 0.
-
-    Args:
-        examples: list of {"text", "r"} (examples_from_samples).
-    Returns:
-        list[float], the loss of every optimizer step.
-    """
-    if not examples:
-        return []
-    model = mrm["model"]
-    model.train()
-    steps_per_epoch = math.ceil(len(examples) / mrm["batch_size"])
-    total = steps_per_epoch * epochs
-    warmup = max(1, round(warmup_frac * total))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-
-    def lr_at(step):  # multiplier of lr at optimizer step `step` (0-based)
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    losses = []
-    for epoch in range(epochs):
-        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
-            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log:
-                log(f"metarm cold start: epoch {epoch + 1}/{epochs} step {len(losses)}/{total} loss {loss.item():.4f}")
-    return losses
-
-
 def agreement(preds, rewards, lam):
     """Share of samples where R̂, rounded to the nearest reward value in (0, 1, 1 + λ), equals
-    the judge-based reward R (SPEC §9: 'MetaRM agreement with the judge')."""
+    the judge-based reward R (docs/method.md §9: 'MetaRM agreement with the judge')."""
     if not rewards:
         return None
     vals = class_values(lam)
@@ -262,7 +250,7 @@ def agreement(preds, rewards, lam):
 
 
 def update(mrm, items, samples, seed=0):
-    """Online MetaRM update on this step's D_H samples (SPEC §5.4 step 3): one pass at
+    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): one pass at
     `online_lr` (constant) with a persistent AdamW. Agreement with the judge is measured on the
     samples BEFORE training on them (an honest held-out number).
 
@@ -297,53 +285,14 @@ def update(mrm, items, samples, seed=0):
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# Save / load (atomic)
-
-_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates")
-
-
-def save(mrm, path):
-    """Write the MetaRM to `path` atomically: everything goes to `<path>.tmp` first, then renames.
-    A crash leaves either the old folder, or `<path>.old` (which load() falls back to).
-    Contents: HF model + tokenizer, metarm.json (settings), optimizer.pt (online AdamW state)."""
-    path = os.path.abspath(path)
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    mrm["model"].save_pretrained(tmp)
-    mrm["tokenizer"].save_pretrained(tmp)
-    with open(os.path.join(tmp, "metarm.json"), "w") as f:
-        json.dump({k: mrm[k] for k in _META}, f, indent=1)
-    if mrm["optimizer"] is not None:
-        torch.save(mrm["optimizer"].state_dict(), os.path.join(tmp, "optimizer.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load(path, device="cpu", dtype="float32"):
-    """Load a MetaRM written by save() (settings from metarm.json, optimizer state if any).
-    Raises SystemExit when neither `path` nor `<path>.old` holds one."""
-    for p in (path, os.path.abspath(path) + ".old"):
-        if os.path.isfile(os.path.join(p, "metarm.json")):
-            with open(os.path.join(p, "metarm.json")) as f:
-                meta = json.load(f)
-            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype, device, meta["batch_size"], meta["max_length"],
-                              meta["online_lr"], meta["weight_decay"])
-            mrm["updates"] = meta["updates"]
-            opt_path = os.path.join(p, "optimizer.pt")
-            if os.path.isfile(opt_path):
-                mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
-                                                     weight_decay=mrm["weight_decay"])
-                mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
-            return mrm
-    raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
+def _batches(n, batch_size, seed):
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
 # ----------------------------------------------------------------------------------------------
-# Cold start (SPEC §5.4)
+# Cold start (Algorithm 1, lines 2-10): N rollouts per D_H prompt from the base GRM, judge, train
 
 
 def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
@@ -392,48 +341,228 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     return stats
 
 
+def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, log=None):
+    """Cold-start training (Algorithm 1, line 9; docs/method.md §5.4): AdamW, `epochs` passes, linear warmup over `warmup_frac`
+    of the steps (at least 1 step), then cosine decay to 0.
+
+    Args:
+        examples: list of {"text", "r"} (examples_from_samples).
+    Returns:
+        list[float], the loss of every optimizer step.
+    """
+    if not examples:
+        return []
+    model = mrm["model"]
+    model.train()
+    steps_per_epoch = math.ceil(len(examples) / mrm["batch_size"])
+    total = steps_per_epoch * epochs
+    warmup = max(1, round(warmup_frac * total))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def lr_at(step):  # multiplier of lr at optimizer step `step` (0-based)
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    losses = []
+    for epoch in range(epochs):
+        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
+            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if log:
+                log(f"metarm cold start: epoch {epoch + 1}/{epochs} step {len(losses)}/{total} loss {loss.item():.4f}")
+    return losses
+
+
+# ==============================================================================================
+# PLUMBING: skip on first read (the MetaRM of a training run, ranks, save / load, CLI)
+# ==============================================================================================
+
+
+def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world):
+    """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
+    (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
+    (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
+    from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
+    metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
+    Rank 0 does (3) and saves; the other ranks then load the same folder, so all ranks start equal.
+
+    Args:
+        cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
+        policy, tokenizer: the GRM (train.py's policy, float32). dh: D_H items. judge: reward.make_judge dict.
+    Returns:
+        (mrm dict or None, source str, cold-start stats dict or None).
+    Raises:
+        SystemExit when a resumed checkpoint has no MetaRM (the GRM and its MetaRM move together).
+    """
+    m, nl = cfg["metarm"], cfg["nlhf"]
+    if m["mode"] == "none":
+        return None, "none", None
+    path = m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
+    if ckpt:
+        if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
+            raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
+        return load(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
+    if os.path.isfile(os.path.join(path, "metarm.json")):
+        return load(path, device, m["dtype"]), path, None
+    base = m["model"] or cfg["model"]["policy"]
+
+    def fresh():
+        return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
+                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"])
+
+    stats = None
+    if rank == 0:
+        mrm = fresh()
+        if m["cold_start"]:
+            items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
+            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
+            # a plain copy of the same base weights, freed after the cold start)
+            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
+                rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+            stats = cold_start(mrm, cfg["model"]["policy"], items, judge, grm=grm, **cold_start_settings(cfg),
+                               micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
+                               log=lambda s: print(f"[train] {s}", flush=True))
+            del grm
+            save(mrm, path)
+    if world > 1:
+        dist.barrier()
+        if not m["cold_start"]:  # a fresh head is random: take rank 0's
+            mrm = mrm if rank == 0 else fresh()
+            broadcast_parameters(mrm["model"])
+        elif rank != 0:
+            mrm = load(path, device, m["dtype"])
+    return mrm, "cold_start" if m["cold_start"] else "fresh", stats
+
+
+def cold_start_settings(cfg):
+    """cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.*, run.seed,
+    train.fast_paths): one place, for train.py's cold start and the CLI's."""
+    m = cfg["metarm"]
+    return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
+                temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
+                weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat_template=cfg["model"]["chat_template"],
+                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"], fast=cfg["train"]["fast_paths"])
+
+
+def broadcast_parameters(model, src=0):
+    """Copy rank `src`'s parameters and buffers into every rank's model (in place)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, save / load (atomic)
+
+
+def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
+                online_lr=5e-6, weight_decay=0.01):
+    """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
+
+    Args:
+        path: HF folder, hub id or gguf:<package>/<file> (see rollout.resolve_model_path).
+        mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
+        dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
+            an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
+    Returns:
+        the mrm dict (see the top of this file).
+    Raises:
+        SystemExit with one line when the path cannot be loaded or mode is unknown.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    if mode not in reward.METARM_MODES or mode == "none":
+        raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
+    resolved = rollout.resolve_model_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    # the sequence classifier pools the last non-pad token and needs the pad id in its config
+    model.config.pad_token_id = tok.pad_token_id
+    tok.padding_side = "right"
+    tok.truncation_side = "left"  # keep the critique, which comes last
+    return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
+            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
+            "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
+
+
+_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates")
+
+
+def save(mrm, path):
+    """Write the MetaRM to `path` atomically: everything goes to `<path>.tmp` first, then renames.
+    A crash leaves either the old folder, or `<path>.old` (which load() falls back to).
+    Contents: HF model + tokenizer, metarm.json (settings), optimizer.pt (online AdamW state)."""
+    path = os.path.abspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    mrm["model"].save_pretrained(tmp)
+    mrm["tokenizer"].save_pretrained(tmp)
+    with open(os.path.join(tmp, "metarm.json"), "w") as f:
+        json.dump({k: mrm[k] for k in _META}, f, indent=1)
+    if mrm["optimizer"] is not None:
+        torch.save(mrm["optimizer"].state_dict(), os.path.join(tmp, "optimizer.pt"))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path, device="cpu", dtype="float32"):
+    """Load a MetaRM written by save() (settings from metarm.json, optimizer state if any).
+    Raises SystemExit when neither `path` nor `<path>.old` holds one."""
+    for p in (path, os.path.abspath(path) + ".old"):
+        if os.path.isfile(os.path.join(p, "metarm.json")):
+            with open(os.path.join(p, "metarm.json")) as f:
+                meta = json.load(f)
+            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype, device, meta["batch_size"], meta["max_length"],
+                              meta["online_lr"], meta["weight_decay"])
+            mrm["updates"] = meta["updates"]
+            opt_path = os.path.join(p, "optimizer.pt")
+            if os.path.isfile(opt_path):
+                mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
+                                                     weight_decay=mrm["weight_decay"])
+                mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
+            return mrm
+    raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 
 
-def metarm_settings(cfg):
-    """The `metarm:` section with defaults; unknown keys and modes fail with one line."""
-    sec = cfg.get("metarm") or {}
-    unknown = set(sec) - set(METARM_DEFAULTS)
-    if unknown:
-        raise SystemExit(f"metarm: unknown key(s) {sorted(unknown)}; allowed: {sorted(METARM_DEFAULTS)}")
-    m = dict(METARM_DEFAULTS, **sec)
-    if m["mode"] not in reward.METARM_MODES:
-        raise SystemExit(f"metarm.mode: {m['mode']!r} unknown; allowed: {', '.join(reward.METARM_MODES)}")
-    return m
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="MetaRM (SPEC §5.4): cold start from D_H rollouts of the base GRM.")
-    ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
+    ap = argparse.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
     ap.add_argument("command", choices=["cold-start"])
-    ap.add_argument("--out", default=None, help="save folder (default metarm.path or <run.out_dir>/metarm)")
+    ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), as for train.py")
     a = ap.parse_args(argv)
-    import train  # lazily: train.py imports this module at its top
-    cfg = train.load_config(a.config, a.overrides)  # config.yaml is the schema (SPEC §3)
-    m = metarm_settings(cfg)
+    cfg = config.load_config(a.config, a.overrides)  # config.yaml is the schema: metarm.* is checked there
+    m, nl = cfg["metarm"], cfg["nlhf"]
     if m["mode"] == "none":
         raise SystemExit("metarm.mode is 'none': there is no MetaRM to cold-start")
-    nl = cfg["nlhf"]
-    base = m["model"] or cfg["model"]["policy"]
-    seed = cfg["run"]["seed"]
     out = a.out or m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
     judge = reward.make_judge(cfg["judge"])  # start-up checks (key variable, model name) first
-    items = train.load_dh_items(cfg)
+    items = reward.load_dh_items(cfg)
     if m["cold_start_items"]:
         items = items[:m["cold_start_items"]]
-    mrm = load_metarm(base, m["mode"], nl["lam"], m["dtype"], "cpu", m["batch_size"], m["max_length"],
-                      m["online_lr"], m["weight_decay"])
-    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, rollouts_per_prompt=m["rollouts_per_prompt"],
-                       max_new_tokens=m["max_new_tokens"], temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"],
-                       warmup_frac=m["warmup_frac"], weight_decay=m["weight_decay"], nlhf=nl,
-                       chat_template=cfg["model"]["chat_template"], seed=seed, fast=cfg["train"]["fast_paths"])
+    mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
+                      batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
+                      weight_decay=m["weight_decay"])
+    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, **cold_start_settings(cfg))
     save(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

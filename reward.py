@@ -1,10 +1,35 @@
-"""Rewards: answer extraction, RLVR, the RLME meta-evaluation reward, and the RM-NLHF rewards.
+"""Rewards: RLVR, the RLME meta-evaluation reward, and the RM-NLHF rewards with their critique judge.
 
-SPEC §4.2-4.3 (RLME) and §5.2-5.3 (RM-NLHF). Every function works on plain strings, lists and
-tensors so a reader can recompute any logged reward by hand from samples.jsonl.
+What is computed (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose):
+
+* RLVR, the RLME paper's baseline (RLME §4.1): r = 1 if the last \\boxed{} answer equals the
+  GSM8K label as a number, else 0.
+* RLME (RLME §3.1): evaluator j's teacher-forced probability of the whole target string a_k
+  (e.g. "Yes") for meta-question q_k, p_{j,k} = pi_phi_j(a_k | x, y, q_k) (Eq. 2), and the reward
+  r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (Eq. 3). Optional and off by default (not the
+  paper's reward): renormalise over {target, negative}, log p(a_k) - log(p(a_k) + p(neg_k)).
+* RM-NLHF (RM-NLHF §3.1-3.2): the GRM writes a critique c and a verdict. On D_H (items with a
+  human critique h): R_process = 1 if S(h, c) >= threshold else 0 (Eq. 4; see process_reward) and
+  R = -1 invalid format, 0 wrong verdict, 1 + lam * R_process right verdict (Eq. 5, outcome
+  regularisation: the judge is only asked about right verdicts). On D_O (no human critique):
+  R' = -1 / 0 / 1 + clip(max(0, R_hat - 1), 0, lam) (Eq. 8), with R_hat the MetaRM's prediction
+  of R (Eq. 6, metarm.py).
+* S(h, c), the critique similarity (RM-NLHF §2.3 "Similarity w/ Core HC", App. E): F1 of the
+  core arguments the two critiques share, decided by an LLM judge behind any OpenAI-compatible
+  server; proxy_f1 is an offline lexical stand-in for tests.
+
+Every function works on plain strings, lists and tensors so a reader can recompute any logged
+reward by hand from samples.jsonl. Sections: RLVR, RLME, RM-NLHF, the judge; the pairwise data
+loaders are plumbing at the end.
 """
+import concurrent.futures
+import glob
+import json
 import math
+import os
+import random
 import re
+import time
 
 import torch
 from transformers import DynamicCache
@@ -14,7 +39,7 @@ from rollout import left_pad, positions_from_mask, read_jsonl, token_logprobs, t
 
 
 # ----------------------------------------------------------------------------------------------
-# Answer extraction and RLVR (SPEC §4.3)
+# RLVR: answer extraction and the 0/1 reward (RLME §4.1; docs/method.md §4.3)
 
 
 def extract_boxed(text):
@@ -46,6 +71,12 @@ def extract_boxed(text):
         if m:
             return m.group(0).strip()
     return None
+
+
+def rlvr_reward(completion, label):
+    """RLVR baseline reward (RLME §4.1; docs/method.md §4.3): 1.0 if the last boxed answer equals
+    the cleaned label, else 0.0 (no box -> 0.0)."""
+    return 1.0 if numeric_equal(extract_boxed(completion), label) else 0.0
 
 
 def clean_gsm8k_label(answer):
@@ -91,17 +122,12 @@ def numeric_equal(pred, label):
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
 
 
-def rlvr_reward(completion, label):
-    """RLVR baseline reward (SPEC §4.3): 1.0 if the last boxed answer equals the cleaned label,
-    else 0.0 (no box -> 0.0)."""
-    return 1.0 if numeric_equal(extract_boxed(completion), label) else 0.0
-
-
 # ----------------------------------------------------------------------------------------------
-# RLME meta-evaluation reward (SPEC §4.2, RLME Eq. 2-3)
+# RLME meta-evaluation reward (RLME §3.1, Eq. 2-3; docs/method.md §4.2)
 
 # The evaluator sees the problem, the solution between delimiters, the extracted answer, and
-# then, once, the meta-question. {reference} is empty except for anchored items (SPEC §4.2).
+# then, once, the meta-question. {reference} is empty except for anchored items (sparse
+# ground-truth anchoring, docs/method.md §4.2).
 DEFAULT_EVALUATOR_TEMPLATE = (
     "Below is a math problem and a proposed solution.\n\n"
     "Problem:\n{problem}\n\n"
@@ -126,7 +152,7 @@ def check_evaluator_template(template):
 
 
 def build_evaluator_text(template, problem, solution, question, meta_questions=(), reference=None):
-    """Fill the evaluator template for one (sample, meta-question) (SPEC §4.2).
+    """Fill the evaluator template for one (sample, meta-question) (docs/method.md §4.2).
 
     The policy can and will write "Is the answer correct? Yes" or a fake closing delimiter into
     its solution, so every meta-question string and both delimiters are cut out of the solution
@@ -159,7 +185,8 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
 
 
 def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
-    """Token ids of the evaluator prompt and of the target answer string (SPEC §4.2).
+    """Token ids of the evaluator prompt and of the target answer string a_k (RLME Eq. 2;
+    docs/method.md §4.2).
 
     The target ids are found by tokenising prompt + target and removing the prompt ids, never
     by `tokenizer.encode("Yes")[0]`: after "Answer:" the natural continuation is " Yes" (with a
@@ -189,36 +216,6 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
         raise ValueError(f"target {target!r}: prompt ids are not a prefix of prompt+target ids; "
                          f"end the evaluator template/answer stub with ':' or a newline")
     return prompt_ids, full_ids[len(prompt_ids):]
-
-
-def _common_prefix_len(rows):
-    """Length of the longest common prefix of several id lists."""
-    n = min(len(r) for r in rows)
-    for i in range(n):
-        if any(r[i] != rows[0][i] for r in rows[1:]):
-            return i
-    return n
-
-
-def _stage_forward(model, ids, mask, past_mask, cache):
-    """Run `ids` [B, T] (mask [B, T]) after what `cache` holds (its mask `past_mask` [B, T0], or
-    None), only to extend the cache; returns the mask of everything so far. Positions count real
-    tokens only, so left padding, and right padding between stages, leaves every token at its
-    true position."""
-    full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
-    pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
-    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-    return full
-
-
-def _right_pad(rows, pad_id, device):
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -252,7 +249,8 @@ def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=
 # target positions through the LM head; tests/test_reward.py compares it with score_targets_plain.
 @torch.no_grad()
 def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None, fast=True):
-    """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax (SPEC §4.2).
+    """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax: log p_{j,k}
+    of RLME Eq. 2 (docs/method.md §4.2).
 
     Nothing is computed twice. Evaluator prompts form a tree: the samples of one group share the
     problem (chat header, instructions, problem statement), the K prompts of one sample share the
@@ -260,8 +258,8 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
       A. each group's shared prefix once,                       KV cache repeated to its samples
       B. each sample's remaining prefix once, after A,          KV cache repeated K times
       C. the K suffixes (prompt tail + target), after A + B.
-    K questions cost one long forward plus K short ones (issue 6: K = 4 costs <= 1.5 x K = 1),
-    and a group of G samples pays for its problem once instead of G times.
+    K questions cost one long forward plus K short ones, and a group of G samples pays for its
+    problem once instead of G times (timings: docs/performance.md).
 
     Args:
         model: causal LM (eval mode; no grad is taken).
@@ -302,12 +300,12 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
         # A: one row per group run (left-padded), then repeated to the run's samples
         if max(shared) > 0:
             a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
-            past = _stage_forward(model, a_ids.to(device), a_mask.to(device), None, cache)
+            past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None, cache=cache)
             rollout.repeat_cache(cache, reps)
             past = past.repeat_interleave(reps, dim=0)
         # B: the rest of each sample's common prefix (right-padded), then repeated K times
         b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
-        past = _stage_forward(model, b_ids, b_mask, past, cache)
+        past = _stage_forward(model, b_ids, b_mask, past_mask=past, cache=cache)
         rollout.repeat_cache(cache, torch.full((n,), k, device=device))
         past = past.repeat_interleave(k, dim=0)
         # C: suffix rows, right-padded: prompt tail + target
@@ -323,7 +321,7 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
         # the logits at suffix column j predict column j+1: the target tokens at columns
         # tgt_start .. tgt_start+len-1 are predicted from columns tgt_start-1 ... Only those go
         # through the LM head (a bool logits_to_keep), not every column of the K meta-question
-        # tails (~20 tokens each): K = 4 scoring 10.3 -> 9.4 s, 1.65x -> 1.48x K = 1 (README).
+        # tails (docs/performance.md).
         col = torch.arange(width, device=device)[None, :]
         first = torch.tensor(tgt_start, device=device)[:, None] - 1
         pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
@@ -336,10 +334,40 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     return torch.cat(out)
 
 
+def _common_prefix_len(rows):
+    """Length of the longest common prefix of several id lists."""
+    n = min(len(r) for r in rows)
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows[1:]):
+            return i
+    return n
+
+
+def _stage_forward(model, ids, mask, past_mask, cache):
+    """Run `ids` [B, T] (mask [B, T]) after what `cache` holds (its mask `past_mask` [B, T0], or
+    None), only to extend the cache; returns the mask of everything so far. Positions count real
+    tokens only, so left padding, and right padding between stages, leaves every token at its
+    true position."""
+    full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
+    pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
+    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    return full
+
+
+def _right_pad(rows, pad_id, device):
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, answer_stub="\nAnswer:", renormalize=False,
                 micro_batch_size=8, nonfinite_logp=-50.0, fast=True):
-    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3, SPEC §4.2).
+    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3; docs/method.md §4.2).
 
     p_{j,k} = pi_phi_j(a_k | x, y, q_k) is evaluator j's probability of the whole target string
     a_k after the evaluator prompt for meta-question q_k. The reward is <= 0; 0 means certainty.
@@ -374,8 +402,10 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             ps, ts = [], []
             for kk, tgt in enumerate(targets):
                 q = questions[kk % len(questions)]
-                text = build_evaluator_text(template, problems[i], solutions[i], q, questions, ref)
-                p, t = evaluator_prompt_and_target_ids(ev["tokenizer"], text, tgt, ev["chat"], answer_stub)
+                text = build_evaluator_text(template, problems[i], solutions[i], q, meta_questions=questions,
+                                            reference=ref)
+                p, t = evaluator_prompt_and_target_ids(ev["tokenizer"], text, tgt, chat=ev["chat"],
+                                                       answer_stub=answer_stub)
                 ps.append(p)
                 ts.append(t)
             prompt_rows.append(ps)
@@ -408,348 +438,23 @@ def weighted_reward(logp, v, w):
 
 
 # ----------------------------------------------------------------------------------------------
-# RM-NLHF (SPEC §5.1-5.3): pairwise data, GRM prompt and parsing, critique judge, rewards
+# RM-NLHF rewards (RM-NLHF §3.1-3.2, Eq. 4, 5, 8; docs/method.md §5.2-5.4): GRM prompt and
+# parsing, the D_H and D_O rewards, the step metrics
 #
-# Data flow (one GRPO step, SPEC §5.4):
-#   items    = load_pairwise(...)                       plain dicts, A/B already shuffled
+# Data flow (one GRPO step, RM-NLHF Algorithm 1; docs/method.md §5.4):
+#   items    = load_pairwise(...)                       plain dicts, A/B already shuffled (PLUMBING)
 #   prompt   = build_grm_prompt(context, a, b)          the user message; rollout.py adds the template
 #   parsed   = parse_grm_output(completion)             {critique, choice, valid, why}
-#   D_H:  samples = score_dh(parsed, items, judge, ...)        judge F1 -> R (Eq. 4, 5, 8)
-#   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction -> R
+#   D_H:  samples = score_dh(parsed, items, judge, ...)        judge F1 -> R (Eq. 4, 5)
+#   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction R_hat -> R' (Eq. 8)
 #   nlhf_metrics(samples)                               format errors, accuracy, judge fail rate
 #
 # A sample whose judge call failed gets reward None. It must be EXCLUDED from its group's mean/std
 # and from the loss (advantage 0, loss mask 0, not counted in the token-mean denominator); it is
 # counted in judge/fail_rate. We never substitute 0 (it would look like a real "no match" score).
 
-import concurrent.futures
-import glob
-import json
-import os
-import random
-import time
 
-
-# ---- pairwise data (SPEC §5.1) -------------------------------------------------------------
-
-# Required fields per schema; `detect_schema` tries them in this order (HelpSteer3 before the
-# generic one: some HelpSteer3 derivatives also carry `chosen`/`rejected`).
-PAIR_SCHEMAS = {
-    "helpsteer3": ("context", "response1", "response2", "overall_preference"),
-    "mr_ben": ("Question_UUID", "Question", "Model_Solution_Steps", "Model_Solution_Correctness"),
-    "pandalm": ("instruction", "response1", "response2", "annotator1", "annotator2", "annotator3"),
-    "llmbar": ("input", "output_1", "output_2", "label"),
-    "judgebench": ("question", "response_A", "response_B", "label"),
-    "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles
-    "chosen_rejected": ("chosen", "rejected"),          # + optional prompt, optional critique
-}
-
-
-def detect_schema(row, where):
-    """Schema name of one row from its field names (SPEC §5.1).
-
-    Args:
-        row: dict, the first row of a file. where: str, 'file:line' for the error message.
-    Returns:
-        str, a key of PAIR_SCHEMAS.
-    Raises:
-        SystemExit naming the file and the fields found when nothing matches.
-    """
-    if not isinstance(row, dict):
-        raise SystemExit(f"{where}: expected a JSON object per row, got {type(row).__name__}")
-    for name, fields in PAIR_SCHEMAS.items():
-        if all(f in row for f in fields):
-            if name == "rm_bench" and not isinstance(row["chosen"], list):
-                continue  # plain chosen/rejected strings with a prompt field: the generic schema
-            return name
-    raise SystemExit(f"{where}: unknown pairwise schema, fields found: {sorted(row)}; "
-                     f"known: {', '.join(PAIR_SCHEMAS)}")
-
-
-def _read_rows(path, split="train", config_name=None):
-    """Rows of a local .jsonl/.json file, a folder of them, or a hub dataset.
-
-    Returns list[(file, where, row)] with where = 'file:line' (or 'hub_id[split] row N') so every
-    later error can name the exact place. Local JSON is read with the json module (datasets would
-    lose the line numbers); other local formats and hub ids go through datasets.load_dataset.
-    """
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
-        if not files:
-            raise SystemExit(f"{path}: folder has no .jsonl or .json files")
-        return [r for f in files for r in _read_rows(f, split, config_name)]
-    if path.endswith(".jsonl"):
-        return [(path, f"{path}:{n}", row) for n, row in read_jsonl(path)]
-    if path.endswith(".json"):
-        if not os.path.isfile(path):
-            raise SystemExit(f"{path}: file does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise SystemExit(rollout.json_error(path, e.lineno, e))
-        if isinstance(data, list):
-            return [(path, f"{path} element {i}", r) for i, r in enumerate(data)]
-        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
-            # upstream Mr-Ben layout: {Question_UUID: [solution records]}
-            return [(path, f"{path} [{k!r}][{j}]", r) for k, v in data.items() for j, r in enumerate(v)]
-        raise SystemExit(f"{path}: expected a JSON array of rows (or JSONL)")
-    import datasets
-    try:
-        if os.path.isfile(path):  # .parquet / .csv / ...
-            ds = datasets.load_dataset(path.rsplit(".", 1)[-1], data_files=path, split="train")
-        elif path.startswith((".", "/", "~")):
-            raise SystemExit(f"{path}: file does not exist")
-        else:
-            ds = datasets.load_dataset(path, config_name, split=split)
-    except SystemExit:
-        raise
-    except Exception as e:  # the hub, the network or the file format: one line, no trace
-        raise SystemExit(f"{path}: could not be loaded with datasets ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})")
-    return [(path, f"{path}[{split}] row {i}", r) for i, r in enumerate(ds)]
-
-
-def _need(row, field, where, schema, kind=str):
-    """row[field], checked to be present and of type `kind`; else a one-line SystemExit.
-    For kind=str a JSON scalar is turned into text (6 PandaLM rows hold `true` as a response)."""
-    v = row.get(field)
-    if v is None:
-        raise SystemExit(f"{where}: missing field {field!r} (schema {schema})")
-    if kind is str and isinstance(v, (bool, int, float)):
-        return str(v)
-    if kind is not None and not isinstance(v, kind):
-        raise SystemExit(f"{where}: field {field!r} must be {getattr(kind, '__name__', kind)}, "
-                         f"got {type(v).__name__} (schema {schema})")
-    return v
-
-
-def render_turns(turns, where):
-    """A conversation as plain text. str -> itself; list of {role, content} -> 'User: ...' /
-    'Assistant: ...' blocks separated by blank lines (HelpSteer3 `context`)."""
-    if isinstance(turns, str):
-        return turns
-    if not isinstance(turns, list) or not all(isinstance(t, dict) and "content" in t for t in turns):
-        raise SystemExit(f"{where}: field 'context' must be a string or a list of {{role, content}} turns")
-    names = {"user": "User", "assistant": "Assistant", "system": "System"}
-    return "\n\n".join(f"{names.get(t.get('role'), str(t.get('role')).title())}: {t['content']}" for t in turns)
-
-
-def _split_hh(chosen, rejected):
-    """hh-rlhf: the prompt is embedded in both transcripts ('\\n\\nHuman: ...\\n\\nAssistant: ...').
-    Context = the common part up to the last '\\n\\nAssistant:' that both share; responses = what
-    follows it. Using the longest common prefix (not chosen.rfind) handles the 5 rows of the
-    harmless-base test split whose chosen response itself contains '\\n\\nAssistant:'."""
-    marker = "\n\nAssistant:"
-    k = 0
-    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
-        k += 1
-    cut = chosen.rfind(marker, 0, k)
-    if cut < 0:
-        return None
-    context = chosen[:cut].strip()
-    return context, chosen[cut + len(marker):].strip(), rejected[cut + len(marker):].strip()
-
-
-def _raw_pairs(schema, where, row, stem, n):
-    """One row (the n-th of its file, 0-based; default id '<stem>:<n>') -> list of 'raw' pairs in the row's own order: {id, context, r1, r2, winner: 1|2,
-    critique (refers to 'Response 1'/'Response 2') or None, source, meta}. [] = dropped (tie).
-    Mr-Ben is built per question in `_mr_ben_pairs` instead."""
-    src = f"{schema}/{stem}"
-    base = {"critique": None, "source": src, "meta": {}}
-    if schema == "helpsteer3":
-        pref = _need(row, "overall_preference", where, schema, int)
-        if isinstance(pref, bool) or not -3 <= pref <= 3:
-            raise SystemExit(f"{where}: field 'overall_preference' must be an integer in -3..3, got {pref!r}")
-        if pref == 0:
-            return []  # tie: no winner to learn (SPEC §5.1)
-        reasons = [p.get("reasoning") for p in row.get("individual_preference") or [] if isinstance(p, dict)]
-        critique = "\n".join(r.strip() for r in reasons if isinstance(r, str) and r.strip()) or None
-        return [dict(base, id=str(row.get("id", f"{stem}:{n}")),
-                     context=render_turns(_need(row, "context", where, schema, None), where),
-                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
-                     winner=1 if pref < 0 else 2,  # negative = response1 better (HelpSteer3 card)
-                     critique=critique, meta={"overall_preference": pref})]
-    if schema == "pandalm":
-        votes = [_need(row, f"annotator{k}", where, schema, int) for k in (1, 2, 3)]
-        if any(v not in (0, 1, 2) for v in votes):
-            raise SystemExit(f"{where}: annotator labels must be 0, 1 or 2, got {votes}")
-        top = max((1, 2), key=votes.count)
-        if votes.count(top) < 2:
-            return []  # no majority for either response (or majority tie '0'): dropped
-        context = _need(row, "instruction", where, schema)
-        if row.get("input"):
-            context += "\n\n" + row["input"]
-        return [dict(base, id=f"pandalm:{row.get('idx', n)}", context=context,
-                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
-                     winner=top, meta={"votes": votes})]
-    if schema == "llmbar":
-        label = _need(row, "label", where, schema, int)
-        if label not in (1, 2):
-            raise SystemExit(f"{where}: field 'label' must be 1 or 2, got {label!r}")
-        return [dict(base, id=f"{stem}:{n}", context=_need(row, "input", where, schema),
-                     r1=_need(row, "output_1", where, schema), r2=_need(row, "output_2", where, schema),
-                     winner=label)]
-    if schema == "judgebench":
-        label = _need(row, "label", where, schema)
-        if label not in ("A>B", "B>A"):
-            if label in ("A=B", "B=A"):
-                return []
-            raise SystemExit(f"{where}: field 'label' must be 'A>B' or 'B>A', got {label!r}")
-        return [dict(base, id=str(row.get("pair_id", f"{stem}:{n}")), context=_need(row, "question", where, schema),
-                     r1=_need(row, "response_A", where, schema), r2=_need(row, "response_B", where, schema),
-                     winner=1 if label == "A>B" else 2, meta={"category": row.get("source")})]
-    if schema == "rm_bench":
-        chosen, rejected = _need(row, "chosen", where, schema, list), _need(row, "rejected", where, schema, list)
-        if not chosen or len(chosen) != len(rejected) or not all(isinstance(s, str) for s in chosen + rejected):
-            raise SystemExit(f"{where}: fields 'chosen'/'rejected' must be equal-length lists of strings")
-        # the full style grid (upstream scoring): i > j easy, i == j normal, i < j hard accuracy,
-        # with 0 concise, 1 detailed plain, 2 detailed markdown
-        return [dict(base, id=f"{stem}:{row.get('id', n)}:{i}{j}", context=_need(row, "prompt", where, schema),
-                     r1=c, r2=r, winner=1, meta={"subset": row.get("subset"), "chosen_style": i, "rejected_style": j})
-                for i, c in enumerate(chosen) for j, r in enumerate(rejected)]
-    if schema == "chosen_rejected":
-        chosen, rejected = _need(row, "chosen", where, schema), _need(row, "rejected", where, schema)
-        if row.get("prompt") is not None:
-            context = render_turns(row["prompt"], where)
-        else:  # hh-rlhf: prompt embedded in the transcripts
-            split = _split_hh(chosen, rejected)
-            if split is None:
-                raise SystemExit(f"{where}: no 'prompt' field and no '\\n\\nAssistant:' turn in "
-                                 f"'chosen'/'rejected' (schema {schema})")
-            context, chosen, rejected = split
-        if chosen == rejected:
-            return []
-        critique = row.get("critique")
-        return [dict(base, id=str(row.get("id", f"{stem}:{n}")), context=context,
-                     r1=chosen, r2=rejected, winner=1,
-                     critique=critique.strip() or None if isinstance(critique, str) else None)]
-    raise SystemExit(f"{where}: schema {schema!r} unknown; known: {', '.join(PAIR_SCHEMAS)}")
-
-
-def _mr_ben_pairs(rows, stem):
-    """Mr-Ben math as D_H: for every question, every (correct, incorrect) pair of its solutions.
-    Critique = the human error reasons (`Model_Solution_Error_Reason`, one per annotator) of the
-    incorrect solution, with its first error step. 306 questions on disk give 192 pairs
-    (58 questions with 1 correct of 3 and 38 with 2 of 3, each giving 2 pairs)."""
-    by_q = {}
-    for where, row in rows:
-        for f in PAIR_SCHEMAS["mr_ben"]:
-            _need(row, f, where, "mr_ben", None)
-        if row["Model_Solution_Correctness"] not in ("correct", "incorrect"):
-            raise SystemExit(f"{where}: field 'Model_Solution_Correctness' must be 'correct' or "
-                             f"'incorrect', got {row['Model_Solution_Correctness']!r}")
-        if row["Model_Solution_Correctness"] == "incorrect":
-            reasons = row.get("Model_Solution_Error_Reason")
-            if not isinstance(reasons, list) or not any(isinstance(r, str) and r.strip() for r in reasons):
-                raise SystemExit(f"{where}: incorrect solution without 'Model_Solution_Error_Reason' texts")
-        by_q.setdefault(row["Question_UUID"], []).append((where, row))
-    pairs = []
-    for qid, sols in by_q.items():
-        good = [r for _, r in sols if r["Model_Solution_Correctness"] == "correct"]
-        bad = [r for _, r in sols if r["Model_Solution_Correctness"] == "incorrect"]
-        for g in good:
-            for b in bad:
-                step = b.get("Model_Solution_First_Error_Step")
-                reasons = [r.strip() for r in b["Model_Solution_Error_Reason"] if isinstance(r, str) and r.strip()]
-                critique = (f"Response 2 is incorrect; its first error is in step {step}. Response 1 is correct.\n"
-                            + "\n".join(reasons))
-                context = g["Question"] + ("\n\nOptions:\n" + g["Options"].strip() if g.get("Options") else "")
-                pairs.append({"id": f"{qid}:{g.get('Sampled_Model')}>{b.get('Sampled_Model')}",
-                              "context": context, "r1": "\n".join(g["Model_Solution_Steps"]),
-                              "r2": "\n".join(b["Model_Solution_Steps"]), "winner": 1, "critique": critique,
-                              "source": f"mr_ben/{stem}",
-                              "meta": {"first_error_step": step, "subject": g.get("Subject")}})
-    return pairs
-
-
-def _relabel(text, one, two):
-    """Rewrite '(@)Response 1/2' references in a critique to the final letters (HelpSteer3
-    reasonings say '@Response 1'); the judge matches stance per response, so the letters in the
-    human critique must follow the A/B shuffle."""
-    return re.sub(r"@?\b[Rr]esponse\s*([12])\b", lambda m: f"Response {one if m.group(1) == '1' else two}", text)
-
-
-def finalize_pair(raw, seed, shuffle=True):
-    """Raw pair (r1, r2, winner 1|2) -> the public dict, A/B order randomised per item.
-
-    The coin for an item is random.Random(f'{seed}:{id}') (string seeds are hashed with SHA-512,
-    so the order is stable across runs and independent of which other rows were loaded).
-
-    Returns:
-        {"id", "context", "response_a", "response_b", "winner": "A"|"B", "critique": str|None,
-         "source", "meta"}
-    """
-    swap = shuffle and random.Random(f"{seed}:{raw['id']}").random() < 0.5
-    a, b = (raw["r2"], raw["r1"]) if swap else (raw["r1"], raw["r2"])
-    winner = ("A" if raw["winner"] == 1 else "B") if not swap else ("B" if raw["winner"] == 1 else "A")
-    critique = raw["critique"]
-    if critique is not None:
-        critique = _relabel(critique, "B", "A") if swap else _relabel(critique, "A", "B")
-    return {"id": raw["id"], "context": raw["context"], "response_a": a, "response_b": b, "winner": winner,
-            "critique": critique, "source": raw["source"], "meta": dict(raw["meta"], swapped=swap)}
-
-
-def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
-                  stats=None, config_name=None):
-    """Load pairwise preference items (SPEC §5.1).
-
-    Args:
-        path_or_hub_id: local .jsonl/.json (or .parquet/.csv), a folder of .jsonl/.json files, or
-            a Hugging Face dataset id (read with datasets.load_dataset(id, config_name, split=split);
-            HelpSteer3: 'nvidia/HelpSteer3', its default config is the preference subset).
-        schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
-            helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
-            individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
-            pairs, critique = human error reasons), pandalm (majority of 3 annotators; no
-            majority or majority tie dropped), llmbar (label 1|2), judgebench ('A>B'|'B>A'),
-            rm_bench (3x3 style grid per row, meta holds the styles), chosen_rejected (prompt +
-            chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field).
-        seed: int, the A/B shuffling seed. shuffle: False keeps the dataset's own order (response1
-            / chosen first), e.g. for evaluating both orders.
-        max_items: keep the first N items (after dropping ties), None = all.
-        stats: optional dict, filled with {'rows', 'items', 'dropped' (rows giving no item: ties,
-            Mr-Ben questions without a correct/incorrect pair), 'schema' (list of names)}.
-    Returns:
-        list of {"id", "context", "response_a", "response_b", "winner": "A"|"B",
-                 "critique": str|None, "source", "meta": dict}. D_H = items with a critique.
-    Raises:
-        SystemExit, one line naming the file, line and field, on any malformed row or unknown schema.
-    """
-    if schema != "auto" and schema not in PAIR_SCHEMAS:
-        raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
-    rows = _read_rows(path_or_hub_id, split, config_name)
-    if not rows:
-        raise SystemExit(f"{path_or_hub_id}: no rows")
-    by_file = {}  # a folder may mix schemas: one schema per file
-    for file, where, row in rows:
-        by_file.setdefault(file, []).append((where, row))
-    raw, names, dropped = [], [], 0
-    for file, frows in by_file.items():
-        name = detect_schema(frows[0][1], frows[0][0]) if schema == "auto" else schema
-        names.append(name)
-        stem = os.path.splitext(os.path.basename(file))[0] or file
-        if name == "mr_ben":
-            pairs = _mr_ben_pairs(frows, stem)
-            used = {p["id"].split(":")[0] for p in pairs}
-            dropped += sum(r["Question_UUID"] not in used for _, r in frows)  # no correct/incorrect pair
-            raw += pairs
-        else:
-            for n, (where, row) in enumerate(frows):
-                if not isinstance(row, dict):
-                    raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
-                pairs = _raw_pairs(name, where, row, stem, n)
-                dropped += not pairs  # ties
-                raw += pairs
-    items = [finalize_pair(r, seed, shuffle) for r in raw]
-    if max_items is not None:
-        items = items[:max_items]
-    if stats is not None:
-        stats.update(rows=len(rows), items=len(items), dropped=dropped, schema=sorted(set(names)))
-    return items
-
-
-# ---- GRM prompt and parsing (SPEC §5.2) ----------------------------------------------------
+# ---- GRM prompt and parsing (docs/method.md §5.2) ------------------------------------------
 
 GRM_PROMPT = """You are judging two AI assistant responses to the same conversation. Decide which response is better: more helpful, correct, honest and harmless for the user.
 
@@ -765,8 +470,15 @@ GRM_PROMPT = """You are judging two AI assistant responses to the same conversat
 Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
 
 
+def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
+    """Token ids of the GRM prompt for one pairwise item (build_grm_prompt, in the chat template
+    when `chat`; nl: the `nlhf` config section); its text (the user message) with text_only=True."""
+    text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"])
+    return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
+
+
 def build_grm_prompt(context, response_a, response_b, max_lines=4):
-    """The GRM user message (SPEC §5.2); the caller applies the chat template
+    """The GRM user message (docs/method.md §5.2); the caller applies the chat template
     (rollout.build_prompt_ids). Args: str, str, str; max_lines: the critique limit told to the
     model (the same value parse_grm_output enforces). Returns str."""
     return GRM_PROMPT.format(context=context.strip(), response_a=response_a.strip(),
@@ -774,7 +486,7 @@ def build_grm_prompt(context, response_a, response_b, max_lines=4):
 
 
 def parse_grm_output(text, max_lines=4, max_chars=1500):
-    """Parse a GRM completion (SPEC §5.2; limits from the RM-NLHF authors' released code).
+    """Parse a GRM completion (docs/method.md §5.2; limits from the RM-NLHF authors' released code).
 
     critique = the LAST closed <critics>...</critics> block (stripped); choice = the letter in the
     LAST <choice>...</choice> block; when that is missing or holds no [[A]]/[[B]], the first
@@ -810,24 +522,27 @@ def parse_grm_output(text, max_lines=4, max_chars=1500):
     return {"critique": critique, "choice": choice, "valid": why == "", "why": why}
 
 
-# ---- rewards (SPEC §5.3, RM-NLHF Eq. 4, 5, 8) -----------------------------------------------
+# ---- rewards (RM-NLHF Eq. 4, 5, 8; docs/method.md §5.3-5.4) ----------------------------------
 
 
 def process_reward(f1, threshold=0.5):
-    """R_process (RM-NLHF Eq. 5) = 1 if S(h, c) >= threshold else 0; None when the judge failed."""
+    """R_process (RM-NLHF Eq. 4) = 1 if S(h, c) >= threshold else 0; None when the judge failed.
+
+    Eq. 4 is strict (S > 0.5); the inclusive >= follows the authors' released code."""
     if f1 is None:
         return None
     return 1.0 if f1 >= threshold else 0.0
 
 
 def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True):
-    """Reward of a D_H sample (RM-NLHF Eq. 4, 8; SPEC §5.3).
+    """Reward of a D_H sample (RM-NLHF Eq. 4-5; docs/method.md §5.3).
 
         invalid format            -> -1
         wrong choice              ->  0                       (gate_on_outcome=True, the paper)
         right choice              ->  1 + lam * R_process(f1)
         gate_on_outcome=False     ->  R_outcome + lam * R_process for every valid sample (ablation
-                                      without outcome regularisation: a wrong verdict can earn lam)
+                                      without outcome regularisation, RM-NLHF §4.3: a wrong
+                                      verdict can earn lam)
         f1 None where it is needed ->  None: judge failure, the sample is masked (see top of section)
 
     Args: valid, correct: bool; f1: float in [0, 1] or None; lam: λ; threshold: on S.
@@ -848,7 +563,8 @@ METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "classifie
 
 
 def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
-    """Reward of a D_O sample from the MetaRM prediction R̂ (SPEC §5.4 step 5).
+    """Reward of a D_O sample from the MetaRM prediction R̂ (RM-NLHF Eq. 8, modes from App. H.1;
+    docs/method.md §5.4).
 
         invalid                  -> -1
         mode 'none' (no MetaRM)  -> 1 if right else 0                      (outcome only)
@@ -872,7 +588,7 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
 
 def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, sleep=time.sleep,
              rand=random.random):
-    """Rewards of D_H samples: parse results + items -> judge (only where needed) -> Eq. 4, 5, 8.
+    """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
 
     Args:
         parsed: list of parse_grm_output dicts, one per completion.
@@ -896,7 +612,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
              "critique": p["critique"], "human_critique": it.get("critique"), "f1": None, "precision": None,
              "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False}
         samples.append(s)
-        # outcome regularisation: the judge only sees valid, right verdicts (SPEC §5.3)
+        # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1)
         if p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
     results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"]) for i in need],
@@ -905,25 +621,26 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
                           judge_attempts=r["attempts"], judged=True)
     for s in samples:
-        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s["f1"], lam, threshold, gate_on_outcome)
+        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s["f1"], lam=lam, threshold=threshold,
+                                                gate_on_outcome=gate_on_outcome)
     return samples
 
 
 def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
-    """Rewards of D_O samples (SPEC §5.4 step 5). r_hat: list of MetaRM predictions (None
-    entries allowed for invalid samples or mode 'none'). Returns list of sample dicts with
-    choice, valid, why, correct, critique, r_hat, reward."""
+    """Rewards of D_O samples (RM-NLHF Eq. 8; docs/method.md §5.4). r_hat: list of MetaRM
+    predictions (None entries allowed for invalid samples or mode 'none'). Returns list of sample
+    dicts with choice, valid, why, correct, critique, r_hat, reward."""
     out = []
     for p, it, rh in zip(parsed, items, r_hat):
         correct = p["valid"] and p["choice"] == it["winner"]
         out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
                     "critique": p["critique"], "r_hat": rh,
-                    "reward": do_reward(p["valid"], correct, rh, lam, mode)})
+                    "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode)})
     return out
 
 
 def nlhf_metrics(samples):
-    """SPEC §9 RM-NLHF metrics over a list of score_dh/score_do samples.
+    """RM-NLHF metrics (docs/method.md §9) over a list of score_dh/score_do samples.
 
     format_error_rate and outcome_acc are over all samples (an invalid verdict counts as wrong);
     judge/fail_rate = failed / judged calls; process_rate and f1_mean over successful calls."""
@@ -940,7 +657,27 @@ def nlhf_metrics(samples):
     return out
 
 
-# ---- critique-similarity judge (SPEC §5.3) -------------------------------------------------
+def nlhf_step_metrics(records, step_metrics):
+    """RM-NLHF metrics (docs/method.md §9) of one step from all ranks' sample records (rank 0):
+    format-error rate, outcome accuracy (all and per set), process-reward rate, judge fail rate,
+    mean R̂, plus the MetaRM loss/agreement and order-of-operations entries of `step_metrics`."""
+    out = nlhf_metrics(records)
+    for name in ("dh", "do"):
+        part = [r for r in records if r["set"] == name]
+        if part:
+            out[f"nlhf/{name}/outcome_acc"] = sum(r["correct"] for r in part) / len(part)
+            out[f"nlhf/{name}/reward_mean"] = (sum(r["reward"] for r in part if r["reward"] is not None)
+                                               / max(1, sum(r["reward"] is not None for r in part)))
+    hats = [r["r_hat"] for r in records if r["r_hat"] is not None]
+    out["metarm/r_hat_mean"] = sum(hats) / len(hats) if hats else None
+    out["judge/failed"] = sum(r["judged"] and r["f1"] is None for r in records)
+    out.update(step_metrics)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The critique-similarity judge S(h, c): the paper's "Similarity w/ Core HC" (RM-NLHF §2.3, App. E;
+# docs/method.md §5.3)
 #
 # S(h, c) = F1 of core arguments between the human critique h and the GRM critique c, decided by
 # an LLM behind any OpenAI-compatible server (vllm serve, transformers serve, a hosted API).
@@ -968,6 +705,7 @@ Think briefly, then end your answer with exactly these tags, each holding a plai
 <recall>...</recall>
 <f1>...</f1>"""
 
+
 JUDGE_DEFAULTS = {
     "backend": "openai",        # 'openai' (any OpenAI-compatible server) | 'proxy' (offline lexical F1)
     "base_url": "http://127.0.0.1:8000/v1",
@@ -981,6 +719,7 @@ JUDGE_DEFAULTS = {
     "temperature": 0.0,
     "max_tokens": 512,
 }
+
 
 # A plain decimal in [0, 1]: '0', '1', '0.5', '.5', '1.0'. Scientific notation ('1e-1'), 'nan',
 # 'inf', fractions ('2/3') and percentages are parse failures: the prompt asks for a plain
@@ -1042,7 +781,7 @@ def make_judge(cfg):
         if not key:
             raise SystemExit(f"judge.api_key_env: environment variable {j['api_key_env']} is not set "
                              f"(needed for the judge at {j['base_url']})")
-    import openai
+    import openai  # here, not at the top: only the 'openai' backend needs the package
     j["client"] = openai.OpenAI(base_url=j["base_url"], api_key=key, timeout=float(j["timeout_s"]),
                                 max_retries=0)
     return j
@@ -1086,12 +825,13 @@ def _judge_call(judge, human, model, sleep, rand):
             why = f"{type(e).__name__}: {str(e)[:100]}"
         if not retry or attempt == int(judge["max_retries"]):
             break
-        sleep(backoff_delay(attempt, judge["backoff_base_s"], judge["backoff_max_s"], rand()))
+        sleep(backoff_delay(attempt, base=judge["backoff_base_s"], cap=judge["backoff_max_s"], u=rand()))
     return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempt + 1}
 
 
 def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
-    """Critique similarity S(h, c) for many (human, model) critique pairs (SPEC §5.3).
+    """Critique similarity S(h, c) for many (human, model) critique pairs (RM-NLHF §2.3, App. E;
+    docs/method.md §5.3).
 
     Args:
         judge: make_judge(...) dict. pairs: list of (human critique str, GRM critique str).
@@ -1107,7 +847,7 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
 
     def one(pair):
         try:
-            return _judge_call(judge, pair[0], pair[1], sleep, rand)
+            return _judge_call(judge, pair[0], pair[1], sleep=sleep, rand=rand)
         except Exception as e:  # belt and braces: a judge bug must not kill a training run
             return {"precision": None, "recall": None, "f1": None, "why": f"{type(e).__name__}: {e}", "attempts": 0}
 
@@ -1168,3 +908,368 @@ def proxy_f1(human, model, match=0.4, repeat=0.8):
     p, r = (m / len(mp) if mp else 0.0), m / len(hp)
     f1 = 2 * p * r / (p + r) if m else 0.0
     return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}
+
+
+# ==============================================================================================
+# PLUMBING: skip on first read (pairwise data loading: schemas, local files, hub datasets, D_H/D_O)
+# ==============================================================================================
+
+
+# Required fields per schema; `detect_schema` tries them in this order (HelpSteer3 before the
+# generic one: some HelpSteer3 derivatives also carry `chosen`/`rejected`).
+PAIR_SCHEMAS = {
+    "helpsteer3": ("context", "response1", "response2", "overall_preference"),
+    "mr_ben": ("Question_UUID", "Question", "Model_Solution_Steps", "Model_Solution_Correctness"),
+    "pandalm": ("instruction", "response1", "response2", "annotator1", "annotator2", "annotator3"),
+    "llmbar": ("input", "output_1", "output_2", "label"),
+    "judgebench": ("question", "response_A", "response_B", "label"),
+    "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles
+    "chosen_rejected": ("chosen", "rejected"),          # + optional prompt, optional critique
+}
+
+
+def detect_schema(row, where):
+    """Schema name of one row from its field names (docs/method.md §5.1).
+
+    Args:
+        row: dict, the first row of a file. where: str, 'file:line' for the error message.
+    Returns:
+        str, a key of PAIR_SCHEMAS.
+    Raises:
+        SystemExit naming the file and the fields found when nothing matches.
+    """
+    if not isinstance(row, dict):
+        raise SystemExit(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+    for name, fields in PAIR_SCHEMAS.items():
+        if all(f in row for f in fields):
+            if name == "rm_bench" and not isinstance(row["chosen"], list):
+                continue  # plain chosen/rejected strings with a prompt field: the generic schema
+            return name
+    raise SystemExit(f"{where}: unknown pairwise schema, fields found: {sorted(row)}; "
+                     f"known: {', '.join(PAIR_SCHEMAS)}")
+
+
+def _read_rows(path, split="train", config_name=None):
+    """Rows of a local .jsonl/.json file, a folder of them, or a hub dataset.
+
+    Returns list[(file, where, row)] with where = 'file:line' (or 'hub_id[split] row N') so every
+    later error can name the exact place. Local JSON is read with the json module (datasets would
+    lose the line numbers); other local formats and hub ids go through datasets.load_dataset.
+    """
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
+        if not files:
+            raise SystemExit(f"{path}: folder has no .jsonl or .json files")
+        return [r for f in files for r in _read_rows(f, split, config_name)]
+    if path.endswith(".jsonl"):
+        return [(path, f"{path}:{n}", row) for n, row in read_jsonl(path)]
+    if path.endswith(".json"):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: file does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(rollout.json_error(path, e.lineno, e))
+        if isinstance(data, list):
+            return [(path, f"{path} element {i}", r) for i, r in enumerate(data)]
+        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+            # upstream Mr-Ben layout: {Question_UUID: [solution records]}
+            return [(path, f"{path} [{k!r}][{j}]", r) for k, v in data.items() for j, r in enumerate(v)]
+        raise SystemExit(f"{path}: expected a JSON array of rows (or JSONL)")
+    import datasets  # here, not at the top: slow to import and only hub ids / other formats need it
+    try:
+        if os.path.isfile(path):  # .parquet / .csv / ...
+            ds = datasets.load_dataset(path.rsplit(".", 1)[-1], data_files=path, split="train")
+        elif path.startswith((".", "/", "~")):
+            raise SystemExit(f"{path}: file does not exist")
+        else:
+            ds = datasets.load_dataset(path, config_name, split=split)
+    except SystemExit:
+        raise
+    except Exception as e:  # the hub, the network or the file format: one line, no trace
+        raise SystemExit(f"{path}: could not be loaded with datasets ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})")
+    return [(path, f"{path}[{split}] row {i}", r) for i, r in enumerate(ds)]
+
+
+def _need(row, field, where, schema, kind=str):
+    """row[field], checked to be present and of type `kind`; else a one-line SystemExit.
+    For kind=str a JSON scalar is turned into text (6 PandaLM rows hold `true` as a response)."""
+    v = row.get(field)
+    if v is None:
+        raise SystemExit(f"{where}: missing field {field!r} (schema {schema})")
+    if kind is str and isinstance(v, (bool, int, float)):
+        return str(v)
+    if kind is not None and not isinstance(v, kind):
+        raise SystemExit(f"{where}: field {field!r} must be {getattr(kind, '__name__', kind)}, "
+                         f"got {type(v).__name__} (schema {schema})")
+    return v
+
+
+def render_turns(turns, where):
+    """A conversation as plain text. str -> itself; list of {role, content} -> 'User: ...' /
+    'Assistant: ...' blocks separated by blank lines (HelpSteer3 `context`)."""
+    if isinstance(turns, str):
+        return turns
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "content" in t for t in turns):
+        raise SystemExit(f"{where}: field 'context' must be a string or a list of {{role, content}} turns")
+    names = {"user": "User", "assistant": "Assistant", "system": "System"}
+    return "\n\n".join(f"{names.get(t.get('role'), str(t.get('role')).title())}: {t['content']}" for t in turns)
+
+
+def _split_hh(chosen, rejected):
+    """hh-rlhf: the prompt is embedded in both transcripts ('\\n\\nHuman: ...\\n\\nAssistant: ...').
+    Context = the common part up to the last '\\n\\nAssistant:' that both share; responses = what
+    follows it. Using the longest common prefix (not chosen.rfind) handles the 5 rows of the
+    harmless-base test split whose chosen response itself contains '\\n\\nAssistant:'."""
+    marker = "\n\nAssistant:"
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    cut = chosen.rfind(marker, 0, k)
+    if cut < 0:
+        return None
+    context = chosen[:cut].strip()
+    return context, chosen[cut + len(marker):].strip(), rejected[cut + len(marker):].strip()
+
+
+def _raw_pairs(schema, where, row, stem, n):
+    """One row (the n-th of its file, 0-based; default id '<stem>:<n>') -> list of 'raw' pairs in
+    the row's own order: {id, context, r1, r2, winner: 1|2, critique (refers to 'Response 1'/
+    'Response 2') or None, source, meta}. [] = dropped (tie).
+    Mr-Ben is built per question in `_mr_ben_pairs` instead."""
+    src = f"{schema}/{stem}"
+    base = {"critique": None, "source": src, "meta": {}}
+    if schema == "helpsteer3":
+        pref = _need(row, "overall_preference", where, schema, kind=int)
+        if isinstance(pref, bool) or not -3 <= pref <= 3:
+            raise SystemExit(f"{where}: field 'overall_preference' must be an integer in -3..3, got {pref!r}")
+        if pref == 0:
+            return []  # tie: no winner to learn (docs/method.md §5.1)
+        reasons = [p.get("reasoning") for p in row.get("individual_preference") or [] if isinstance(p, dict)]
+        critique = "\n".join(r.strip() for r in reasons if isinstance(r, str) and r.strip()) or None
+        return [dict(base, id=str(row.get("id", f"{stem}:{n}")),
+                     context=render_turns(_need(row, "context", where, schema, kind=None), where),
+                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
+                     winner=1 if pref < 0 else 2,  # negative = response1 better (HelpSteer3 card)
+                     critique=critique, meta={"overall_preference": pref})]
+    if schema == "pandalm":
+        votes = [_need(row, f"annotator{k}", where, schema, kind=int) for k in (1, 2, 3)]
+        if any(v not in (0, 1, 2) for v in votes):
+            raise SystemExit(f"{where}: annotator labels must be 0, 1 or 2, got {votes}")
+        top = max((1, 2), key=votes.count)
+        if votes.count(top) < 2:
+            return []  # no majority for either response (or majority tie '0'): dropped
+        context = _need(row, "instruction", where, schema)
+        if row.get("input"):
+            context += "\n\n" + row["input"]
+        return [dict(base, id=f"pandalm:{row.get('idx', n)}", context=context,
+                     r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
+                     winner=top, meta={"votes": votes})]
+    if schema == "llmbar":
+        label = _need(row, "label", where, schema, kind=int)
+        if label not in (1, 2):
+            raise SystemExit(f"{where}: field 'label' must be 1 or 2, got {label!r}")
+        return [dict(base, id=f"{stem}:{n}", context=_need(row, "input", where, schema),
+                     r1=_need(row, "output_1", where, schema), r2=_need(row, "output_2", where, schema),
+                     winner=label)]
+    if schema == "judgebench":
+        label = _need(row, "label", where, schema)
+        if label not in ("A>B", "B>A"):
+            if label in ("A=B", "B=A"):
+                return []
+            raise SystemExit(f"{where}: field 'label' must be 'A>B' or 'B>A', got {label!r}")
+        return [dict(base, id=str(row.get("pair_id", f"{stem}:{n}")), context=_need(row, "question", where, schema),
+                     r1=_need(row, "response_A", where, schema), r2=_need(row, "response_B", where, schema),
+                     winner=1 if label == "A>B" else 2, meta={"category": row.get("source")})]
+    if schema == "rm_bench":
+        chosen = _need(row, "chosen", where, schema, kind=list)
+        rejected = _need(row, "rejected", where, schema, kind=list)
+        if not chosen or len(chosen) != len(rejected) or not all(isinstance(s, str) for s in chosen + rejected):
+            raise SystemExit(f"{where}: fields 'chosen'/'rejected' must be equal-length lists of strings")
+        # the full style grid (upstream scoring): i > j easy, i == j normal, i < j hard accuracy,
+        # with 0 concise, 1 detailed plain, 2 detailed markdown
+        return [dict(base, id=f"{stem}:{row.get('id', n)}:{i}{j}", context=_need(row, "prompt", where, schema),
+                     r1=c, r2=r, winner=1, meta={"subset": row.get("subset"), "chosen_style": i, "rejected_style": j})
+                for i, c in enumerate(chosen) for j, r in enumerate(rejected)]
+    if schema == "chosen_rejected":
+        chosen, rejected = _need(row, "chosen", where, schema), _need(row, "rejected", where, schema)
+        if row.get("prompt") is not None:
+            context = render_turns(row["prompt"], where)
+        else:  # hh-rlhf: prompt embedded in the transcripts
+            split = _split_hh(chosen, rejected)
+            if split is None:
+                raise SystemExit(f"{where}: no 'prompt' field and no '\\n\\nAssistant:' turn in "
+                                 f"'chosen'/'rejected' (schema {schema})")
+            context, chosen, rejected = split
+        if chosen == rejected:
+            return []
+        critique = row.get("critique")
+        return [dict(base, id=str(row.get("id", f"{stem}:{n}")), context=context,
+                     r1=chosen, r2=rejected, winner=1,
+                     critique=critique.strip() or None if isinstance(critique, str) else None)]
+    raise SystemExit(f"{where}: schema {schema!r} unknown; known: {', '.join(PAIR_SCHEMAS)}")
+
+
+def _mr_ben_pairs(rows, stem):
+    """Mr-Ben math as D_H: for every question, every (correct, incorrect) pair of its solutions.
+    Critique = the human error reasons (`Model_Solution_Error_Reason`, one per annotator) of the
+    incorrect solution, with its first error step. 306 questions on disk give 192 pairs
+    (58 questions with 1 correct of 3 and 38 with 2 of 3, each giving 2 pairs)."""
+    by_q = {}
+    for where, row in rows:
+        for f in PAIR_SCHEMAS["mr_ben"]:
+            _need(row, f, where, "mr_ben", kind=None)
+        if row["Model_Solution_Correctness"] not in ("correct", "incorrect"):
+            raise SystemExit(f"{where}: field 'Model_Solution_Correctness' must be 'correct' or "
+                             f"'incorrect', got {row['Model_Solution_Correctness']!r}")
+        if row["Model_Solution_Correctness"] == "incorrect":
+            reasons = row.get("Model_Solution_Error_Reason")
+            if not isinstance(reasons, list) or not any(isinstance(r, str) and r.strip() for r in reasons):
+                raise SystemExit(f"{where}: incorrect solution without 'Model_Solution_Error_Reason' texts")
+        by_q.setdefault(row["Question_UUID"], []).append((where, row))
+    pairs = []
+    for qid, sols in by_q.items():
+        good = [r for _, r in sols if r["Model_Solution_Correctness"] == "correct"]
+        bad = [r for _, r in sols if r["Model_Solution_Correctness"] == "incorrect"]
+        for g in good:
+            for b in bad:
+                step = b.get("Model_Solution_First_Error_Step")
+                reasons = [r.strip() for r in b["Model_Solution_Error_Reason"] if isinstance(r, str) and r.strip()]
+                critique = (f"Response 2 is incorrect; its first error is in step {step}. Response 1 is correct.\n"
+                            + "\n".join(reasons))
+                context = g["Question"] + ("\n\nOptions:\n" + g["Options"].strip() if g.get("Options") else "")
+                pairs.append({"id": f"{qid}:{g.get('Sampled_Model')}>{b.get('Sampled_Model')}",
+                              "context": context, "r1": "\n".join(g["Model_Solution_Steps"]),
+                              "r2": "\n".join(b["Model_Solution_Steps"]), "winner": 1, "critique": critique,
+                              "source": f"mr_ben/{stem}",
+                              "meta": {"first_error_step": step, "subject": g.get("Subject")}})
+    return pairs
+
+
+def _relabel(text, one, two):
+    """Rewrite '(@)Response 1/2' references in a critique to the final letters (HelpSteer3
+    reasonings say '@Response 1'); the judge matches stance per response, so the letters in the
+    human critique must follow the A/B shuffle."""
+    return re.sub(r"@?\b[Rr]esponse\s*([12])\b", lambda m: f"Response {one if m.group(1) == '1' else two}", text)
+
+
+def finalize_pair(raw, seed, shuffle=True):
+    """Raw pair (r1, r2, winner 1|2) -> the public dict, A/B order randomised per item.
+
+    The coin for an item is random.Random(f'{seed}:{id}') (string seeds are hashed with SHA-512,
+    so the order is stable across runs and independent of which other rows were loaded).
+
+    Returns:
+        {"id", "context", "response_a", "response_b", "winner": "A"|"B", "critique": str|None,
+         "source", "meta"}
+    """
+    swap = shuffle and random.Random(f"{seed}:{raw['id']}").random() < 0.5
+    a, b = (raw["r2"], raw["r1"]) if swap else (raw["r1"], raw["r2"])
+    winner = ("A" if raw["winner"] == 1 else "B") if not swap else ("B" if raw["winner"] == 1 else "A")
+    critique = raw["critique"]
+    if critique is not None:
+        critique = _relabel(critique, "B", "A") if swap else _relabel(critique, "A", "B")
+    return {"id": raw["id"], "context": raw["context"], "response_a": a, "response_b": b, "winner": winner,
+            "critique": critique, "source": raw["source"], "meta": dict(raw["meta"], swapped=swap)}
+
+
+def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
+                  stats=None, config_name=None):
+    """Load pairwise preference items (docs/method.md §5.1).
+
+    Args:
+        path_or_hub_id: local .jsonl/.json (or .parquet/.csv), a folder of .jsonl/.json files, or
+            a Hugging Face dataset id (read with datasets.load_dataset(id, config_name, split=split);
+            HelpSteer3: 'nvidia/HelpSteer3', its default config is the preference subset).
+        schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
+            helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
+            individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
+            pairs, critique = human error reasons), pandalm (majority of 3 annotators; no
+            majority or majority tie dropped), llmbar (label 1|2), judgebench ('A>B'|'B>A'),
+            rm_bench (3x3 style grid per row, meta holds the styles), chosen_rejected (prompt +
+            chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field).
+        seed: int, the A/B shuffling seed. shuffle: False keeps the dataset's own order (response1
+            / chosen first), e.g. for evaluating both orders.
+        max_items: keep the first N items (after dropping ties), None = all.
+        stats: optional dict, filled with {'rows', 'items', 'dropped' (rows giving no item: ties,
+            Mr-Ben questions without a correct/incorrect pair), 'schema' (list of names)}.
+    Returns:
+        list of {"id", "context", "response_a", "response_b", "winner": "A"|"B",
+                 "critique": str|None, "source", "meta": dict}. D_H = items with a critique.
+    Raises:
+        SystemExit, one line naming the file, line and field, on any malformed row or unknown schema.
+    """
+    if schema != "auto" and schema not in PAIR_SCHEMAS:
+        raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
+    rows = _read_rows(path_or_hub_id, split, config_name)
+    if not rows:
+        raise SystemExit(f"{path_or_hub_id}: no rows")
+    by_file = {}  # a folder may mix schemas: one schema per file
+    for file, where, row in rows:
+        by_file.setdefault(file, []).append((where, row))
+    raw, names, dropped = [], [], 0
+    for file, frows in by_file.items():
+        name = detect_schema(frows[0][1], frows[0][0]) if schema == "auto" else schema
+        names.append(name)
+        stem = os.path.splitext(os.path.basename(file))[0] or file
+        if name == "mr_ben":
+            pairs = _mr_ben_pairs(frows, stem)
+            used = {p["id"].split(":")[0] for p in pairs}
+            dropped += sum(r["Question_UUID"] not in used for _, r in frows)  # no correct/incorrect pair
+            raw += pairs
+        else:
+            for n, (where, row) in enumerate(frows):
+                if not isinstance(row, dict):
+                    raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
+                pairs = _raw_pairs(name, where, row, stem=stem, n=n)
+                dropped += not pairs  # ties
+                raw += pairs
+    items = [finalize_pair(r, seed, shuffle) for r in raw]
+    if max_items is not None:
+        items = items[:max_items]
+    if stats is not None:
+        stats.update(rows=len(rows), items=len(items), dropped=dropped, schema=sorted(set(names)))
+    return items
+
+
+def load_dh_items(cfg):
+    """D_H (RM-NLHF §3.2.1; docs/method.md §5.1): pairwise items WITH a human critique, from
+    nlhf.dh; items without one are dropped. Returns list of load_pairwise dicts. SystemExit (one
+    line) on bad data or when no item has a critique."""
+    nl = cfg["nlhf"]
+    items = [it for it in load_pairwise(nl["dh"], schema=nl["dh_schema"], seed=cfg["run"]["seed"],
+                                        split=nl["dh_split"], config_name=nl["dh_config"]) if it["critique"]]
+    if not items:
+        raise SystemExit(f"config key nlhf.dh={nl['dh']}: no item has a human critique (D_H needs them)")
+    return items[:nl["max_items"]] if nl["max_items"] else items
+
+
+def load_do_items(cfg):
+    """D_O (RM-NLHF §3.2.1; docs/method.md §5.1): pairwise items from nlhf.do with any critique
+    removed (their process reward comes from the MetaRM). [] when nlhf.do is null."""
+    nl = cfg["nlhf"]
+    if not nl["do"]:
+        return []
+    items = [dict(it, critique=None)
+             for it in load_pairwise(nl["do"], schema=nl["do_schema"], seed=cfg["run"]["seed"], split=nl["do_split"],
+                                     config_name=nl["do_config"])]
+    return items[:nl["max_items"]] if nl["max_items"] else items
+
+
+def nlhf_step_items(dh, do, step, cfg, rank, world):
+    """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
+    rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
+    same prompts), then the P prompts shuffled by (seed, step) so every rank gets a mix of both.
+    Returns list of item dicts tagged "set": "dh" | "do"."""
+    P, seed = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"]
+    n_dh = round(cfg["nlhf"]["dh_per_step"] * P) if do else P
+    # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
+    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh, seed=seed,
+                                                             rank=0, world=1)]
+            + [dict(it, set="do") for it in rollout.step_items(do, step, prompts_per_step=P - n_dh, seed=seed + 1,
+                                                               rank=0, world=1)])
+    order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
+    per_rank = P // world
+    return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]

@@ -54,7 +54,6 @@ def test_config_schema_has_the_nlhf_sections():
     cfg = train.load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
     assert cfg["task"] == "rm_nlhf" and cfg["algo"]["loss"] == "grpo" and cfg["algo"]["kl_coef"] == 0.001
     assert set(cfg["judge"]) == set(reward.JUDGE_DEFAULTS)
-    assert set(cfg["metarm"]) == set(metarm.METARM_DEFAULTS)
     with pytest.raises(SystemExit, match=r"config key task: 'rlhf' is not one of \['rlme', 'rm_nlhf'\]"):
         train.load_config([], ["task=rlhf"])
     with pytest.raises(SystemExit, match="config key nlhf.dh_schema: 'nope' is not one of"):
@@ -70,13 +69,13 @@ def test_step_items_mix_sets_and_split_ranks():
     cfg["rollout"]["prompts_per_step"] = 8
     cfg["nlhf"]["dh_per_step"] = 0.25
     dh, do = [pair(i) for i in range(5)], [dict(pair(100 + i), critique=None) for i in range(7)]
-    whole = train.nlhf_step_items(dh, do, 3, cfg, 0, 1)
+    whole = reward.nlhf_step_items(dh, do, 3, cfg, 0, 1)
     assert sum(it["set"] == "dh" for it in whole) == 2 and sum(it["set"] == "do" for it in whole) == 6
-    halves = train.nlhf_step_items(dh, do, 3, cfg, 0, 2) + train.nlhf_step_items(dh, do, 3, cfg, 1, 2)
+    halves = reward.nlhf_step_items(dh, do, 3, cfg, 0, 2) + reward.nlhf_step_items(dh, do, 3, cfg, 1, 2)
     assert [it["id"] for it in halves] == [it["id"] for it in whole]  # ranks partition the same global batch
-    assert [it["id"] for it in train.nlhf_step_items(dh, do, 3, cfg, 0, 1)] == [it["id"] for it in whole]
+    assert [it["id"] for it in reward.nlhf_step_items(dh, do, 3, cfg, 0, 1)] == [it["id"] for it in whole]
     cfg["nlhf"]["do"] = None
-    assert all(it["set"] == "dh" for it in train.nlhf_step_items(dh, [], 3, cfg, 0, 1))
+    assert all(it["set"] == "dh" for it in reward.nlhf_step_items(dh, [], 3, cfg, 0, 1))
 
 
 def test_keep_short_drops_long_prompts(tiny_model_path):
@@ -86,27 +85,27 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     nl = dict(small_cfg()["nlhf"])
     items = [pair(0), dict(pair(1), response_b="very long " * 300)]
-    n0 = len(train.grm_prompt_ids(tok, items[0], True, nl))
+    n0 = len(reward.grm_prompt_ids(tok, items[0], True, nl))
     overhead = len(rollout.build_prompt_ids(tok, "", True))
-    ids = lambda it, text_only: train.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
-    kept, dropped = train.keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
+    ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
+    kept, dropped = rollout.keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
     assert [it["id"] for it in kept] == ["p0"] and dropped == 1
-    assert train.keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
+    assert rollout.keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
     n1 = len(ids(items[1], False))
     with pytest.raises(SystemExit, match=rf"config key nlhf.max_prompt_tokens: every prompt is over {n0 - 1} tokens "
                                          rf"\(the shortest has {n0}\)"):
-        train.keep_short(items, ids, n0 - 1, "nlhf.max_prompt_tokens", overhead)
+        rollout.keep_short(items, ids, n0 - 1, "nlhf.max_prompt_tokens", overhead)
     assert n1 > n0
     # a GSM8K-style question of 200,000 characters (the issue's 64k-token prompt) among short ones
     model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_path))  # context 2048
-    limit = train.prompt_token_limit(0, model, 12, "data.max_prompt_tokens")
+    limit = rollout.prompt_token_limit(0, model, 12, "data.max_prompt_tokens")
     assert limit == 2048 - 12
     qs = [{"question": "What is 2+3?"}, {"question": "How many? " * 20_000}, {"question": "What is 4+4?"}]
-    pids = lambda it, text_only: train.policy_prompt_ids(tok, it, True, "{question}\nAnswer.", text_only=text_only)
-    kept, dropped = train.keep_short(qs, pids, limit, "data.max_prompt_tokens", overhead)
+    pids = lambda it, text_only: rollout.policy_prompt_ids(tok, it, True, "{question}\nAnswer.", text_only=text_only)
+    kept, dropped = rollout.keep_short(qs, pids, limit, "data.max_prompt_tokens", overhead)
     assert [q["question"] for q in kept] == ["What is 2+3?", "What is 4+4?"] and dropped == 1
     with pytest.raises(SystemExit, match="config key data.max_prompt_tokens: no prompt fits"):
-        train.prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
+        rollout.prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
 
 
 def test_rewards_without_metarm_hand_numbers():
@@ -117,9 +116,10 @@ def test_rewards_without_metarm_hand_numbers():
     h = "Response B adds 2 and 3 wrongly. Response A is right."
     items = [dict(pair(0, critique=h), set="dh")] * 3 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict(h, "B"), "no tags", verdict("B is right.", "B"), verdict("A.", "A")]
-    out = train.nlhf_rewards(items, comps, reward.make_judge({"backend": "proxy"}), None, cfg, 1, 0, 0.0)
+    out = metarm.nlhf_reward_step(items, comps, judge=reward.make_judge({"backend": "proxy"}), mrm=None, cfg=cfg,
+                                   world=1, step=0, t0=0.0)
     assert out["reward"].tolist() == [1.5, 0.0, -1.0, 1.0, 0.0] and out["valid"].all()
-    s = out["samples"]
+    s = out["records"]
     assert s[0]["f1"] == 1.0 and s[0]["judged"] and not s[1]["judged"] and s[1]["f1_why"].startswith("wrong verdict")
     assert s[2]["f1_why"] == "invalid format" and s[3]["r_hat"] is None and s[3]["f1"] is None
 
@@ -133,8 +133,9 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     before = copy.deepcopy(mrm)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
-    out = train.nlhf_rewards(items, comps, reward.make_judge({"backend": "proxy"}), mrm, cfg, 1, 4, 0.0)
-    r_hat = out["samples"][2]["r_hat"]
+    out = metarm.nlhf_reward_step(items, comps, judge=reward.make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
+                                   world=1, step=4, t0=0.0)
+    r_hat = out["records"][2]["r_hat"]
     assert r_hat == pytest.approx(metarm.predict(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)
     assert abs(r_hat - metarm.predict(before, [items[2]], ["Response B is right."])[0]) > 1e-4
     assert out["reward"].tolist()[:2] == [1.5, 0.0] and out["reward"][3] == -1.0
@@ -142,7 +143,7 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     m = out["metrics"]
     assert m["metarm/n"] == 2 and m["metarm/updates"] == 1 and m["metarm/trained_this_step"]
     assert m["order/judge_done_s"] <= m["order/metarm_update_done_s"] <= m["order/metarm_predict_start_s"]
-    assert out["samples"][2]["metarm_updates"] == 1
+    assert out["records"][2]["metarm_updates"] == 1
 
 
 # ---- end to end: train.main in this process --------------------------------------------------------
@@ -307,10 +308,10 @@ def _metarm_rank(rank, world, model_path, port, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)  # the same fresh head on both ranks (train.setup_metarm loads one saved folder)
+    torch.manual_seed(0)  # the same fresh head on both ranks (metarm.setup_metarm loads one saved folder)
     mrm = metarm.load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
     items, samples = _rank_samples(rank)
-    m = train.metarm_online_update(mrm, items, samples, world, seed=5)
+    m = metarm.online_update(mrm, items, samples, world=world, seed=5)
     pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"pred": pred, "updates": mrm["updates"], "n": m["metarm/n"]}, f)
@@ -327,7 +328,7 @@ def _rank_samples(rank):
 
 @pytest.mark.slow
 def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_path):
-    """metarm_online_update under 2 gloo ranks: every rank ends with the MetaRM that ONE process
+    """metarm.online_update under 2 gloo ranks: every rank ends with the MetaRM that ONE process
     gets from all 4 D_H samples (gathered in rank order), so D_O is scored identically everywhere."""
     import socket
     import torch.multiprocessing as mp

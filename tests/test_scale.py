@@ -59,7 +59,8 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
-                              _layout_cfg(2, agg, fast_paths=fast, parallel="fsdp2"), world, CPU, tok.pad_token_id)
+                              _layout_cfg(2, agg, fast_paths=fast, parallel="fsdp2"), world=world, device=CPU,
+                              pad_id=tok.pad_token_id)
         results[agg if fast else agg + " plain"] = {"loss": T.all_sum(upd["loss"], world),
                                                     "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
     if rank == 0:
@@ -74,7 +75,7 @@ def _plain_update(model_path, micro, agg, grad_clip=0.0, fast_paths=True):
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
     cfg = _layout_cfg(micro, agg, fast_paths=fast_paths)
     cfg["optim"]["grad_clip"] = grad_clip
-    upd = T.update_policy(policy, policy, opt, _layout_batch(), cfg, 1, CPU, tok.pad_token_id)
+    upd = T.update_policy(policy, policy, opt, _layout_batch(), cfg, world=1, device=CPU, pad_id=tok.pad_token_id)
     return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
 
 
@@ -111,7 +112,7 @@ def test_clipping_uses_the_global_norm(tiny_model_path):
 
 def _adam_step(model, policy, opt, batch, world, pad_id):
     cfg = _layout_cfg(2, "seq_sum")
-    T.update_policy(model, policy, opt, batch, cfg, world, CPU, pad_id)
+    T.update_policy(model, policy, opt, batch, cfg, world=world, device=CPU, pad_id=pad_id)
 
 
 def _make_opt(policy):
@@ -368,7 +369,8 @@ def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
     policy, tok = rollout.load_model(tiny_model_path, "float32", dev)
     T.wrap_policy(policy, "fsdp2", 1, dev, dtype="bfloat16")
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    upd = T.update_policy(policy, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), 1, dev, tok.pad_token_id)
+    upd = T.update_policy(policy, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=dev,
+                          pad_id=tok.pad_token_id)
     ref = _plain_update(tiny_model_path, 8, "seq_sum")
     assert next(policy.parameters()).dtype == torch.float32  # master weights stay float32
     assert upd["grad_norms"][0] == pytest.approx(ref["grad_norm"], rel=2e-2)  # bf16 compute

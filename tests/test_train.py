@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp  # spawn: a fresh interpreter per rank
 
+import rollout
 import train as T
 from conftest import data_path
 
@@ -163,8 +164,8 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None, fast_paths=
     sl = slice(rank * per, (rank + 1) * per)
     mine = {"prompt_ids": b["prompt_ids"][sl], "completion_ids": b["completion_ids"][sl],
             "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
-    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world, torch.device("cpu"),
-                          tok.pad_token_id)
+    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world=world,
+                          device=torch.device("cpu"), pad_id=tok.pad_token_id)
     loss = T.all_sum(upd["loss"], world)
     delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
     if rank == 0:
@@ -296,11 +297,11 @@ def test_gsm8k_items_and_anchoring():
 
 def test_step_items_whole_groups_per_rank_and_resume_order():
     items = [{"index": i} for i in range(10)]
-    full = T.step_items(items, 3, 4, seed=0, rank=0, world=1)
-    halves = T.step_items(items, 3, 4, 0, 0, 2) + T.step_items(items, 3, 4, 0, 1, 2)
+    full = rollout.step_items(items, 3, 4, seed=0, rank=0, world=1)
+    halves = rollout.step_items(items, 3, 4, 0, 0, 2) + rollout.step_items(items, 3, 4, 0, 1, 2)
     assert [x["index"] for x in full] == [x["index"] for x in halves]
     # the stream covers every item once per epoch
-    epoch = [x["index"] for s in range(5) for x in T.step_items(items, s, 2, 0, 0, 1)]
+    epoch = [x["index"] for s in range(5) for x in rollout.step_items(items, s, 2, 0, 0, 1)]
     assert sorted(epoch) == list(range(10))
 
 
@@ -370,7 +371,7 @@ def _grm_batch(tok):
     g = torch.Generator().manual_seed(1)
     items = [{"context": "What is 2+3?", "response_a": "5", "response_b": "6"},
              {"context": "Name a prime number larger than ten.", "response_a": "12", "response_b": "13"}]
-    prompts = [T.grm_prompt_ids(tok, it, True, {"max_critique_lines": 4}) for it in items for _ in range(2)]
+    prompts = [R.grm_prompt_ids(tok, it, True, {"max_critique_lines": 4}) for it in items for _ in range(2)]
     comp = torch.randint(3, 200, (4, 6), generator=g)
     mask = torch.tensor([[1.0] * 6, [1.0] * 3 + [0.0] * 3, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
     return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask,
@@ -386,7 +387,8 @@ def _update(model_path, cfg, batch, ref_path=None, checkpointing="none"):
     model = T.wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
     ref = rollout.load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    upd = T.update_policy(model, policy, opt, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id, ref_model=ref)
+    upd = T.update_policy(model, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id,
+                          ref_model=ref)
     delta = torch.cat([p.detach().flatten() for p in policy.parameters()]) - before
     return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][-1], "delta": delta}
 
@@ -461,7 +463,7 @@ def test_bf16_keeps_float32_master_weights_and_moves_them(tiny_model_path):
         policy, tok = rollout.load_model(tiny_model_path)
         before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
-        T.update_policy(policy, policy, opt, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)
+        T.update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id)
         assert all(p.dtype == torch.float32 for p in policy.parameters())
         assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
         d = (torch.cat([p.detach().flatten() for p in policy.parameters()]) - before).abs()

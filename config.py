@@ -1,0 +1,267 @@
+"""Configuration: config.yaml is the schema and the defaults; presets and key=value overrides
+layer on top, and every value is checked once, at start-up, before any model loads.
+
+    cfg = load_config(["configs/cpu.yaml"], ["run.total_steps=3"])   # nested dicts
+
+Unknown keys, wrong types, values outside CHOICES and impossible combinations stop with one line
+that names the key (docs/method.md §3). Plumbing: skip on first read.
+"""
+import os
+
+import yaml
+
+import reward as R
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+CHOICES = {
+    "task": ["rlme", "rm_nlhf"],
+    "model.dtype": ["float32", "bfloat16", "float16"],
+    "model.chat_template": ["auto", True, False],
+    "model.gradient_checkpointing": ["none", "full", "selective"],
+    "data.label_format": ["gsm8k", "plain"],
+    "rollout.backend": ["hf", "vllm"],
+    "reward.kind": ["rlme", "rlvr"],
+    "algo.loss": ["cispo", "grpo"],
+    "algo.ratio": ["sequence", "geometric_mean"],
+    "algo.aggregation": ["seq_sum", "token_mean", "dr_grpo"],
+    "optim.schedule": ["constant", "cosine"],
+    "train.parallel": ["ddp", "fsdp2"],
+    "rollout.vllm_sleep_level": [1, 2],
+    "train.device": ["auto", "cpu", "cuda"],
+    "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
+    "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
+    "judge.backend": ["openai", "proxy"],
+    "metarm.mode": list(R.METARM_MODES),
+    "metarm.dtype": ["float32", "bfloat16", "float16"],
+}
+# Keys allowed inside list items (the list itself replaces the default list).
+LIST_ITEM_KEYS = {
+    "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": (str, type(None)),
+                          "chat_template": (str, bool)},
+    "reward.meta_questions": {"question": str, "weight": float, "target": str, "negative": str},
+}
+
+
+def _check_type(key, value, default):
+    """One-line SystemExit when `value` does not have the type of the schema's default."""
+    if key in CHOICES:  # check the choices themselves (type-strict: true is not 1), naming them
+        if not any(type(value) is type(c) and value == c for c in CHOICES[key]):
+            raise SystemExit(f"config key {key}: {value!r} is not one of {CHOICES[key]}")
+        return
+    if default is None or value is None and key in NULLABLE:
+        return
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          list: lambda v: isinstance(v, list)}.get(type(default), lambda v: True)
+    if not ok(value):
+        raise SystemExit(f"config key {key}: expected {type(default).__name__}, got {value!r}")
+
+
+# Keys that no longer exist, and what replaced them (a one-line error instead of "unknown key").
+RENAMED = {"train.share_prompt": "train.fast_paths (true: the group's prompt runs once in the update)"}
+
+NULLABLE = {"reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
+            "judge.api_key_env", "metarm.model", "metarm.path"}
+
+
+def _get(cfg, key):
+    """cfg value of a dotted key ('task', 'algo.loss')."""
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def _merge(base, new, prefix=""):
+    """Deep-merge `new` into `base` (in place), refusing keys the schema does not have."""
+    if not isinstance(new, dict):
+        raise SystemExit(f"config {prefix or 'file'}: expected a mapping, got {new!r}")
+    for k, v in new.items():
+        key = f"{prefix}{k}"
+        if key in RENAMED:
+            raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
+        if k not in base:
+            raise SystemExit(f"unknown config key {key} (known: {', '.join(sorted(base))})")
+        if isinstance(base[k], dict):
+            _merge(base[k], v, key + ".")
+        else:
+            if isinstance(base[k], float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+            _check_type(key, v, base[k])
+            base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
+
+
+def _yaml_where(e):
+    """'at line L, column C: problem' of a yaml error (1-based), for one-line config errors."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else f"({problem})"
+
+
+def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml")):
+    """Read config.yaml (the schema and defaults), then each file in `paths`, then `key=value`
+    overrides (values typed by YAML). Returns the nested dict. Raises SystemExit (one line) on a
+    missing file, bad YAML, unknown key, wrong type or a value outside CHOICES."""
+    def read(p):
+        try:
+            with open(p) as f:
+                return yaml.safe_load(f) or {}
+        except OSError as e:
+            raise SystemExit(f"config file {p}: {e.strerror}")
+        except yaml.YAMLError as e:
+            raise SystemExit(f"config file {p}: invalid YAML {_yaml_where(e)}")
+
+    cfg = read(schema_path)
+    for p in paths:
+        if os.path.abspath(p) != os.path.abspath(schema_path):
+            _merge(cfg, read(p))
+    for o in overrides:
+        key, eq, val = o.partition("=")
+        if not eq:
+            raise SystemExit(f"override {o!r}: expected key.sub=value")
+        node = {}
+        cur = node
+        parts = key.split(".")
+        for part in parts[:-1]:
+            cur[part] = {}
+            cur = cur[part]
+        try:
+            cur[parts[-1]] = yaml.safe_load(val)
+        except yaml.YAMLError as e:
+            raise SystemExit(f"override {o!r}: the value is not valid YAML {_yaml_where(e)} "
+                             "(quote strings that contain ': ', '?', '#' or ',')")
+        _merge(cfg, node)
+    validate_config(cfg)
+    return cfg
+
+
+def validate_config(cfg, world_size=1):
+    """Choices, list items and batch shapes; one-line SystemExit naming the key."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise SystemExit(f"config key {key}: {_get(cfg, key)!r} is not one of {allowed}")
+    for key, fields in LIST_ITEM_KEYS.items():
+        sec, k = key.split(".")
+        items = cfg[sec][k]
+        if not items:
+            raise SystemExit(f"config key {key}: the list is empty")
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise SystemExit(f"config key {key}[{i}]: expected a mapping, got {item!r}")
+            for f, v in item.items():
+                if f not in fields:
+                    raise SystemExit(f"config key {key}[{i}].{f}: unknown (known: {', '.join(fields)})")
+                t = fields[f]
+                if not (isinstance(v, t) or t is float and isinstance(v, int) and not isinstance(v, bool)):
+                    raise SystemExit(f"config key {key}[{i}].{f}: bad value {v!r}")
+    # Fill the defaults of list items, so each meta-question carries its own weight and target
+    # (a question list and a weight list of different lengths cannot happen by construction).
+    for i, mq in enumerate(cfg["reward"]["meta_questions"]):
+        if not mq.get("question"):
+            raise SystemExit(f"config key reward.meta_questions[{i}].question: missing")
+        for field in ("target", "negative"):
+            if field in mq and not mq[field].strip():
+                raise SystemExit(f"config key reward.meta_questions[{i}].{field}: empty (the evaluator's answer "
+                                 f"to score, e.g. \"Yes\")")
+        mq.setdefault("weight", 1.0)
+        mq.setdefault("target", "Yes")
+        mq.setdefault("negative", "No")
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        ev.setdefault("kind", "live")
+        ev.setdefault("name", f"{ev['kind']}{i}")
+        ev.setdefault("weight", 1.0)
+        ev.setdefault("path", None)
+        ev.setdefault("chat_template", "auto")
+    names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        if ev.get("kind", "live") not in ("live", "frozen_self", "frozen"):
+            raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen")
+        if ev.get("kind") == "frozen" and not ev.get("path"):
+            raise SystemExit(f"config key reward.evaluators[{i}].path: a frozen evaluator needs a model path")
+    if cfg["task"] == "rlme" and cfg["reward"]["kind"] == "rlme":
+        # RLME Eq. 2-3: a weighted sum over evaluators x meta-questions; all-zero weights would
+        # give every sample reward 0, every advantage 0 and no gradient, silently.
+        for key in ("meta_questions", "evaluators"):
+            if all(item["weight"] == 0 for item in cfg["reward"][key]):
+                raise SystemExit(f"config key reward.{key}: every weight is 0, so every reward would be 0 (no learning signal)")
+    r, a = cfg["rollout"], cfg["algo"]
+    for key, v in [("rollout.prompts_per_step", r["prompts_per_step"]), ("rollout.group_size", r["group_size"]),
+                   ("rollout.max_new_tokens", r["max_new_tokens"]), ("train.micro_batch_size", cfg["train"]["micro_batch_size"]),
+                   ("algo.updates_per_batch", a["updates_per_batch"]), ("algo.minibatches", a["minibatches"]),
+                   ("run.total_steps", cfg["run"]["total_steps"])]:
+        if v < 1:
+            raise SystemExit(f"config key {key}: must be >= 1, got {v}")
+    if r["group_size"] < 2:
+        # RLME Eq. 5 / GRPO: A = r - mean(group); a group of one has A = 0, so nothing is learned
+        raise SystemExit(f"config key rollout.group_size: must be >= 2 (advantages compare the samples of a "
+                         f"group; G = 1 gives every advantage 0), got {r['group_size']}")
+    if a["loss"] == "cispo" and a["kl_coef"] > 0:
+        raise SystemExit(f"config key algo.kl_coef={a['kl_coef']}: the KL term is GRPO's (algo.loss=grpo); "
+                         f"CISPO (RLME Eq. 8) has none, so it would be ignored")
+    o = cfg["optim"]
+    for key, ok, need in [("lr", o["lr"] > 0, "> 0"), ("weight_decay", o["weight_decay"] >= 0, ">= 0"),
+                          ("beta1", 0 <= o["beta1"] < 1, "in [0, 1)"), ("beta2", 0 <= o["beta2"] < 1, "in [0, 1)"),
+                          ("grad_clip", o["grad_clip"] >= 0, ">= 0 (0 = off)"),
+                          ("warmup_steps", o["warmup_steps"] >= 0, ">= 0")]:
+        if not ok:
+            raise SystemExit(f"config key optim.{key}: must be {need}, got {o[key]}")
+    if cfg["data"]["max_prompt_tokens"] < 0 or cfg["nlhf"]["max_prompt_tokens"] < 0:
+        raise SystemExit("config key data.max_prompt_tokens / nlhf.max_prompt_tokens: must be >= 0 (0 = model context - max_new_tokens)")
+    if cfg["model"]["dtype"] == "float16" and cfg["train"]["parallel"] == "fsdp2":
+        raise SystemExit("config key model.dtype=float16 with train.parallel=fsdp2: float16 needs loss scaling, "
+                         "which is implemented for ddp only; use model.dtype=bfloat16")
+    if r["prompts_per_step"] % world_size:
+        raise SystemExit(f"config key rollout.prompts_per_step={r['prompts_per_step']} is not divisible by "
+                         f"the world size {world_size} (whole groups per rank)")
+    if (r["prompts_per_step"] // world_size) % a["minibatches"]:
+        raise SystemExit(f"config key algo.minibatches={a['minibatches']} does not divide the "
+                         f"{r['prompts_per_step'] // world_size} groups per rank")
+    if cfg["reward"]["evaluator_template"] is not None:
+        R.check_evaluator_template(cfg["reward"]["evaluator_template"])
+    if not 0.0 <= cfg["reward"]["anchor_fraction"] <= 1.0:
+        raise SystemExit("config key reward.anchor_fraction: must be in [0, 1]")
+    if r["temperature"] <= 0:
+        raise SystemExit("config key rollout.temperature: must be > 0 for RL sampling")
+    if not 0 < r["top_p"] <= 1:
+        raise SystemExit(f"config key rollout.top_p: must be in (0, 1], got {r['top_p']}")
+    if r["top_k"] < 0:
+        raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
+    if "{question}" not in cfg["data"]["prompt_template"]:
+        raise SystemExit("config key data.prompt_template: must contain {question}")
+    nl = cfg["nlhf"]
+    # λ weighs the process reward against the outcome reward (RM-NLHF Eq. 8): a share in [0, 1]
+    for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
+        if not lo <= nl[key] <= hi:
+            raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
+    if cfg["task"] == "rm_nlhf":
+        if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
+            raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")
+        if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
+            raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
+                             f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")
+
+
+def check_scale_config(cfg, device):
+    """Combinations that depend on the device (SPEC §7); one-line SystemExit naming the key."""
+    t, ro = cfg["train"], cfg["rollout"]
+    if t["cpu_offload"] and t["parallel"] != "fsdp2":
+        raise SystemExit("config key train.cpu_offload=true needs train.parallel=fsdp2")
+    if t["cpu_offload"] and device.type != "cuda":
+        raise SystemExit("config key train.cpu_offload=true needs a CUDA device (on CPU the shards already live in CPU memory)")
+    if ro["backend"] == "vllm":
+        if device.type != "cuda":
+            raise SystemExit("config key rollout.backend=vllm needs a CUDA device; use rollout.backend=hf on CPU")
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise SystemExit("config key rollout.backend=vllm: the vllm package is not installed "
+                             "(pip install -r requirements-gpu.txt)")
+    if not 0.0 < ro["vllm_gpu_memory_utilization"] < 1.0:
+        raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
