@@ -250,7 +250,7 @@ def validate_config(cfg, world_size=1):
 
 
 def check_scale_config(cfg, device):
-    """Combinations that depend on the device (SPEC §7); one-line SystemExit naming the key."""
+    """Combinations that depend on the device (docs/scale-out.md); one-line SystemExit naming the key."""
     t, ro = cfg["train"], cfg["rollout"]
     if t["cpu_offload"] and t["parallel"] != "fsdp2":
         raise SystemExit("config key train.cpu_offload=true needs train.parallel=fsdp2")

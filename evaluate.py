@@ -1,6 +1,19 @@
 """Evaluation: math accuracy, pairwise GRM accuracy, Best-of-N tournaments, evaluator check, plots.
 
-SPEC §6. Every subcommand writes its results as JSON (summary) and JSONL (one record per item)
+What each subcommand measures (docs/method.md §6 says the same in prose):
+
+* math: GSM8K / MATH-500 accuracy of a checkpoint, greedy and sampled pass@1 (the RLME paper's
+  accuracy, RLME §4.1; answers graded as in RLVR: last \\boxed{}, docs/method.md §4.3).
+* pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
+  (RM-NLHF §4.2, Table 2; benchmarks App. G.1).
+* bon: Best-of-N with the GRM as judge in a knockout or double-elimination tournament
+  (RM-NLHF §4.4).
+* evaluator-check: how well an evaluator's P(target | meta-question), RLME Eq. 2, separates right
+  from wrong answers (AUROC, calibration) before a run spends compute on it.
+* plot: learning curves with an exponential moving average (0.9) and a ±1 std band across runs,
+  as in RLME §4.1's figures.
+
+Every subcommand writes its results as JSON (summary) and JSONL (one record per item)
 under --out and prints a readable table:
 
     python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
@@ -12,6 +25,7 @@ under --out and prints a readable table:
 The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
 graded answers (or sample their own with --policy), so one sampling pass serves all three.
 Bad input (not a model, unknown benchmark schema, empty file, N > samples) ends with one line.
+Sections follow the subcommands; file reading, tables and the command line are plumbing at the end.
 """
 import argparse
 import json
@@ -28,7 +42,7 @@ import rollout
 REPO = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
 
-# The generator prompt (SPEC §4.1): the problem, then the request to reason and box the answer.
+# The generator prompt (docs/method.md §4.1): the problem, then the request to reason and box the answer.
 # It must be the one the model was trained with (config.yaml data.prompt_template, the default
 # below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
 # measures a different task.
@@ -44,60 +58,7 @@ CANARIES = {"colon": ":", "step_by_step": "Let's solve this step by step.",
 
 
 # ----------------------------------------------------------------------------------------------
-# Files and tables
-
-
-def read_jsonl(path):
-    """The rows of a JSONL file (rollout.read_jsonl: one-line errors naming the line).
-
-    Raises:
-        SystemExit: the file is missing, empty, or a line is not a JSON object.
-    """
-    rows = [row for _, row in rollout.read_jsonl(path)]
-    if not rows:
-        raise SystemExit(f"{path}: file is empty")
-    return rows
-
-
-def write_results(out_dir, name, summary, items=None):
-    """Write `<out_dir>/<name>.json` (summary) and `<out_dir>/<name>.items.jsonl` (per item)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    if items is not None:
-        with open(os.path.join(out_dir, f"{name}.items.jsonl"), "w") as f:
-            for it in items:
-                f.write(json.dumps(it) + "\n")
-
-
-def fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return str(v)
-
-
-def print_table(rows, cols, title=None):
-    """Print list-of-dicts `rows` as an aligned text table with columns `cols`."""
-    cells = [[c for c in cols]] + [[fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    if title:
-        print(title)
-    for k, row in enumerate(cells):
-        print("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def mean_std(xs):
-    """(mean, population std) of a non-empty list of numbers; std of one value is 0."""
-    m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-
-
-# ----------------------------------------------------------------------------------------------
-# Math accuracy (SPEC §4.3, §6)
+# Math accuracy (RLME §4.1; docs/method.md §4.3, §6)
 
 
 def load_math_problems(path, n=None, split="test", hub_config=None):
@@ -153,7 +114,7 @@ def math_equal(pred, gold):
 
 
 def grade(problem, completion):
-    """(extracted answer, correct) of one completion: last \\boxed{} (SPEC §4.3), then numeric
+    """(extracted answer, correct) of one completion: last \\boxed{} (docs/method.md §4.3), then numeric
     comparison for GSM8K and math-verify for MATH. No box -> (None, False)."""
     pred = reward.extract_boxed(completion)
     if problem["kind"] == "gsm8k":
@@ -162,13 +123,17 @@ def grade(problem, completion):
 
 
 def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=256, top_p=1.0,
-                   seed=0, batch_size=8, desc="generate"):
+                   seed=0, batch_size=8, desc="generate", *, progress=None):
     """n completions per prompt, in batches of about `batch_size` rows.
 
     Prompts are sorted by length before batching (left padding to the longest prompt wastes
     compute otherwise) and results put back in input order. Each batch samples with seed+batch.
     Args:
         prompt_ids: list[list[int]]; temperature 0 = greedy.
+        desc: label of the progress bar.
+        progress: a tqdm bar to advance by n answers per prompt as each batch finishes (the
+            caller's bar over several calls; its label becomes `desc`); None = a bar of its own,
+            shown when there are two batches or more.
     Returns:
         list (one per prompt) of list (n) of {"completion": str, "truncated": bool}.
     """
@@ -177,13 +142,21 @@ def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=
     per_call = max(1, batch_size // n)
     out = [None] * len(prompt_ids)
     starts = range(0, len(order), per_call)
-    for b, start in enumerate(tqdm(starts, desc=desc, disable=len(starts) < 2)):
+    if progress is None:
+        bar = tqdm(total=len(prompt_ids) * n, desc=desc, unit="answer", disable=len(starts) < 2)
+    else:
+        bar = progress
+        bar.set_description(desc)
+    for b, start in enumerate(starts):
         idx = order[start:start + per_call]
-        r = rollout.generate(model, tok, [prompt_ids[i] for i in idx], n, max_new_tokens,
+        r = rollout.generate(model, tok, [prompt_ids[i] for i in idx], group_size=n, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=0, seed=seed + b)
         for k, i in enumerate(idx):
             out[i] = [{"completion": r["completions"][k * n + g], "truncated": bool(r["truncated"][k * n + g])}
                       for g in range(n)]
+        bar.update(len(idx) * n)
+    if progress is None:
+        bar.close()
     return out
 
 
@@ -191,17 +164,26 @@ def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_token
                      template=PROMPT_TEMPLATE, chat="auto", greedy=True):
     """Generate (greedy and/or n sampled) answers for `problems` and grade them.
 
+    A progress bar on stderr (tqdm) counts the answers, problems x (1 greedy + n_samples),
+    advancing as each generation batch finishes; it is closed before the caller prints results.
     Returns:
         list of item dicts: the problem fields plus "greedy" (one graded answer or None) and
         "samples" (list of n graded answers); a graded answer is
         {"completion", "truncated", "pred", "correct"}.
     """
+    from tqdm import tqdm
     chat = rollout.use_chat_template(tok, chat)
     ids = [rollout.build_prompt_ids(tok, template.format(question=p["question"]), chat) for p in problems]
-    greedy_out = generate_texts(model, tok, ids, 1, 0.0, max_new_tokens, seed=seed, batch_size=batch_size,
-                                desc="greedy") if greedy else [None] * len(problems)
-    sampled = generate_texts(model, tok, ids, n_samples, temperature, max_new_tokens, seed=seed,
-                             batch_size=batch_size, desc="sample") if n_samples else [[] for _ in problems]
+    with tqdm(total=len(problems) * (int(greedy) + n_samples), desc="generate", unit="answer") as bar:
+        greedy_out = [None] * len(problems)
+        if greedy:
+            greedy_out = generate_texts(model, tok, ids, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                                        seed=seed, batch_size=batch_size, desc="greedy", progress=bar)
+        sampled = [[] for _ in problems]
+        if n_samples:
+            sampled = generate_texts(model, tok, ids, n=n_samples, temperature=temperature,
+                                     max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+                                     desc="sample", progress=bar)
     items = []
     for p, g, s in zip(problems, greedy_out, sampled):
         for ans in (g or []) + s:
@@ -232,29 +214,13 @@ def math_summary(items):
     return s
 
 
-def prompt_template(a):
-    """--prompt-template, else data.prompt_template of --config, else PROMPT_TEMPLATE."""
-    template = a.prompt_template
-    if template is None and a.config:
-        import yaml
-        if not os.path.isfile(a.config):
-            raise SystemExit(f"--config {a.config}: no such file")
-        with open(a.config) as f:
-            template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
-        if template is None:
-            raise SystemExit(f"--config {a.config}: no data.prompt_template key")
-    template = template or PROMPT_TEMPLATE
-    if "{question}" not in template:
-        raise SystemExit("the prompt template must contain {question}")
-    return template
-
-
 def cmd_math(a):
     a.prompt_template = prompt_template(a)
     problems = load_math_problems(a.data, a.n_problems, a.split, a.hub_config)
     model, tok = rollout.load_model(a.model, a.dtype)
-    items = sample_and_grade(model, tok, problems, a.n_samples, a.temperature, a.max_new_tokens, a.seed,
-                             a.batch_size, a.prompt_template, parse_chat(a.chat_template), not a.no_greedy)
+    items = sample_and_grade(model, tok, problems, n_samples=a.n_samples, temperature=a.temperature,
+                             max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
+                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy)
     name = a.name or data_name(a.data)
     summary = {"model": a.model, "data": a.data, "kind": problems[0]["kind"], "seed": a.seed,
                "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
@@ -269,76 +235,145 @@ def cmd_math(a):
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics: AUROC, reliability, EMA
+# Pairwise GRM accuracy (RM-NLHF §4.2, Table 2; docs/method.md §5.2, §6)
 
 
-def midranks(values):
-    """1-based ranks of `values` (list[float]); equal values share the mean of their ranks."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", max_prompt_tokens=None):
+    """A judge function backed by a generative reward model (greedy decoding).
+
+    The returned judge(queries) takes a list of (context, response_a, response_b) and returns,
+    per query, reward.parse_grm_output(text) plus {"text": the raw output}. A prompt longer than
+    `max_prompt_tokens` (default: model context - max_new_tokens) is not generated; it counts as a
+    format failure with why="prompt too long", so the accuracy denominator never shrinks silently.
+    """
+    chat = rollout.use_chat_template(tok, chat)
+    limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
+
+    def judge(queries):
+        ids = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(c, a, b), chat) for c, a, b in queries]
+        ok = [i for i, x in enumerate(ids) if len(x) <= limit]
+        texts = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, desc="judge")
+        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
+               for _ in queries]
+        for i, t in zip(ok, texts):
+            out[i] = {**reward.parse_grm_output(t[0]["completion"]), "text": t[0]["completion"]}
+        return out
+    return judge
 
 
-def auroc(scores, labels):
-    """Area under the ROC curve = P(score of a random positive > score of a random negative),
-    ties counting 1/2 (Mann-Whitney U with mid-ranks).
+def pairwise_accuracy(items, judge):
+    """GRM accuracy on pairwise items, each judged in both A/B orders.
 
+    Order "ab" shows the item as loaded (response_a first); order "ba" swaps the responses, so
+    the right choice flips. A format failure (no parsable choice) counts as wrong in the
+    accuracy and is also reported as its own rate.
     Args:
-        scores: list[float]; labels: list[bool] (True = positive, e.g. a correct answer).
+        items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", ...}.
+        judge: list[(context, a, b)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}].
     Returns:
-        float in [0, 1], or None when one class is empty (undefined).
+        (summary, records): summary = {"n", "acc_ab", "acc_ba", "acc" (mean of both orders),
+        "format_fail" (share of the 2n judgements), "both_right" (share of items right in both
+        orders), "pick_a" (share of valid judgements choosing A: 0.5 = no position bias)};
+        records = one dict per item with both judgements.
     """
-    n_pos = sum(1 for y in labels if y)
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return None
-    ranks = midranks(scores)
-    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    queries = [(it["context"], it["response_a"], it["response_b"]) for it in items]
+    queries += [(it["context"], it["response_b"], it["response_a"]) for it in items]
+    res = judge(queries)
+    n = len(items)
+    flip = {"A": "B", "B": "A"}
+    records, right_ab, right_ba = [], [], []
+    for k, it in enumerate(items):
+        ab, ba = res[k], res[n + k]
+        r1 = bool(ab.get("valid") and ab.get("choice") == it["winner"])
+        r2 = bool(ba.get("valid") and ba.get("choice") == flip[it["winner"]])
+        right_ab.append(r1)
+        right_ba.append(r2)
+        records.append({"id": it.get("id", k), "source": it.get("source"), "meta": it.get("meta", {}),
+                        "winner": it["winner"], "ab": {**ab, "right": r1}, "ba": {**ba, "right": r2}})
+    valid = [r for r in res if r.get("valid")]
+    summary = {"n": n, "acc_ab": sum(right_ab) / n, "acc_ba": sum(right_ba) / n,
+               "acc": (sum(right_ab) + sum(right_ba)) / (2 * n),
+               "format_fail": (2 * n - len(valid)) / (2 * n),
+               "both_right": sum(a and b for a, b in zip(right_ab, right_ba)) / n,
+               "pick_a": sum(r["choice"] == "A" for r in valid) / len(valid) if valid else None}
+    return summary, records
 
 
-def reliability_table(probs, labels, n_bins=10):
-    """Calibration of probabilities `probs` against 0/1 `labels` in equal-width bins on [0, 1].
-
-    Bin b holds p in [b/n_bins, (b+1)/n_bins) (the last bin includes 1.0).
-    Returns:
-        (rows, ece): rows = list of {"bin": "[lo,hi)", "n", "mean_p", "frac_correct"} for
-        non-empty bins; ece = sum_b n_b/n * |frac_correct_b - mean_p_b| (expected calibration error).
-    """
-    bins = [[] for _ in range(n_bins)]
-    for p, y in zip(probs, labels):
-        bins[min(int(p * n_bins), n_bins - 1)].append((p, y))
-    rows, ece = [], 0.0
-    for b, members in enumerate(bins):
-        if not members:
-            continue
-        mean_p = sum(p for p, _ in members) / len(members)
-        acc = sum(1 for _, y in members if y) / len(members)
-        ece += len(members) / len(probs) * abs(acc - mean_p)
-        rows.append({"bin": f"[{b / n_bins:.2f},{(b + 1) / n_bins:.2f})", "n": len(members),
-                     "mean_p": mean_p, "frac_correct": acc})
-    return rows, ece
+def load_benchmark(path, n, seed):
+    """Up to `n` pairwise items of one file via reward.load_pairwise (which randomises the A/B
+    order per item with `seed`, detects the schema and fails with one line naming the file and
+    the fields found). A subset is a seeded random sample in file order, not the first n items:
+    RM-Bench gives 9 style pairs per row and JudgeBench is sorted by source, so a prefix would
+    cover one row or one category. n = 0 or None: all items.
+    Raises SystemExit for a missing/empty file or an unknown schema."""
+    if path.endswith(".jsonl"):
+        read_jsonl(path)  # one-line errors for a missing or empty file
+    items = reward.load_pairwise(path, schema="auto", seed=seed)
+    if not items:
+        raise SystemExit(f"{path}: no usable pairwise items (ties only?)")
+    if n and n < len(items):
+        keep = sorted(random.Random(f"{seed}:{path}").sample(range(len(items)), n))
+        items = [items[i] for i in keep]
+    return items
 
 
-def ema(values, alpha=0.9):
-    """Exponential moving average as in the papers' plots: e_0 = v_0, e_t = alpha*e_{t-1} + (1-alpha)*v_t.
-    Starting at v_0 (not 0) avoids the bias toward 0 at the start without a debias term."""
-    out = []
-    for v in values:
-        out.append(v if not out else alpha * out[-1] + (1 - alpha) * v)
+def rm_bench_grid(records):
+    """RM-Bench's easy / normal / hard accuracy (mean of both orders) from records whose meta
+    holds the chosen and rejected styles (0 concise, 1 detailed plain, 2 detailed markdown):
+    easy = chosen more detailed than rejected, normal = same style, hard = chosen less detailed."""
+    out = {}
+    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r), ("hard", lambda c, r: c < r)):
+        sel = [x for x in records if test(x["meta"]["chosen_style"], x["meta"]["rejected_style"])]
+        out[f"acc_{name}"] = sum(x["ab"]["right"] + x["ba"]["right"] for x in sel) / (2 * len(sel)) if sel else None
     return out
 
 
+def aggregate_pairwise(rows):
+    """Per-benchmark rows (item-weighted over its files) and the overall row (macro mean over
+    benchmarks, like the RM-NLHF paper's Table 2 average column)."""
+    keys = ["acc_ab", "acc_ba", "acc", "format_fail"]
+    benches = []
+    for name in dict.fromkeys(r["benchmark"] for r in rows):
+        members = [r for r in rows if r["benchmark"] == name]
+        n = sum(r["n"] for r in members)
+        benches.append({"benchmark": name, "n": n, **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
+    overall = {"n": sum(b["n"] for b in benches), **{k: sum(b[k] for b in benches) / len(benches) for k in keys}}
+    return {"benchmarks": benches, "overall": overall}
+
+
+def cmd_pairwise(a):
+    files = a.files or default_benchmark_files(a.data_root)
+    data = [(f, load_benchmark(f, a.n, a.seed)) for f in files]  # fail on bad input before loading a model
+    model, tok = rollout.load_model(a.model, a.dtype)
+    judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                           chat=parse_chat(a.chat_template), max_prompt_tokens=a.max_prompt_tokens or None)
+    rows, all_records = [], []
+    for path, items in data:
+        bench, sub = benchmark_name(path)
+        summary, records = pairwise_accuracy(items, judge)
+        if all("chosen_style" in r["meta"] for r in records):
+            summary.update(rm_bench_grid(records))
+        rows.append({"benchmark": bench, "file": sub, "path": path, **summary})
+        all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
+        # long runs (JudgeBench prompts are ~2k tokens): show each file as it finishes
+        print(f"{bench}/{sub}: n={summary['n']} acc={summary['acc']:.3f} format_fail={summary['format_fail']:.3f}",
+              flush=True)
+    groups = aggregate_pairwise(rows)
+    result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
+              "max_prompt_tokens": a.max_prompt_tokens,
+              "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
+    write_results(a.out, "pairwise", result, all_records)
+    cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
+    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols, title=f"pairwise accuracy: {a.model}")
+    print()
+    print_table([{**r, "file": r["benchmark"]} for r in groups["benchmarks"]] +
+                [{**groups["overall"], "file": "overall (macro)"}], cols[:-1])
+    return result
+
+
 # ----------------------------------------------------------------------------------------------
-# Tournaments over N candidates (Best-of-N with a pairwise judge)
+# Best-of-N with the GRM as judge: tournaments over N candidates (RM-NLHF §4.4; docs/method.md §6)
 #
 # compare(pairs) takes a list of (i, j) candidate indices and returns the list of winners; one
 # pair is one judge call. A whole round is passed at once so the judge can batch it.
@@ -418,188 +453,6 @@ def double_elimination(n, compare):
     return play([(champ, challenger)])[0], matches  # bracket reset: both have one loss now
 
 
-# ----------------------------------------------------------------------------------------------
-# Pairwise GRM accuracy (SPEC §5.2, §6)
-
-
-def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", max_prompt_tokens=None):
-    """A judge function backed by a generative reward model (greedy decoding).
-
-    The returned judge(queries) takes a list of (context, response_a, response_b) and returns,
-    per query, reward.parse_grm_output(text) plus {"text": the raw output}. A prompt longer than
-    `max_prompt_tokens` (default: model context - max_new_tokens) is not generated; it counts as a
-    format failure with why="prompt too long", so the accuracy denominator never shrinks silently.
-    """
-    chat = rollout.use_chat_template(tok, chat)
-    limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
-
-    def judge(queries):
-        ids = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(c, a, b), chat) for c, a, b in queries]
-        ok = [i for i, x in enumerate(ids) if len(x) <= limit]
-        texts = generate_texts(model, tok, [ids[i] for i in ok], 1, 0.0, max_new_tokens,
-                               batch_size=batch_size, desc="judge")
-        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
-               for _ in queries]
-        for i, t in zip(ok, texts):
-            out[i] = {**reward.parse_grm_output(t[0]["completion"]), "text": t[0]["completion"]}
-        return out
-    return judge
-
-
-def pairwise_accuracy(items, judge):
-    """GRM accuracy on pairwise items, each judged in both A/B orders.
-
-    Order "ab" shows the item as loaded (response_a first); order "ba" swaps the responses, so
-    the right choice flips. A format failure (no parsable choice) counts as wrong in the
-    accuracy and is also reported as its own rate.
-    Args:
-        items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", ...}.
-        judge: list[(context, a, b)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}].
-    Returns:
-        (summary, records): summary = {"n", "acc_ab", "acc_ba", "acc" (mean of both orders),
-        "format_fail" (share of the 2n judgements), "both_right" (share of items right in both
-        orders), "pick_a" (share of valid judgements choosing A: 0.5 = no position bias)};
-        records = one dict per item with both judgements.
-    """
-    queries = [(it["context"], it["response_a"], it["response_b"]) for it in items]
-    queries += [(it["context"], it["response_b"], it["response_a"]) for it in items]
-    res = judge(queries)
-    n = len(items)
-    flip = {"A": "B", "B": "A"}
-    records, right_ab, right_ba = [], [], []
-    for k, it in enumerate(items):
-        ab, ba = res[k], res[n + k]
-        r1 = bool(ab.get("valid") and ab.get("choice") == it["winner"])
-        r2 = bool(ba.get("valid") and ba.get("choice") == flip[it["winner"]])
-        right_ab.append(r1)
-        right_ba.append(r2)
-        records.append({"id": it.get("id", k), "source": it.get("source"), "meta": it.get("meta", {}),
-                        "winner": it["winner"], "ab": {**ab, "right": r1}, "ba": {**ba, "right": r2}})
-    valid = [r for r in res if r.get("valid")]
-    summary = {"n": n, "acc_ab": sum(right_ab) / n, "acc_ba": sum(right_ba) / n,
-               "acc": (sum(right_ab) + sum(right_ba)) / (2 * n),
-               "format_fail": (2 * n - len(valid)) / (2 * n),
-               "both_right": sum(a and b for a, b in zip(right_ab, right_ba)) / n,
-               "pick_a": sum(r["choice"] == "A" for r in valid) / len(valid) if valid else None}
-    return summary, records
-
-
-def default_benchmark_files(root=SHARED_DATA):
-    """Every pairwise benchmark JSONL in ../shared/data (folders in BENCHMARKS), sorted."""
-    files = []
-    for folder in BENCHMARKS:
-        d = os.path.join(root, folder)
-        if os.path.isdir(d):
-            files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
-    if not files:
-        raise SystemExit(f"no benchmark files found under {root}; pass files explicitly")
-    return files
-
-
-def load_benchmark(path, n, seed):
-    """Up to `n` pairwise items of one file via reward.load_pairwise (which randomises the A/B
-    order per item with `seed`, detects the schema and fails with one line naming the file and
-    the fields found). A subset is a seeded random sample in file order, not the first n items:
-    RM-Bench gives 9 style pairs per row and JudgeBench is sorted by source, so a prefix would
-    cover one row or one category. n = 0 or None: all items.
-    Raises SystemExit for a missing/empty file or an unknown schema."""
-    if path.endswith(".jsonl"):
-        read_jsonl(path)  # one-line errors for a missing or empty file
-    items = reward.load_pairwise(path, schema="auto", seed=seed)
-    if not items:
-        raise SystemExit(f"{path}: no usable pairwise items (ties only?)")
-    if n and n < len(items):
-        keep = sorted(random.Random(f"{seed}:{path}").sample(range(len(items)), n))
-        items = [items[i] for i in keep]
-    return items
-
-
-def rm_bench_grid(records):
-    """RM-Bench's easy / normal / hard accuracy (mean of both orders) from records whose meta
-    holds the chosen and rejected styles (0 concise, 1 detailed plain, 2 detailed markdown):
-    easy = chosen more detailed than rejected, normal = same style, hard = chosen less detailed."""
-    out = {}
-    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r), ("hard", lambda c, r: c < r)):
-        sel = [x for x in records if test(x["meta"]["chosen_style"], x["meta"]["rejected_style"])]
-        out[f"acc_{name}"] = sum(x["ab"]["right"] + x["ba"]["right"] for x in sel) / (2 * len(sel)) if sel else None
-    return out
-
-
-def benchmark_name(path):
-    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return BENCHMARKS.get(folder, folder), os.path.splitext(os.path.basename(path))[0]
-
-
-def cmd_pairwise(a):
-    files = a.files or default_benchmark_files(a.data_root)
-    data = [(f, load_benchmark(f, a.n, a.seed)) for f in files]  # fail on bad input before loading a model
-    model, tok = rollout.load_model(a.model, a.dtype)
-    judge = make_grm_judge(model, tok, a.max_new_tokens, a.batch_size, parse_chat(a.chat_template),
-                           a.max_prompt_tokens or None)
-    rows, all_records = [], []
-    for path, items in data:
-        bench, sub = benchmark_name(path)
-        summary, records = pairwise_accuracy(items, judge)
-        if all("chosen_style" in r["meta"] for r in records):
-            summary.update(rm_bench_grid(records))
-        rows.append({"benchmark": bench, "file": sub, "path": path, **summary})
-        all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
-        # long runs (JudgeBench prompts are ~2k tokens): show each file as it finishes
-        print(f"{bench}/{sub}: n={summary['n']} acc={summary['acc']:.3f} format_fail={summary['format_fail']:.3f}",
-              flush=True)
-    groups = aggregate_pairwise(rows)
-    result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
-              "max_prompt_tokens": a.max_prompt_tokens,
-              "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
-    write_results(a.out, "pairwise", result, all_records)
-    cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
-    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols, title=f"pairwise accuracy: {a.model}")
-    print()
-    print_table([{**r, "file": r["benchmark"]} for r in groups["benchmarks"]] +
-                [{**groups["overall"], "file": "overall (macro)"}], cols[:-1])
-    return result
-
-
-def aggregate_pairwise(rows):
-    """Per-benchmark rows (item-weighted over its files) and the overall row (macro mean over
-    benchmarks, like the RM-NLHF paper's Table 2 average column)."""
-    keys = ["acc_ab", "acc_ba", "acc", "format_fail"]
-    benches = []
-    for name in dict.fromkeys(r["benchmark"] for r in rows):
-        members = [r for r in rows if r["benchmark"] == name]
-        n = sum(r["n"] for r in members)
-        benches.append({"benchmark": name, "n": n, **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
-    overall = {"n": sum(b["n"] for b in benches), **{k: sum(b[k] for b in benches) / len(benches) for k in keys}}
-    return {"benchmarks": benches, "overall": overall}
-
-
-# ----------------------------------------------------------------------------------------------
-# Best-of-N with the GRM as judge (SPEC §6)
-
-
-def load_or_sample(a, need):
-    """Graded policy answers: read --samples (a `math` items file) or sample with --policy.
-    Raises SystemExit when a problem has fewer than `need` samples."""
-    if a.samples:
-        items = read_jsonl(a.samples)[:a.n_problems]
-        if any("samples" not in it or "question" not in it for it in items):
-            raise SystemExit(f"{a.samples}: not a `evaluate.py math` items file (needs 'question' and "
-                             f"'samples'); fields found: {sorted(items[0])}")
-    elif a.policy:
-        problems = load_math_problems(a.data, a.n_problems)
-        model, tok = rollout.load_model(a.policy, a.dtype)
-        items = sample_and_grade(model, tok, problems, need, a.temperature, a.max_new_tokens, a.seed,
-                                 a.batch_size, greedy=False)
-        del model
-    else:
-        raise SystemExit("give --samples FILE (from `evaluate.py math`) or --policy MODEL")
-    have = min(len(it["samples"]) for it in items)
-    if have < need:
-        raise SystemExit(f"N={need} is larger than the samples available ({have} per problem"
-                         f"{' in ' + a.samples if a.samples else ''}); lower --ns or sample more")
-    return items
-
-
 def best_of_n(item, n, judge, method, rng):
     """Pick one of the first n samples of `item` with a tournament judged by the GRM.
 
@@ -641,6 +494,29 @@ def majority_vote(samples):
     return next(k for k, p in enumerate(preds) if p is not None and counts[p] == best)
 
 
+def load_or_sample(a, need):
+    """Graded policy answers: read --samples (a `math` items file) or sample with --policy.
+    Raises SystemExit when a problem has fewer than `need` samples."""
+    if a.samples:
+        items = read_jsonl(a.samples)[:a.n_problems]
+        if any("samples" not in it or "question" not in it for it in items):
+            raise SystemExit(f"{a.samples}: not a `evaluate.py math` items file (needs 'question' and "
+                             f"'samples'); fields found: {sorted(items[0])}")
+    elif a.policy:
+        problems = load_math_problems(a.data, a.n_problems)
+        model, tok = rollout.load_model(a.policy, a.dtype)
+        items = sample_and_grade(model, tok, problems, n_samples=need, temperature=a.temperature,
+                                 max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, greedy=False)
+        del model
+    else:
+        raise SystemExit("give --samples FILE (from `evaluate.py math`) or --policy MODEL")
+    have = min(len(it["samples"]) for it in items)
+    if have < need:
+        raise SystemExit(f"N={need} is larger than the samples available ({have} per problem"
+                         f"{' in ' + a.samples if a.samples else ''}); lower --ns or sample more")
+    return items
+
+
 def cmd_bon(a):
     try:
         ns = sorted(int(x) for x in a.ns.split(","))
@@ -653,7 +529,8 @@ def cmd_bon(a):
         raise SystemExit(f"--methods: unknown {sorted(bad)}; allowed: knockout, double_elimination")
     items = load_or_sample(a, ns[-1])
     model, tok = rollout.load_model(a.judge, a.dtype)
-    judge = make_grm_judge(model, tok, a.judge_max_new_tokens, a.batch_size, parse_chat(a.chat_template))
+    judge = make_grm_judge(model, tok, max_new_tokens=a.judge_max_new_tokens, batch_size=a.batch_size,
+                           chat=parse_chat(a.chat_template))
     rng = random.Random(a.seed)
     rows, records = [], []
     for n in ns:
@@ -661,7 +538,7 @@ def cmd_bon(a):
                "oracle_pass_at_n": sum(any(s["correct"] for s in it["samples"][:n]) for it in items) / len(items),
                "majority_acc": sum(bool(it["samples"][majority_vote(it["samples"][:n])]["correct"]) for it in items) / len(items)}
         for method in a.methods.split(","):
-            res = [best_of_n(it, n, judge, method, rng) for it in items]
+            res = [best_of_n(it, n, judge, method=method, rng=rng) for it in items]
             row[f"{method}_acc"] = sum(r["correct"] for r in res) / len(items)
             row[f"{method}_calls"] = sum(r["calls"] for r in res)
             row[f"{method}_invalid"] = sum(r["invalid"] for r in res)
@@ -678,13 +555,89 @@ def cmd_bon(a):
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluator check (SPEC §4.2, §6): does P(target | meta-question) separate right from wrong?
+# Metrics: mean ± std, AUROC, reliability, EMA
+
+
+def mean_std(xs):
+    """(mean, population std) of a non-empty list of numbers; std of one value is 0."""
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def midranks(values):
+    """1-based ranks of `values` (list[float]); equal values share the mean of their ranks."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def auroc(scores, labels):
+    """Area under the ROC curve = P(score of a random positive > score of a random negative),
+    ties counting 1/2 (Mann-Whitney U with mid-ranks).
+
+    Args:
+        scores: list[float]; labels: list[bool] (True = positive, e.g. a correct answer).
+    Returns:
+        float in [0, 1], or None when one class is empty (undefined).
+    """
+    n_pos = sum(1 for y in labels if y)
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    ranks = midranks(scores)
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def reliability_table(probs, labels, n_bins=10):
+    """Calibration of probabilities `probs` against 0/1 `labels` in equal-width bins on [0, 1].
+
+    Bin b holds p in [b/n_bins, (b+1)/n_bins) (the last bin includes 1.0).
+    Returns:
+        (rows, ece): rows = list of {"bin": "[lo,hi)", "n", "mean_p", "frac_correct"} for
+        non-empty bins; ece = sum_b n_b/n * |frac_correct_b - mean_p_b| (expected calibration error).
+    """
+    bins = [[] for _ in range(n_bins)]
+    for p, y in zip(probs, labels):
+        bins[min(int(p * n_bins), n_bins - 1)].append((p, y))
+    rows, ece = [], 0.0
+    for b, members in enumerate(bins):
+        if not members:
+            continue
+        mean_p = sum(p for p, _ in members) / len(members)
+        acc = sum(1 for _, y in members if y) / len(members)
+        ece += len(members) / len(probs) * abs(acc - mean_p)
+        rows.append({"bin": f"[{b / n_bins:.2f},{(b + 1) / n_bins:.2f})", "n": len(members),
+                     "mean_p": mean_p, "frac_correct": acc})
+    return rows, ece
+
+
+def ema(values, alpha=0.9):
+    """Exponential moving average as in the papers' plots: e_0 = v_0, e_t = alpha*e_{t-1} + (1-alpha)*v_t.
+    Starting at v_0 (not 0) avoids the bias toward 0 at the start without a debias term."""
+    out = []
+    for v in values:
+        out.append(v if not out else alpha * out[-1] + (1 - alpha) * v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluator check (RLME Eq. 2; docs/method.md §4.2, §6): does P(target | meta-question) separate right from wrong?
+
 
 def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", chat="auto", batch_size=8,
                        template=None):
     """log p(target | evaluator prompt) for each (problem, solution), via the training reward's
     own scorer (reward.rlme_reward with one evaluator and one meta-question, weights 1), so the
-    check measures exactly the signal RLME would train on (SPEC §4.2).
+    check measures exactly the signal RLME would train on (RLME Eq. 2-3; docs/method.md §4.2).
 
     Args:
         problems, solutions: list[str] of equal length. question, target: the meta-question and
@@ -728,7 +681,7 @@ def cmd_evaluator_check(a):
     model, tok = rollout.load_model(a.evaluator, a.dtype)
     chat = parse_chat(a.chat_template)
     lps = evaluator_logprobs(model, tok, [it["question"] for it, _ in answers], [s["completion"] for _, s in answers],
-                             a.question, a.target, chat, a.batch_size)
+                             question=a.question, target=a.target, chat=chat, batch_size=a.batch_size)
     labels = [bool(s["correct"]) for _, s in answers]
     probs = [math.exp(x) for x in lps]
     table, ece = reliability_table(probs, labels, a.bins)
@@ -745,8 +698,9 @@ def cmd_evaluator_check(a):
     shown = dict(CANARIES, known_wrong="the dataset's solution with a wrong final answer (label+1)",
                  reference="the dataset's solution")
     canary_rows = []
-    per_name = {name: evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, a.question,
-                                         a.target, chat, a.batch_size) for name, sols in texts.items()}
+    per_name = {name: evaluator_logprobs(model, tok, [it["question"] for it in can_items], sols, question=a.question,
+                                         target=a.target, chat=chat, batch_size=a.batch_size)
+                for name, sols in texts.items()}
     for name, vals in per_name.items():
         beats = sum(v > w for v, w in zip(vals, per_name["known_wrong"])) / len(vals)
         canary_rows.append({"answer": name, "text": shown[name],
@@ -778,7 +732,7 @@ def cmd_evaluator_check(a):
 
 
 # ----------------------------------------------------------------------------------------------
-# Plots (SPEC §6: EMA 0.9, several runs with a ±1 std band)
+# Plots (RLME §4.1's figures: EMA 0.9, several runs with a ±1 std band; docs/method.md §6)
 
 
 def parse_curve(spec):
@@ -868,12 +822,53 @@ def cmd_plot(a):
     return rows
 
 
+# ==============================================================================================
+# PLUMBING: skip on first read (file reading and naming, result files, text tables, the command line)
+# ==============================================================================================
+
+
 # ----------------------------------------------------------------------------------------------
-# CLI
+# Files and tables
 
 
-def parse_chat(s):
-    return {"auto": "auto", "true": True, "false": False}[s]
+def read_jsonl(path):
+    """The rows of a JSONL file (rollout.read_jsonl: one-line errors naming the line).
+
+    Raises:
+        SystemExit: the file is missing, empty, or a line is not a JSON object.
+    """
+    rows = [row for _, row in rollout.read_jsonl(path)]
+    if not rows:
+        raise SystemExit(f"{path}: file is empty")
+    return rows
+
+
+def write_results(out_dir, name, summary, items=None):
+    """Write `<out_dir>/<name>.json` (summary) and `<out_dir>/<name>.items.jsonl` (per item)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if items is not None:
+        with open(os.path.join(out_dir, f"{name}.items.jsonl"), "w") as f:
+            for it in items:
+                f.write(json.dumps(it) + "\n")
+
+
+def default_benchmark_files(root=SHARED_DATA):
+    """Every pairwise benchmark JSONL in ../shared/data (folders in BENCHMARKS), sorted."""
+    files = []
+    for folder in BENCHMARKS:
+        d = os.path.join(root, folder)
+        if os.path.isdir(d):
+            files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
+    if not files:
+        raise SystemExit(f"no benchmark files found under {root}; pass files explicitly")
+    return files
+
+
+def benchmark_name(path):
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return BENCHMARKS.get(folder, folder), os.path.splitext(os.path.basename(path))[0]
 
 
 def data_name(path):
@@ -883,18 +878,77 @@ def data_name(path):
     return path.rstrip("/").split("/")[-1]
 
 
+def fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def print_table(rows, cols, title=None):
+    """Print list-of-dicts `rows` as an aligned text table with columns `cols`."""
+    cells = [[c for c in cols]] + [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    if title:
+        print(title)
+    for k, row in enumerate(cells):
+        print("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def prompt_template(a):
+    """--prompt-template, else data.prompt_template of --config, else PROMPT_TEMPLATE."""
+    template = a.prompt_template
+    if template is None and a.config:
+        import yaml
+        if not os.path.isfile(a.config):
+            raise SystemExit(f"--config {a.config}: no such file")
+        with open(a.config) as f:
+            template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
+        if template is None:
+            raise SystemExit(f"--config {a.config}: no data.prompt_template key")
+    template = template or PROMPT_TEMPLATE
+    if "{question}" not in template:
+        raise SystemExit("the prompt template must contain {question}")
+    return template
+
+
+def parse_chat(s):
+    return {"auto": "auto", "true": True, "false": False}[s]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, except where there is none to show (required options,
+    None, False of a store_true flag)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
+    def subcommand(name, help):
+        return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
     def common(p, model_flags=True):
         p.add_argument("--out", default="eval_out", help="results folder (JSON summary + JSONL items)")
         if model_flags:
-            p.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES))
+            p.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="compute dtype of the models")
             p.add_argument("--batch-size", type=int, default=8, help="rows per generate/forward call")
-            p.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"])
-            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
+                           help="auto = use the tokenizer's chat template when it has one")
+            p.add_argument("--seed", type=int, default=0, help="random seed (sampling, A/B orders, subsets)")
 
     def sampling(p, n_problems, n_samples=None):
         p.add_argument("--data", default=os.path.join(SHARED_DATA, "gsm8k", "test.jsonl"),
@@ -902,10 +956,10 @@ def build_parser():
         p.add_argument("--n-problems", type=int, default=n_problems, help="first N problems (0 = all)")
         if n_samples is not None:
             p.add_argument("--n-samples", type=int, default=n_samples, help="sampled answers per problem")
-        p.add_argument("--temperature", type=float, default=1.0)
-        p.add_argument("--max-new-tokens", type=int, default=512)
+        p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled answers")
+        p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens")
 
-    p = sub.add_parser("math", help="GSM8K / MATH-500 accuracy: greedy and sampled pass@1")
+    p = subcommand("math", "GSM8K / MATH-500 accuracy: greedy and sampled pass@1")
     common(p)
     sampling(p, 100, 4)
     p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
@@ -918,49 +972,49 @@ def build_parser():
     p.add_argument("--name", default=None, help="results file tag (default: from --data)")
     p.set_defaults(fn=cmd_math)
 
-    p = sub.add_parser("pairwise", help="pairwise GRM accuracy per benchmark, both A/B orders")
+    p = subcommand("pairwise", "pairwise GRM accuracy per benchmark, both A/B orders")
     common(p)
     p.add_argument("files", nargs="*", help="pairwise JSONL files (default: every benchmark in ../shared/data)")
     p.add_argument("--model", required=True, help="the generative reward model")
     p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--data-root", default=SHARED_DATA)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest GRM output (critique + choice), in tokens")
+    p.add_argument("--data-root", default=SHARED_DATA, help="folder searched for the benchmark files")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
                         "0 = model context - max new tokens")
     p.set_defaults(fn=cmd_pairwise)
 
-    p = sub.add_parser("bon", help="Best-of-N: knockout / double-elimination tournaments judged by a GRM")
+    p = subcommand("bon", "Best-of-N: knockout / double-elimination tournaments judged by a GRM")
     common(p)
     sampling(p, 50)
     p.add_argument("--judge", required=True, help="the generative reward model")
     p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
     p.add_argument("--policy", default=None, help="policy model to sample answers from")
     p.add_argument("--ns", default="1,2,4,8", help="comma-separated N values")
-    p.add_argument("--methods", default="knockout,double_elimination")
-    p.add_argument("--judge-max-new-tokens", type=int, default=256)
+    p.add_argument("--methods", default="knockout,double_elimination", help="comma-separated tournament kinds")
+    p.add_argument("--judge-max-new-tokens", type=int, default=256, help="longest GRM output per match, in tokens")
     p.set_defaults(fn=cmd_bon)
 
-    p = sub.add_parser("evaluator-check", help="AUROC / calibration of P(target) for a meta-question")
+    p = subcommand("evaluator-check", "AUROC / calibration of P(target) for a meta-question")
     common(p)
     sampling(p, 50, 4)
     p.add_argument("--evaluator", required=True, help="evaluator model")
     p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
     p.add_argument("--policy", default=None, help="policy model to sample answers from")
-    p.add_argument("--question", default="Is the answer correct?")
-    p.add_argument("--target", default="Yes")
-    p.add_argument("--bins", type=int, default=10)
+    p.add_argument("--question", default="Is the answer correct?", help="the meta-question q_k")
+    p.add_argument("--target", default="Yes", help="its target answer a_k")
+    p.add_argument("--bins", type=int, default=10, help="equal-width probability bins of the reliability table")
     p.add_argument("--n-canary", type=int, default=16, help="problems the canary answers are scored on")
     p.set_defaults(fn=cmd_evaluator_check)
 
-    p = sub.add_parser("plot", help="learning curves (EMA, ±1 std across runs) and reward vs accuracy")
+    p = subcommand("plot", "learning curves (EMA, ±1 std across runs) and reward vs accuracy")
     common(p, model_flags=False)
     p.add_argument("runs", nargs="+", help="[LABEL=]metrics.jsonl[,metrics.jsonl...]: one curve each, "
                                            "several files = several runs averaged")
     p.add_argument("--keys", default="reward/mean,accuracy", help="comma-separated metric keys")
-    p.add_argument("--ema", type=float, default=0.9)
-    p.add_argument("--reward-key", default="reward/mean")
-    p.add_argument("--acc-key", default="accuracy")
+    p.add_argument("--ema", type=float, default=0.9, help="EMA weight of the previous value")
+    p.add_argument("--reward-key", default="reward/mean", help="metric on the left axis of reward_vs_accuracy.png")
+    p.add_argument("--acc-key", default="accuracy", help="metric on the right axis of reward_vs_accuracy.png")
     p.set_defaults(fn=cmd_plot)
     return ap
 

@@ -328,14 +328,15 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     del grm
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
     parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in out["completions"]]
-    samples = reward.score_dh(parsed, items, judge, nl["lam"], nl["threshold"], nl["gate_on_outcome"])
+    samples = reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
+                              gate_on_outcome=nl["gate_on_outcome"])
     ex = examples_from_samples(items, samples)
     stats = {"rollouts": len(samples), "examples": len(ex), "invalid": sum(not s["valid"] for s in samples),
              "judge_failures": sum(s["judged"] and s["f1"] is None for s in samples),
              "target_mean": sum(e["r"] for e in ex) / len(ex) if ex else None}
     log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
         f"{stats['judge_failures']} judge failures, {stats['examples']} training examples")
-    losses = train_metarm(mrm, ex, epochs, lr, warmup_frac, weight_decay, seed, log=None)
+    losses = train_metarm(mrm, ex, epochs=epochs, lr=lr, warmup_frac=warmup_frac, weight_decay=weight_decay, seed=seed)
     stats.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                  seconds=time.time() - t0)
     return stats
@@ -526,8 +527,9 @@ def load(path, device="cpu", dtype="float32"):
         if os.path.isfile(os.path.join(p, "metarm.json")):
             with open(os.path.join(p, "metarm.json")) as f:
                 meta = json.load(f)
-            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype, device, meta["batch_size"], meta["max_length"],
-                              meta["online_lr"], meta["weight_decay"])
+            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
+                              max_length=meta["max_length"], online_lr=meta["online_lr"],
+                              weight_decay=meta["weight_decay"])
             mrm["updates"] = meta["updates"]
             opt_path = os.path.join(p, "optimizer.pt")
             if os.path.isfile(opt_path):

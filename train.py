@@ -166,8 +166,8 @@ def rows_logprobs(model, batch, rows, pad_id, cfg, prompt_model=None):
     """
     width = max(1, int(batch["completion_mask"][rows].sum(-1).max()))
     lp = rollout.completion_logprobs(model, [batch["prompt_ids"][i] for i in rows], batch["completion_ids"][rows, :width],
-                                     pad_id, cfg["rollout"]["temperature"], fast=cfg["train"]["fast_paths"],
-                                     prompt_model=prompt_model)
+                                     pad_id=pad_id, temperature=cfg["rollout"]["temperature"],
+                                     fast=cfg["train"]["fast_paths"], prompt_model=prompt_model)
     return lp, width
 
 
@@ -184,7 +184,7 @@ def frozen_logprobs(model, batch, pad_id, cfg, device):
     out = [None] * len(batch["prompt_ids"])
     for rows in micro_batches(range(len(out)), cfg["train"]["micro_batch_size"]):
         with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
-            lp, _ = rows_logprobs(model, batch, rows, pad_id, cfg)
+            lp, _ = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg)
         for i, row in zip(rows, lp.float().cpu()):
             out[i] = row
     return out
@@ -221,7 +221,7 @@ def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id
     if off_policy or rollout_lp is not None:
         behaviour = frozen_logprobs(policy, batch, pad_id=pad_id, cfg=cfg, device=device)
     ref = frozen_logprobs(ref_model, batch, pad_id=pad_id, cfg=cfg, device=device) if ref_model is not None else None
-    out = optimizer_steps(model, policy, optimizer, batch, cfg, world=world, device=device, pad_id=pad_id,
+    out = optimizer_steps(model, policy, optimizer, batch, cfg=cfg, world=world, device=device, pad_id=pad_id,
                           behaviour=behaviour if off_policy else None, ref=ref, scaler=scaler)
     out["logp_gap"] = logp_gap(behaviour, rollout_lp, update_mask(batch)) if rollout_lp is not None else None
     return out
@@ -277,7 +277,7 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
                     beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if behaviour is not None else None
                     rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref is not None else None
                     loss_sum, st = policy_loss(lp.float(), beh, advantages[rows].to(device),
-                                               mask[rows, :width].to(device), algo, ref_logp=rl)
+                                               mask[rows, :width].to(device), algo=algo, ref_logp=rl)
                     # DDP and FSDP2 average gradients over ranks; x world turns that into a global sum / norm.
                     loss = loss_sum * world / norm
                     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -301,25 +301,25 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
 # ==============================================================================================
 
 
-def rollout_batch(t, prompt_ids, cfg, seed):
+def rollout_batch(state, prompt_ids, cfg, seed):
     """1. G completions per prompt with this run's backend (docs/method.md §4.1, §7): the rollout
     dict (rollout.py). HF: `generate` on the policy (under FSDP2 inside `unsharded`: gathered once,
     no per-step collectives). vLLM: the engine samples, then sleeps so that reward scoring and the
     update get its GPU memory; push_weights wakes it with the new weights.
 
-    Args: t: setup's dict. prompt_ids: list (P/world) of list[int]. seed: int (sampling_seed).
+    Args: state: setup's dict. prompt_ids: list (P/world) of list[int]. seed: int (sampling_seed).
     """
-    ro, policy, engine = cfg["rollout"], t["policy"], t["engine"]
+    ro, policy, engine = cfg["rollout"], state["policy"], state["engine"]
     if engine is None:
-        with unsharded(t["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
-            return rollout.generate(policy, t["tokenizer"], prompt_ids, group_size=ro["group_size"],
+        with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
+            return rollout.generate(policy, state["tokenizer"], prompt_ids, group_size=ro["group_size"],
                                     max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
                                     top_p=ro["top_p"], top_k=ro["top_k"], seed=seed,
                                     micro_batch_size=ro["micro_batch_size"] or None, fast=cfg["train"]["fast_paths"])
-    out = rollout.generate_vllm(engine["llm"], t["tokenizer"], prompt_ids, group_size=ro["group_size"],
+    out = rollout.generate_vllm(engine["llm"], state["tokenizer"], prompt_ids, group_size=ro["group_size"],
                                 max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
                                 top_p=ro["top_p"], top_k=ro["top_k"], seed=seed,
-                                eos=rollout.eos_ids(policy, t["tokenizer"]))
+                                eos=rollout.eos_ids(policy, state["tokenizer"]))
     rollout.vllm_sleep(engine)
     return out
 
@@ -381,7 +381,7 @@ def rlme_step_metrics(records, cfg):
     return out
 
 
-def sample_records(step, rank, group_size, ro_out, fields, advantages, upd):
+def sample_records(step, rank, ro_out, *, fields, advantages, upd, group_size):
     """This rank's samples.jsonl lines of one step, built the same way for every task: where the
     sample sits (step, rank, group), the reward step's fields, the completion, and what the update
     made of it (advantage, importance weight before clipping, clipped)."""
@@ -393,23 +393,23 @@ def sample_records(step, rank, group_size, ro_out, fields, advantages, upd):
             for i, f in enumerate(fields)]
 
 
-def log_step(t, cfg, records, upd, reward_metrics, times):
+def log_step(state, cfg, records, upd, reward_metrics, times):
     """5. One metrics.jsonl line and the step's samples.jsonl lines, written by rank 0 from every
     rank's records (every rank calls this: the reductions are collectives).
 
     Args:
-        t: setup's dict. records: this rank's sample_records. upd: update_policy's dict.
+        state: setup's dict. records: this rank's sample_records. upd: update_policy's dict.
         reward_metrics: the reward step's "metrics". times: {"rollout", "reward", "update"} seconds.
     Returns:
         the metrics dict on rank 0, None on the other ranks.
     """
-    world, G = t["world"], cfg["rollout"]["group_size"]
+    world, G = state["world"], cfg["rollout"]["group_size"]
     records = gather_records(records, world)
     loss = all_sum(upd["loss"], world)
     gap = upd["logp_gap"]
     if gap is not None:
         gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
-    if t["rank"] != 0:
+    if state["rank"] != 0:
         return None
     known = [r["reward"] for r in records if r["reward"] is not None]  # None: the judge call failed
     rew = torch.tensor(known or [0.0])
@@ -427,13 +427,17 @@ def log_step(t, cfg, records, upd, reward_metrics, times):
         "is_weight/max": max(r["importance_weight"] for r in records),
         "is_weight/clip_frac": sum(r["clipped"] for r in records) / n,
         "loss": loss / steps, "grad_norm": sum(upd["grad_norms"]) / len(upd["grad_norms"]),
-        "lr": t["scheduler"].get_last_lr()[0],
+        "lr": state["scheduler"].get_last_lr()[0],
         **{f"time/{k}": v for k, v in times.items()}, "time/step": sum(times.values()),
-        "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9), "memory/peak_mb": peak_memory_mb(t["device"]),
+        "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9),
+        "memory/peak_mb": peak_memory_mb(state["device"]),
         **reward_metrics,
     }
     # the task's own entries (docs/method.md §9)
-    metrics.update(rlme_step_metrics(records, cfg) if cfg["task"] == "rlme" else R.nlhf_step_metrics(records, reward_metrics))
+    if cfg["task"] == "rlme":
+        metrics.update(rlme_step_metrics(records, cfg))
+    else:
+        metrics.update(R.nlhf_step_metrics(records, reward_metrics))
     if gap is not None:
         metrics["rollout/logp_gap_mean"], metrics["rollout/logp_gap_max"] = gap
     with open(os.path.join(cfg["run"]["out_dir"], "metrics.jsonl"), "a") as f:
@@ -441,8 +445,8 @@ def log_step(t, cfg, records, upd, reward_metrics, times):
     if cfg["run"]["log_samples"]:
         with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    t["pbar"].update(1)
-    t["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
+    state["pbar"].update(1)
+    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
                           s=f"{metrics['time/step']:.0f}")
     return metrics
 
@@ -454,31 +458,31 @@ def log_step(t, cfg, records, upd, reward_metrics, times):
 
 def train(cfg):
     """Run cfg["run"]["total_steps"] steps (or resume an unfinished run in run.out_dir)."""
-    t = setup(cfg)  # models, data, optimizer, resume point (PLUMBING below)
-    if t is None:  # the run in run.out_dir is already complete
+    state = setup(cfg)  # models, data, optimizer, resume point (PLUMBING below)
+    if state is None:  # the run in run.out_dir is already complete
         return
-    G, seed = cfg["rollout"]["group_size"], cfg["run"]["seed"]
-    for step in range(t["start_step"], cfg["run"]["total_steps"]):
+    G, seed, rank, world = cfg["rollout"]["group_size"], cfg["run"]["seed"], state["rank"], state["world"]
+    for step in range(state["start_step"], cfg["run"]["total_steps"]):
         t0 = time.perf_counter()
         # --- 1. rollout: G completions for each of this rank's prompts (RLME Eq. 1) ----------------
         if cfg["task"] == "rm_nlhf":  # GRM prompts for a mix of D_H and D_O pairs (RM-NLHF §3.2)
-            items = R.nlhf_step_items(t["dh_items"], t["do_items"], step, cfg=cfg, rank=t["rank"], world=t["world"])
-            prompt_ids = [R.grm_prompt_ids(t["tokenizer"], it, t["chat"], cfg["nlhf"]) for it in items]
+            items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, cfg=cfg, rank=rank, world=world)
+            prompt_ids = [R.grm_prompt_ids(state["tokenizer"], it, state["chat"], cfg["nlhf"]) for it in items]
         else:
-            items = rollout.step_items(t["items"], step, cfg["rollout"]["prompts_per_step"], seed=seed,
-                                       rank=t["rank"], world=t["world"])
-            prompt_ids = [rollout.policy_prompt_ids(t["tokenizer"], it, t["chat"], cfg["data"]["prompt_template"])
-                          for it in items]
-        ro_out = rollout_batch(t, prompt_ids, cfg, seed=sampling_seed(seed, step, t["rank"]))
+            items = rollout.step_items(state["items"], step, cfg["rollout"]["prompts_per_step"], seed=seed,
+                                       rank=rank, world=world)
+            prompt_ids = [rollout.policy_prompt_ids(state["tokenizer"], it, state["chat"],
+                                                    cfg["data"]["prompt_template"]) for it in items]
+        ro_out = rollout_batch(state, prompt_ids, cfg, seed=sampling_seed(seed, step, rank))
         samples = [it for it in items for _ in range(G)]  # the item of each completion
         t1 = time.perf_counter()
 
         # --- 2. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ----------------
         if cfg["task"] == "rm_nlhf":  # judge D_H, MetaRM update, MetaRM predicts D_O (RM-NLHF Alg. 1)
-            rew = metarm.nlhf_reward_step(samples, ro_out["completions"], judge=t["judge"], mrm=t["mrm"], cfg=cfg,
-                                          world=t["world"], step=step, t0=t0)
+            rew = metarm.nlhf_reward_step(samples, ro_out["completions"], judge=state["judge"], mrm=state["mrm"],
+                                          cfg=cfg, world=world, step=step, t0=t0)
         else:  # the evaluators' log p(target) to the meta-questions (RLME Eq. 2-3)
-            rew = rlme_reward_step(samples, ro_out, t["evaluators"], cfg, world=t["world"], device=t["device"])
+            rew = rlme_reward_step(samples, ro_out, state["evaluators"], cfg, world=world, device=state["device"])
         t2 = time.perf_counter()
 
         # --- 3. advantages: r - mean of the group (RLME Eq. 5), / std for GRPO; groups never
@@ -492,23 +496,26 @@ def train(cfg):
             batch["valid"] = rew["valid"]
         if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and logs the gap
             batch["rollout_logprobs"] = ro_out["logprobs"]
-        upd = update_policy(t["model"], t["policy"], t["optimizer"], batch, cfg, world=t["world"], device=t["device"],
-                            pad_id=t["tokenizer"].pad_token_id, ref_model=t["ref_model"], scaler=t["scaler"])
-        push_weights(t["engine"], t["policy"])  # the next rollout samples from the updated policy
-        t["scheduler"].step()
+        upd = update_policy(state["model"], state["policy"], state["optimizer"], batch, cfg=cfg, world=world,
+                            device=state["device"], pad_id=state["tokenizer"].pad_token_id,
+                            ref_model=state["ref_model"], scaler=state["scaler"])
+        push_weights(state["engine"], state["policy"])  # the next rollout samples from the updated policy
+        state["scheduler"].step()
         t3 = time.perf_counter()
 
         # --- 5. log: metrics.jsonl, samples.jsonl (rank 0 sees every rank's samples) -------------
-        records = sample_records(step + 1, t["rank"], G, ro_out, rew["records"], advantages, upd)
-        log_step(t, cfg, records, upd, rew["metrics"], times={"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2})
+        records = sample_records(step + 1, rank, ro_out, fields=rew["records"], advantages=advantages, upd=upd,
+                                 group_size=G)
+        log_step(state, cfg, records, upd, reward_metrics=rew["metrics"],
+                 times={"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2})
 
         # --- 6. checkpoint: atomic; re-running the same command resumes from the newest ----------
         done = step + 1
         if (cfg["run"]["save_every"] and done % cfg["run"]["save_every"] == 0) or done == cfg["run"]["total_steps"]:
-            save_run(t, cfg, done)
-        if cfg["run"]["stop_after"] and done - t["start_step"] >= cfg["run"]["stop_after"]:
+            save_run(state, cfg, done)
+        if cfg["run"]["stop_after"] and done - state["start_step"] >= cfg["run"]["stop_after"]:
             break
-    finish(t)
+    finish(state)
 
 
 def main(argv=None):
@@ -527,7 +534,7 @@ def main(argv=None):
 
 
 def setup(cfg):
-    """Everything the loop needs, in one dict `t`, or None when the run in run.out_dir is complete.
+    """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
     size, data files, the judge's settings), then the policy (float32 master weights, whatever
@@ -557,15 +564,15 @@ def setup(cfg):
         if dist.is_initialized():
             dist.destroy_process_group()
         return None
-    t = {"rank": rank, "world": world, "device": device}
+    state = {"rank": rank, "world": world, "device": device}
 
     # data (rm_nlhf: the judge's start-up checks, model name and API key variable, come first)
     task = cfg["task"]
     if task == "rm_nlhf":
-        t["judge"] = R.make_judge(cfg["judge"])
-        t["dh_items"], t["do_items"] = R.load_dh_items(cfg), R.load_do_items(cfg)
+        state["judge"] = R.make_judge(cfg["judge"])
+        state["dh_items"], state["do_items"] = R.load_dh_items(cfg), R.load_do_items(cfg)
     else:
-        t["items"] = load_train_items(cfg)
+        state["items"] = load_train_items(cfg)
 
     # the policy and its prompts; a prompt over the length limit is dropped and counted
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
@@ -582,7 +589,7 @@ def setup(cfg):
         names = ("items",)
     dropped = 0
     for name in names:
-        t[name], n = rollout.keep_short(t[name], ids, limit=limit, key=key, overhead=overhead)
+        state[name], n = rollout.keep_short(state[name], ids, limit=limit, key=key, overhead=overhead)
         dropped += n
     if dropped and is_main:
         print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens ({key})", flush=True)
@@ -590,68 +597,71 @@ def setup(cfg):
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
                         cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
-    t.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
+    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank))
     rlme = task == "rlme" and cfg["reward"]["kind"] == "rlme"
-    t["evaluators"] = load_evaluators(cfg, policy, tokenizer, device) if rlme else []
-    t["ref_model"] = None
+    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device) if rlme else []
+    state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
-        t["ref_model"], _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-        t["ref_model"].eval().requires_grad_(False)
+        state["ref_model"], _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+        state["ref_model"].eval().requires_grad_(False)
 
     # optimizer, schedule, loss scaling; the resume point
     o = cfg["optim"]
     # fused=True: one kernel over all parameters; the default (foreach) makes full-size
     # temporaries and was several times slower on CPU for the same update (docs/performance.md).
-    t["optimizer"] = torch.optim.AdamW(policy.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
+    state["optimizer"] = torch.optim.AdamW(policy.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
                                        weight_decay=o["weight_decay"], fused=True)
-    t["scheduler"] = torch.optim.lr_scheduler.LambdaLR(t["optimizer"], lr_lambda(cfg))
+    state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(state["optimizer"], lr_lambda(cfg))
     # float16 has 5 exponent bits: small gradients underflow to 0 without loss scaling (bf16 has
     # float32's range and needs none)
-    t["scaler"] = torch.amp.GradScaler(device.type) if cfg["model"]["dtype"] == "float16" else None
-    t["start_step"] = 0
+    state["scaler"] = torch.amp.GradScaler(device.type) if cfg["model"]["dtype"] == "float16" else None
+    state["start_step"] = 0
     if ckpt:
-        t["start_step"] = load_trainer_state(ckpt, policy, t["optimizer"], t["scheduler"], scaler=t["scaler"])
-    t["mrm"], mrm_source = None, None
+        state["start_step"] = load_trainer_state(ckpt, policy, state["optimizer"], state["scheduler"],
+                                                 scaler=state["scaler"])
+    state["mrm"], mrm_source = None, None
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.3): restored with the checkpoint, loaded, or cold-started
-        t["mrm"], mrm_source, _ = metarm.setup_metarm(cfg, ckpt, policy, tokenizer, dh=t["dh_items"], judge=t["judge"],
-                                                      device=device, rank=rank, world=world)
+        state["mrm"], mrm_source, _ = metarm.setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
+                                                          judge=state["judge"], device=device, rank=rank,
+                                                          world=world)
 
     # the run folder: the resolved config, logs truncated to the resume point (out_dir exists:
     # check_startup made it); the progress bar
-    t["pbar"] = None
+    state["pbar"] = None
     if is_main:
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
         for name in ("metrics.jsonl", "samples.jsonl"):
-            if t["start_step"]:
-                truncate_jsonl(os.path.join(out_dir, name), t["start_step"])
+            if state["start_step"]:
+                truncate_jsonl(os.path.join(out_dir, name), state["start_step"])
             elif os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
-        what = (f"rm_nlhf | D_H {len(t['dh_items'])} items, D_O {len(t['do_items'])} | MetaRM {mrm_source}"
-                if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(t['items'])} items")
+        what = (f"rm_nlhf | D_H {len(state['dh_items'])} items, D_O {len(state['do_items'])} | MetaRM {mrm_source}"
+                if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(state['items'])} items")
         print(f"[train] {what} | policy {cfg['model']['policy']} | world {world} | "
               f"{'resuming from ' + ckpt if ckpt else 'fresh start'}", flush=True)
         from tqdm import tqdm
-        t["pbar"] = tqdm(total=run["total_steps"], initial=t["start_step"], desc="train", dynamic_ncols=True)
-    return t
+        state["pbar"] = tqdm(total=run["total_steps"], initial=state["start_step"], desc="train", dynamic_ncols=True)
+    return state
 
 
-def save_run(t, cfg, step):
+def save_run(state, cfg, step):
     """6. The checkpoint of `step` (save_checkpoint; the MetaRM rides along in metarm/), then a
     barrier so no rank runs ahead of rank 0's rename."""
-    mrm = t["mrm"]
-    save_checkpoint(cfg["run"]["out_dir"], step, t["policy"], t["tokenizer"], t["optimizer"], t["scheduler"],
-                    keep=cfg["run"]["keep_checkpoints"], rank=t["rank"], scaler=t["scaler"],
+    mrm = state["mrm"]
+    save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
+                    scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
+                    scaler=state["scaler"],
                     extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
-    if t["world"] > 1:
+    if state["world"] > 1:
         dist.barrier()
 
 
-def finish(t):
+def finish(state):
     """Close the progress bar and the process group."""
-    if t["pbar"] is not None:
-        t["pbar"].close()
+    if state["pbar"] is not None:
+        state["pbar"].close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -850,12 +860,10 @@ def keep_matmul_outputs(ctx, op, *args, **kwargs):
     everything else (RMSNorms, RoPE, attention, SiLU, products, residual adds) when backward
     replays the layer.
 
-    What it buys (SmolLM2-135M, float32 CPU, micro-batches of 4 x 128 completion tokens; README,
-    Performance): the memory held between forward and backward drops from 0.96 to 0.56 GB a
-    micro-batch, for +2.0 s on a 21 s update (full checkpointing, which also replays the
-    matmuls: 0.26 GB, +2.6 s). On this CPU the step's peak RSS falls only 4.35 -> 4.11 GB (the heap's
-    free chunks and the weight-sized gradient temporaries dominate), so configs/cpu.yaml keeps
-    "none"; it is for long sequences and big models, where activations dominate.
+    What it buys: it keeps most of full checkpointing's memory saving for less recompute (the
+    matmuls are not replayed); figures in docs/performance.md. configs/cpu.yaml keeps "none": on a
+    135M model the weights and their gradients, not the activations, set the peak. It is for long
+    sequences and big models, where activations dominate.
     """
     return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -981,8 +989,9 @@ def make_rollout_engine(cfg, model_path, policy, rank):
     if ro["backend"] != "vllm":
         return None
     llm = rollout.make_vllm_engine(rollout.resolve_model_path(model_path), cfg["model"]["dtype"],
-                                   ro["vllm_gpu_memory_utilization"], ro["vllm_max_model_len"],
-                                   ro["vllm_enforce_eager"], seed=cfg["run"]["seed"] * 1_000_003 + rank)
+                                   gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
+                                   max_model_len=ro["vllm_max_model_len"], enforce_eager=ro["vllm_enforce_eager"],
+                                   seed=cfg["run"]["seed"] * 1_000_003 + rank)
     return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
             "tied": bool(getattr(policy.config, "tie_word_embeddings", False))}
 

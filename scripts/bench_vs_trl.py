@@ -135,7 +135,7 @@ def run_trl_child(a):
     items = train.load_train_items(cfg)
     rows = []
     for step in range(a.steps):
-        for it in train.step_items(items, step, a.P, cfg["run"]["seed"], 0, 1):
+        for it in rollout.step_items(items, step, a.P, cfg["run"]["seed"], rank=0, world=1):
             text = cfg["data"]["prompt_template"].format(question=it["question"])
             rows.append({"prompt": [{"role": "user", "content": text}] if chat else text, "question": it["question"]})
     holder = {}
@@ -143,7 +143,8 @@ def run_trl_child(a):
     def live_self_eval(prompts, completions, question, **kwargs):
         """TRL's reward function: the policy being trained scores its own answers."""
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return self_evaluation_reward(holder["trainer"].model, tok, chat, cfg, list(question), texts, a.micro_batch).tolist()
+        return self_evaluation_reward(holder["trainer"].model, tok, chat, cfg, questions=list(question),
+                                      completions=texts, micro_batch=a.micro_batch).tolist()
 
     args = trl_args(a, cfg)
     timers = {"rollout": 0.0, "reward": 0.0}
@@ -232,13 +233,14 @@ def check_loss(a):
     model = train.wrap_policy(policy, "ddp", 1, torch.device("cpu"),
                               gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
     chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
-    items = train.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], 0, 1)
+    items = rollout.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], rank=0, world=1)
     prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                   for it in items]
-    out = rollout.generate(policy, tok, prompt_ids, a.G, a.N, ro["temperature"], ro["top_p"], ro["top_k"],
-                           seed=train.sampling_seed(cfg["run"]["seed"], 0, 0))
-    rewards = self_evaluation_reward(policy, tok, chat, cfg, [it["question"] for it in items for _ in range(a.G)],
-                                     out["completions"], a.micro_batch)
+    out = rollout.generate(policy, tok, prompt_ids, group_size=a.G, max_new_tokens=a.N, temperature=ro["temperature"],
+                           top_p=ro["top_p"], top_k=ro["top_k"], seed=train.sampling_seed(cfg["run"]["seed"], 0, 0))
+    questions = [it["question"] for it in items for _ in range(a.G)]
+    rewards = self_evaluation_reward(policy, tok, chat, cfg, questions=questions, completions=out["completions"],
+                                     micro_batch=a.micro_batch)
     advantages = train.group_advantages(rewards, a.G)
     mask = out["completion_mask"]
     batch = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"], "completion_mask": mask,
@@ -252,7 +254,8 @@ def check_loss(a):
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
-    ours_loss = train.update_policy(model, policy, recorder, batch, cfg, 1, torch.device("cpu"), tok.pad_token_id)["loss"]
+    ours_loss = train.update_policy(model, policy, recorder, batch, cfg=cfg, world=1, device=torch.device("cpu"),
+                                    pad_id=tok.pad_token_id)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
     trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=lambda **kw: [0.0] * len(kw["prompts"]),

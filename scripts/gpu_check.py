@@ -1,4 +1,4 @@
-"""GPU check of the scale-out path (SPEC §7, issue 5); called by scripts/gpu_check.sh.
+"""GPU check of the scale-out path (docs/method.md §7, docs/scale-out.md; issue 5); called by scripts/gpu_check.sh.
 
     python scripts/gpu_check.py engine --model DIR --out engine.json   # vLLM checks, one engine
     python scripts/gpu_check.py data --out tiny.jsonl                  # GSM8K-style items if ../shared is absent
@@ -15,7 +15,7 @@
 `report` merges that with the metrics.jsonl of the training runs (seconds per stage, rollout
 tokens/s, peak memory, vLLM-trainer gap) into one JSON file and prints it.
 
-Written without a GPU: none of these figures has been measured yet.
+Results: docs/performance.md and docs/scale-out.md.
 
 Bare mode (`bash scripts/gpu_check.sh --bare`: no vLLM, no model hub, no GGUF on the GPU machine)
 uses these subcommands; see the header of scripts/gpu_check.sh for the whole procedure:
@@ -73,7 +73,8 @@ def engine_checks(model_path, out_path):
     model.eval()
     eos = rollout.eos_ids(model, tok)
     t = time.perf_counter()
-    llm = rollout.make_vllm_engine(model_path, "bfloat16", 0.3, 2048, enforce_eager=False, seed=0)
+    llm = rollout.make_vllm_engine(model_path, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048,
+                                   enforce_eager=False, seed=0)
     res["engine_start_s"] = time.perf_counter() - t
     res["used_gib_after_start"] = used_gib()
 
@@ -82,7 +83,7 @@ def engine_checks(model_path, out_path):
                  for a in range(3, 67) for b in (5,)]
     prompts = [rollout.build_prompt_ids(tok, q + "\nPut the final answer within \\boxed{}.", True) for q in questions]
     t = time.perf_counter()
-    r = rollout.generate_vllm(llm, tok, prompts, 8, 256, seed=1, eos=eos)
+    r = rollout.generate_vllm(llm, tok, prompts, group_size=8, max_new_tokens=256, seed=1, eos=eos)
     dt = time.perf_counter() - t
     res["gen"] = {"prompts": len(prompts), "group_size": 8, "max_new_tokens": 256, "seconds": dt,
                   "tokens": int(r["completion_mask"].sum()), "tokens_per_s": float(r["completion_mask"].sum()) / dt,
@@ -145,7 +146,7 @@ def synthetic_data(out_path, n=256):
 
 
 def report(out_path, engine_json, run_dirs):
-    res = {"measured": True, "note": "scripts/gpu_check.sh on one GPU; see docs_scale.md"}
+    res = {"measured": True, "note": "scripts/gpu_check.sh on one GPU; see docs/scale-out.md"}
     res["engine"] = {"error": "no engine.json (the engine checks failed; see engine.log)"}
     if os.path.exists(engine_json):
         with open(engine_json) as f:
@@ -323,9 +324,9 @@ def consistency(model_dir, device, out_path):
     G, new = 2, 24
     pad = tok.pad_token_id
     res["ok"] = False
-    plain = rollout.generate_plain(model, tok, prompts, G, new, temperature=0.0, seed=0)
+    plain = rollout.generate_plain(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
     try:
-        fast = rollout.generate(model, tok, prompts, G, new, temperature=0.0, seed=0)
+        fast = rollout.generate(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
     except Exception as e:  # e.g. a transformers whose forward does not take the cache argument
         res["error"] = f"rollout.generate (fast): {type(e).__name__}: {e}"
         fast = None
@@ -344,8 +345,8 @@ def consistency(model_dir, device, out_path):
     with torch.no_grad():
         ids = fast["completion_ids"]
         mask = fast["completion_mask"].to(dev)
-        lp_fast = rollout.completion_logprobs(model, fast["prompt_ids"], ids, pad, 1.0, fast=True)
-        lp_plain = rollout.completion_logprobs_plain(model, fast["prompt_ids"], ids, pad, 1.0)
+        lp_fast = rollout.completion_logprobs(model, fast["prompt_ids"], ids, pad_id=pad, temperature=1.0, fast=True)
+        lp_plain = rollout.completion_logprobs_plain(model, fast["prompt_ids"], ids, pad_id=pad, temperature=1.0)
     diff = ((lp_fast - lp_plain).abs() * mask).max().item()
     res["logprobs"] = {"max_abs_diff_fast_vs_plain": diff, "tokens": int(mask.sum()),
                        "mean_logp": float((lp_plain * mask).sum() / mask.sum())}
@@ -395,7 +396,7 @@ def enable_checkpointing(policy, mode):
 def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion_len=1024, micro_batch_size=4,
                gradient_checkpointing="full", group_size=8, seed=0, fast_paths=True):
     """ONE policy update of a random-init Qwen3-4B-shaped model (tiny with smoke) at the memory
-    plan's micro-batch and lengths (README, Memory plan): float32 master weights and fused AdamW
+    plan's micro-batch and lengths (docs/scale-out.md, memory plan): float32 master weights and fused AdamW
     (as train.py builds them), compute in bf16, activation checkpointing, `rows` random sequences
     of prompt_len + completion_len tokens in groups of group_size (each group's prompt shared),
     through train.update_policy with config.yaml's algo/optim settings. Nothing is generated.
@@ -454,7 +455,7 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
         torch.cuda.reset_peak_memory_stats(dev)
     t = time.perf_counter()
     with ctx:
-        upd = train.update_policy(policy, policy, optimizer, batch, cfg, 1, dev, 0)
+        upd = train.update_policy(policy, policy, optimizer, batch, cfg=cfg, world=1, device=dev, pad_id=0)
     if cuda:
         torch.cuda.synchronize(dev)
     res["update_seconds"] = time.perf_counter() - t

@@ -6,7 +6,7 @@ The behaviours configs/cpu_learn.yaml targets: completion length in tokens (`--b
 the default; "Is the solution concise?"), the fraction that finish within max_new_tokens
 (`finished`), and the fraction that state a \boxed{} final answer (`boxed`: the format the prompt
 asks for, which the evaluator prompt shows as "Final answer extracted from the solution");
-`equals` ('=' signs) and `answer` (says "answer") measure the earlier presets' questions (README). Prints, per run, the mean of the first and the last
+`equals` ('=' signs) and `answer` (says "answer") measure the earlier presets' questions (docs/learning-runs.md). Prints, per run, the mean of the first and the last
 `--window` steps with the standard error of each window's mean (step-to-step noise: sd of the
 window's step means / sqrt(window)), and plots both quantities per step (thin: raw, thick: EMA 0.9
 as in the paper's curves).
@@ -82,8 +82,9 @@ def heldout(run_dir, n_problems, samples, data):
         chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
         prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=p["question"]), chat)
                    for p in problems]
-        out = rollout.generate(model, tok, prompts, samples, ro["max_new_tokens"], ro["temperature"], ro["top_p"],
-                               ro["top_k"], seed=cfg["run"]["seed"], micro_batch_size=16)
+        out = rollout.generate(model, tok, prompts, group_size=samples, max_new_tokens=ro["max_new_tokens"],
+                               temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
+                               seed=cfg["run"]["seed"], micro_batch_size=16)
         evaluators = train.load_evaluators(cfg, model, tok, "cpu")
         r = R.rlme_reward(evaluators, rw["meta_questions"], [p["question"] for p in problems for _ in range(samples)],
                           out["completions"], answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"])

@@ -50,7 +50,7 @@ def main(argv=None):
         return (rw["meta_questions"] + [{"question": q, "weight": 1.0, "target": "Yes"} for q in EXTRA_QUESTIONS])[:k]
 
     def step(s, profiler=None):
-        batch = train.step_items(items, s, ro["prompts_per_step"], cfg["run"]["seed"], 0, 1)
+        batch = rollout.step_items(items, s, ro["prompts_per_step"], cfg["run"]["seed"], rank=0, world=1)
         prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                    for it in batch]
         samples = [it for it in batch for _ in range(ro["group_size"])]
@@ -77,7 +77,8 @@ def main(argv=None):
         adv = train.group_advantages(rew["reward"], ro["group_size"])
         b = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
              "completion_mask": out["completion_mask"], "advantages": adv}
-        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, cfg, 1, device, tok.pad_token_id))
+        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, cfg=cfg, world=1, device=device,
+                                                        pad_id=tok.pad_token_id))
         return times, ops, out, samples
 
     step(0)  # warm-up: allocator, caches, AdamW state

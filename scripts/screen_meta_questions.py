@@ -80,8 +80,9 @@ def main(argv=None):
     items = train.load_train_items(cfg)[:a.n_prompts]
     prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                for it in items]
-    out = rollout.generate(policy, tok, prompts, a.samples, ro["max_new_tokens"], ro["temperature"], ro["top_p"],
-                           ro["top_k"], seed=cfg["run"]["seed"], micro_batch_size=16)
+    out = rollout.generate(policy, tok, prompts, group_size=a.samples, max_new_tokens=ro["max_new_tokens"],
+                           temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
+                           seed=cfg["run"]["seed"], micro_batch_size=16)
     problems = [it["question"] for it in items for _ in range(a.samples)]
     evaluator = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
     mq = [{"question": CANDIDATES[n][0], "weight": 1.0, "target": "Yes"} for n in names]

@@ -23,7 +23,7 @@ def data_path(*parts):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer) of the real SmolLM2-135M-Instruct (SPEC §8), float32, eval mode."""
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct (docs/method.md §8), float32, eval mode."""
     import rollout
     model, tok = rollout.load_model(SMOLLM2)
     model.eval()

@@ -1,4 +1,4 @@
-"""RM-NLHF end to end (SPEC §5): train.py with task rm_nlhf, the order of SPEC §5.4, resume with the
+"""RM-NLHF end to end (docs/method.md §5): train.py with task rm_nlhf, Algorithm 1's order (RM-NLHF App. D.1), resume with the
 MetaRM, judge failures inside a run, and one-line start-up errors through the CLI."""
 import copy
 import json
@@ -125,7 +125,7 @@ def test_rewards_without_metarm_hand_numbers():
 
 
 def test_metarm_updated_before_it_scores_do(tiny_model_path):
-    """SPEC §5.4 order: the R̂ used for D_O is the prediction of the MetaRM AFTER this step's update
+    """Algorithm 1's order (RM-NLHF App. D.1): the R̂ used for D_O is the prediction of the MetaRM AFTER this step's update
     on the D_H samples, not before; D_O reward = 1 + clip(R̂ - 1, 0, λ) for a right verdict."""
     cfg = small_cfg()
     h = "Response B adds 2 and 3 wrongly. Response A is right."
@@ -227,7 +227,7 @@ def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
 
     samples = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert len(samples) == 8 and all(NLHF_SAMPLE <= set(s) for s in samples)
-    for s in samples:  # every reward recomputed by hand from the logged fields (SPEC §5.3-5.4)
+    for s in samples:  # every reward recomputed by hand from the logged fields (RM-NLHF Eq. 4-8; docs/method.md §5.3-5.4)
         if not s["valid"]:
             assert s["reward"] == -1.0
         elif s["set"] == "dh":
@@ -240,7 +240,7 @@ def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
             r = torch.tensor([s["reward"] for s in grp])
             expect = (r - r.mean()) / (r.std(unbiased=False) + 1e-6) if r[0] != r[1] else torch.zeros(2)
             assert [s["advantage"] for s in grp] == pytest.approx(expect.tolist(), abs=1e-5)
-    # order of SPEC §5.4: step 2's R̂ is what the MetaRM saved AFTER step 2's update predicts; the
+    # Algorithm 1's order: step 2's R̂ is what the MetaRM saved AFTER step 2's update predicts; the
     # MetaRM before step 2 (in the step-1 checkpoint) predicts something else
     by_id = {it["id"]: it for it in pairs}
     s2 = next(s for s in samples if s["step"] == 2 and s["set"] == "do" and s["valid"])

@@ -240,7 +240,7 @@ def test_math_verify_equivalence():
     assert not evaluate.math_equal(None, "3")
     p = {"kind": "math", "label": "3"}
     assert evaluate.grade(p, "so we get \\boxed{x=3}.") == ("x=3", True)
-    assert evaluate.grade(p, "the answer is 3") == (None, False)  # no box -> wrong (SPEC §4.3)
+    assert evaluate.grade(p, "the answer is 3") == (None, False)  # no box -> wrong (docs/method.md §4.3)
 
 
 def test_gsm8k_grading_numeric():

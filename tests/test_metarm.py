@@ -1,4 +1,4 @@
-"""metarm.py (SPEC §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
+"""metarm.py (docs/method.md §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
 cold start (with the real rollout code on a tiny model) and the command line."""
 import json
 import os

@@ -9,7 +9,7 @@ import rollout
 from conftest import SMOLLM2
 
 
-# --- boxed extraction (SPEC §4.3) ---------------------------------------------------------------
+# --- boxed extraction (docs/method.md §4.3) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
     (r"so the answer is \boxed{42}.", "42"),

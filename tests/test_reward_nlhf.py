@@ -1,4 +1,4 @@
-"""RM-NLHF pieces of reward.py (SPEC §5.1-5.3): pairwise loaders, GRM parsing, the reward table,
+"""RM-NLHF pieces of reward.py (docs/method.md §5.1-5.3): pairwise loaders, GRM parsing, the reward table,
 the critique judge (tag parsing, retries against a real local HTTP server, failures) and the
 offline proxy. Every expected number below is computed by hand in the comment next to it."""
 import http.server

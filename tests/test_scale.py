@@ -1,4 +1,4 @@
-"""Scale-out (SPEC §7): FSDP2 vs one process (update, grad norm, generation), layout-agnostic
+"""Scale-out (docs/scale-out.md): FSDP2 vs one process (update, grad norm, generation), layout-agnostic
 checkpoints both ways, per-rank seeds, config errors, and the pure parts of the vLLM backend
 (with plain stand-in objects: vLLM itself is never imported here). GPU tests at the end are
 marked `gpu` and skipped without CUDA (and without vllm)."""
@@ -193,7 +193,7 @@ def test_checkpoint_round_trip_single_fsdp2_single(tiny_model_path, tmp_path):
     assert max((saved["pushed"][k] - sd[k]).abs().max().item() for k in sd) < 1e-6
 
 
-# --- per-rank seeds (SPEC §7) ---------------------------------------------------------------------
+# --- per-rank seeds (docs/scale-out.md) ---------------------------------------------------------------------
 
 def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
     seeds = {T.sampling_seed(3, step, rank) for step in range(2000) for rank in range(64)}
@@ -214,7 +214,7 @@ def test_vllm_request_seeds_distinct():
     assert all(0 <= s < 2**31 for s in a + b)
 
 
-# --- config errors (SPEC §3) ----------------------------------------------------------------------
+# --- config errors (docs/method.md §3) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, device, message", [
     (["train.cpu_offload=true", "train.parallel=ddp"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
@@ -280,7 +280,7 @@ def test_vllm_outputs_to_rollout_pad_equals_eos():
 
 
 def test_vllm_outputs_to_rollout_cuts_after_first_eos_and_checks_groups():
-    # an EOS id that is not the engine's own stop token still ends the loss mask (SPEC §4.1)
+    # an EOS id that is not the engine's own stop token still ends the loss mask (docs/method.md §4.1)
     outputs = [SimpleNamespace(outputs=[_completion([5, EOS, 6], [-0.1, -0.2, -0.3], "stop")])]
     r = rollout.vllm_outputs_to_rollout(outputs, [[1]], 1, pad_id=0, eos=[EOS], decode=str)
     assert r["completion_mask"].tolist() == [[1, 1, 0]] and r["truncated"].tolist() == [False]
@@ -343,7 +343,7 @@ def test_vllm_sleep_and_push_order():
 
 def test_importing_the_stages_never_imports_vllm():
     # a fresh interpreter: on a GPU machine with vllm installed this fails if a module-level
-    # `import vllm` creeps in (SPEC §7: nothing may need it to import)
+    # `import vllm` creeps in (docs/scale-out.md: nothing may need it to import)
     import subprocess
     import sys
     code = "import sys, rollout, train, reward; sys.exit('vllm' in sys.modules)"

@@ -21,7 +21,7 @@ ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "
         "advantage_std": False}
 
 
-# --- advantages (RLME Eq. 5, SPEC §4.5) -----------------------------------------------------------
+# --- advantages (RLME Eq. 5; RM-NLHF Eq. 1-2 for GRPO's / std) -----------------------------------------------------------
 
 def test_mean_only_advantages_by_hand():
     r = torch.tensor([1.0, 2.0, 3.0, 6.0, -0.7, -0.7, -0.7, -0.7])
@@ -101,7 +101,7 @@ def test_cispo_geometric_mean_ratio():
     assert st["is_weight"].item() == pytest.approx(math.exp(0.25), rel=1e-6)
 
 
-# --- GRPO (SPEC §4.5) -------------------------------------------------------------------------------
+# --- GRPO (RM-NLHF Eq. 3; docs/method.md §4.5) -------------------------------------------------------------------------------
 
 def test_k3_kl_value_and_gradient():
     logp = torch.tensor([-1.0], requires_grad=True)
@@ -207,7 +207,7 @@ def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
         assert (results[name]["delta"] - ref["delta"]).abs().max().item() < 1e-5, name
 
 
-# --- config (SPEC §3) --------------------------------------------------------------------------------
+# --- config (docs/method.md §3) --------------------------------------------------------------------------------
 
 def _write(tmp_path, name, text):
     p = tmp_path / name
