@@ -305,8 +305,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         grm: optional (model, tokenizer) of the base GRM already in memory (train.py passes its
             policy at step 0); None = load grm_path on the CPU.
         dh_items: pairwise dicts with human critiques. judge: reward.make_judge(...) dict.
-        nlhf: dict with lam, threshold, gate_on_outcome, max_critique_lines, max_critique_chars
-            (defaults: 0.5, 0.5, True, 4, 1500).
+        nlhf: the config's `nlhf:` section (lam, threshold, gate_on_outcome, max_critique_lines,
+            max_critique_chars); None = config.yaml's.
         compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
         fast: False samples with the plain twin (rollout.generate_plain, train.fast_paths).
     Returns:
@@ -314,8 +314,7 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
         MetaRM keeps its initial head; the numbers say so.
     """
-    nl = {"lam": 0.5, "threshold": 0.5, "gate_on_outcome": True, "max_critique_lines": 4,
-          "max_critique_chars": 1500, **(nlhf or {})}
+    nl = nlhf if nlhf is not None else config.load_config([])["nlhf"]
     t0 = time.time()
     grm, tok = grm or rollout.load_model(grm_path)
     chat = rollout.use_chat_template(tok, chat_template)

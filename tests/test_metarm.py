@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SMOLLM2, data_path
+from conftest import REPO, SMOLLM2, data_path, make_judge
 import metarm
 import reward
 
@@ -159,7 +159,7 @@ def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
 
     monkeypatch.setattr(metarm.rollout, "generate", fake_generate)
     mrm = fresh(tiny_model_path)
-    judge = reward.make_judge({"backend": "proxy"})
+    judge = make_judge({"backend": "proxy"})
     stats = metarm.cold_start(mrm, tiny_model_path, items, judge, rollouts_per_prompt=3, epochs=1, lr=1e-4,
                               log=lambda s: None)
     assert seen["prompts"] == 2 and seen["g"] == 3 and "[Response A]" in seen["first"] and "<critics>" in seen["first"]
@@ -178,7 +178,7 @@ def test_cold_start_real_generation_tiny(tiny_model_path):
     to train on; cold_start must say so instead of failing."""
     items = [item(0), item(1)]
     mrm = fresh(tiny_model_path)
-    stats = metarm.cold_start(mrm, tiny_model_path, items, reward.make_judge({"backend": "proxy"}),
+    stats = metarm.cold_start(mrm, tiny_model_path, items, make_judge({"backend": "proxy"}),
                               rollouts_per_prompt=2, max_new_tokens=4, log=lambda s: None)
     assert stats["rollouts"] == 4 and stats["invalid"] == 4 and stats["examples"] == 0
     assert stats["loss_first"] is None and stats["target_mean"] is None

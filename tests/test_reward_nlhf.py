@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import SMOLLM2, data_path
+from conftest import SMOLLM2, data_path, make_judge
 import reward
 
 
@@ -304,7 +304,7 @@ def test_retry_429_429_200(fake_server):
     rate = (429, "application/json", '{"error": {"message": "slow down"}}')
     fake_server["plan"] = [rate, rate, (200, "application/json",
                                         completion_body("<precision>0.5</precision><recall>1</recall><f1>0.6667</f1>"))]
-    judge = reward.make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
+    judge = make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
                                "backoff_base_s": 1.0, "max_retries": 4})
     sleeps = []
     out = reward.judge_scores(judge, [("human says A", "model says A")], sleep=sleeps.append, rand=lambda: 0.5)
@@ -318,7 +318,7 @@ def test_retry_429_429_200(fake_server):
 
 def test_parse_failures_are_retried_then_none(fake_server):
     fake_server["plan"] = [(200, "application/json", completion_body("<f1>1e-1</f1>"))] * 3
-    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2})
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2})
     sleeps = []
     out = reward.judge_scores(judge, [("h", "c")], sleep=sleeps.append, rand=lambda: 0.0)
     assert out[0]["f1"] is None and out[0]["attempts"] == 3
@@ -328,7 +328,7 @@ def test_parse_failures_are_retried_then_none(fake_server):
 
 def test_html_answer_and_404_are_counted_failures(fake_server):
     fake_server["plan"] = [(200, "text/html", "<html><body>login</body></html>")] * 2
-    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1})
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1})
     out = reward.judge_scores(judge, [("h", "c")], sleep=lambda s: None)
     assert out[0]["f1"] is None and out[0]["attempts"] == 2 and "HTML" in out[0]["why"]
     fake_server["plan"] = [(404, "text/html", "<html>not found</html>")]
@@ -341,7 +341,7 @@ def test_refused_connection_is_a_counted_failure():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    judge = reward.make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2})
+    judge = make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2})
     sleeps = []
     out = reward.judge_scores(judge, [("h", "c"), ("h2", "c2")], sleep=sleeps.append, rand=lambda: 1.0)
     assert [o["f1"] for o in out] == [None, None]
@@ -352,22 +352,22 @@ def test_refused_connection_is_a_counted_failure():
 def test_make_judge_startup_errors(monkeypatch):
     monkeypatch.delenv("NLHF_TEST_KEY", raising=False)
     with pytest.raises(SystemExit, match="judge.api_key_env: environment variable NLHF_TEST_KEY is not set"):
-        reward.make_judge({"model": "gpt", "base_url": "https://api.example.com/v1", "api_key_env": "NLHF_TEST_KEY"})
+        make_judge({"model": "gpt", "base_url": "https://api.example.com/v1", "api_key_env": "NLHF_TEST_KEY"})
     with pytest.raises(SystemExit, match="judge.model: required"):
-        reward.make_judge({"base_url": "http://127.0.0.1:1/v1"})
+        make_judge({"base_url": "http://127.0.0.1:1/v1"})
     with pytest.raises(SystemExit, match=r"judge: unknown key\(s\) \['modle'\]"):
-        reward.make_judge({"modle": "x"})
+        make_judge({"modle": "x"})
     with pytest.raises(SystemExit, match="judge.backend: 'vllm' unknown"):
-        reward.make_judge({"backend": "vllm", "model": "x"})
+        make_judge({"backend": "vllm", "model": "x"})
     monkeypatch.setenv("NLHF_TEST_KEY", "sk-very-secret")
-    judge = reward.make_judge({"model": "gpt", "api_key_env": "NLHF_TEST_KEY"})
+    judge = make_judge({"model": "gpt", "api_key_env": "NLHF_TEST_KEY"})
     assert "sk-very-secret" not in repr(judge)  # the key lives only inside the client
 
 
 def test_score_dh_calls_judge_only_for_valid_right(fake_server):
     ok = (200, "application/json", completion_body("<precision>1</precision><recall>0.5</recall><f1>0.6667</f1>"))
     fake_server["plan"] = [ok]
-    judge = reward.make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
     item = {"winner": "A", "critique": "Response B is wrong."}
     outs = ["<critics>B errs.</critics><choice>[[A]]</choice>",   # right -> judged, 0.6667 >= 0.5 -> 1.5
             "<critics>A errs.</critics><choice>[[B]]</choice>",   # wrong -> 0, no call
@@ -408,7 +408,7 @@ def test_proxy_f1_hand_numbers():
     assert (rep["f1"], rep["why"]) == (0.0, "proxy: repetition")
     assert reward.proxy_f1("", "anything")["f1"] is None
     assert reward.proxy_f1(human, "")["f1"] == 0.0
-    judge = reward.make_judge({"backend": "proxy"})
+    judge = make_judge({"backend": "proxy"})
     assert reward.judge_scores(judge, [(human, model)])[0]["f1"] == 1.0
 
 
@@ -421,7 +421,7 @@ def test_judge_against_transformers_serve(smollm2_path, tmp_path):
     proc, base_url = start_transformers_serve(smollm2_path, tmp_path / "serve.log")
     try:
         # a 2-core CPU makes ~2-3 tokens/s here: one short answer, one retry, bounded by timeout_s
-        judge = reward.make_judge({"base_url": base_url, "model": smollm2_path,
+        judge = make_judge({"base_url": base_url, "model": smollm2_path,
                                    "max_retries": 1, "timeout_s": 30, "max_tokens": 12, "concurrency": 2,
                                    "backoff_base_s": 0.1})
         item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly; Response A is right."}
@@ -454,7 +454,7 @@ def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
 
 
 def test_score_dh_rejects_items_without_critique():
-    judge = reward.make_judge({"backend": "proxy"})
+    judge = make_judge({"backend": "proxy"})
     p = [reward.parse_grm_output("<critics>x</critics><choice>[[A]]</choice>")]
     with pytest.raises(ValueError, match="no human critique"):
         reward.score_dh(p, [{"winner": "A", "critique": None}], judge)
