@@ -4,12 +4,13 @@ RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5),
 compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
 critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
 response B, GRM critique), regresses the D_H reward R ∈ {0, 1, 1 + λ} with MSE (Eq. 6-7), and its
-prediction R̂ sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8).
+prediction R̂, clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right
+verdict (Eq. 8): a bonus of at most λ, as on D_H.
 
 One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
     Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
     Step 2  D_H rewards from the judge (Eq. 4-5)                 reward.score_dh
-    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (one pass, lr 5e-6)
+    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (one pass at metarm.online_lr)
     Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
             then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
     Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
@@ -95,7 +96,6 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
     critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
     r_hat = predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
-    metrics["metarm/updated_before_predict"] = mrm is None or metrics["order/metarm_update_done_s"] <= metrics["order/metarm_predict_start_s"]
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
     do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode)

@@ -470,6 +470,23 @@ GRM_PROMPT = """You are judging two AI assistant responses to the same conversat
 Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
 
 
+def nlhf_step_items(dh, do, step, cfg, rank, world):
+    """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
+    rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
+    same prompts), then the P prompts shuffled by (seed, step) so every rank gets a mix of both.
+    Returns list of item dicts tagged "set": "dh" | "do"."""
+    P, seed = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"]
+    n_dh = round(cfg["nlhf"]["dh_per_step"] * P) if do else P
+    # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
+    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh, seed=seed,
+                                                             rank=0, world=1)]
+            + [dict(it, set="do") for it in rollout.step_items(do, step, prompts_per_step=P - n_dh, seed=seed + 1,
+                                                               rank=0, world=1)])
+    order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
+    per_rank = P // world
+    return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
+
+
 def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
     """Token ids of the GRM prompt for one pairwise item (build_grm_prompt, in the chat template
     when `chat`; nl: the `nlhf` config section); its text (the user message) with text_only=True."""
@@ -706,11 +723,6 @@ Think briefly, then end your answer with exactly these tags, each holding a plai
 <f1>...</f1>"""
 
 
-# The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
-JUDGE_KEYS = ("backend", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
-              "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
-
-
 # A plain decimal in [0, 1]: '0', '1', '0.5', '.5', '1.0'. Scientific notation ('1e-1'), 'nan',
 # 'inf', fractions ('2/3') and percentages are parse failures: the prompt asks for a plain
 # decimal, and accepting float()'s whole grammar would let 'nan' or 'inf' through.
@@ -743,84 +755,6 @@ def parse_judge_output(text):
     return dict(vals, why="")
 
 
-def make_judge(cfg):
-    """Build the judge from the `judge:` config section (start-up checks happen here).
-
-    Args:
-        cfg: config.yaml's `judge:` section, every key of JUDGE_KEYS (config.load_config fills
-            them from config.yaml).
-    Returns:
-        dict with the settings, plus 'client' (an openai.OpenAI with its own retries off: we retry
-        ourselves) for backend 'openai'. The API key lives only inside the client object.
-    Raises:
-        SystemExit (one line): unknown or missing key, unknown backend, no model name, or api_key_env names an
-        environment variable that is unset (a hosted judge would fail every call otherwise).
-    """
-    unknown, missing = set(cfg) - set(JUDGE_KEYS), set(JUDGE_KEYS) - set(cfg)
-    if unknown or missing:
-        raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}, missing key(s) {sorted(missing)}; "
-                         f"config.yaml's judge section has them all")
-    j = dict(cfg)
-    if j["backend"] == "proxy":
-        return j
-    if j["backend"] != "openai":
-        raise SystemExit(f"judge.backend: {j['backend']!r} unknown; allowed: openai, proxy")
-    if not j["model"]:
-        raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
-    key = "EMPTY"  # local servers ignore the key, but the client insists on one
-    if j["api_key_env"]:
-        key = os.environ.get(j["api_key_env"])
-        if not key:
-            raise SystemExit(f"judge.api_key_env: environment variable {j['api_key_env']} is not set "
-                             f"(needed for the judge at {j['base_url']})")
-    import openai  # here, not at the top: only the 'openai' backend needs the package
-    j["client"] = openai.OpenAI(base_url=j["base_url"], api_key=key, timeout=float(j["timeout_s"]),
-                                max_retries=0)
-    return j
-
-
-def backoff_delay(attempt, base, cap, u):
-    """Seconds to wait before retry `attempt` (0-based): 'equal jitter' exponential backoff,
-    d = min(cap, base * 2**attempt), delay = d/2 + u * d/2 with u ~ U[0, 1). Half the delay is
-    guaranteed (the server gets a break), the other half spreads the clients out."""
-    d = min(cap, base * 2 ** attempt)
-    return d / 2 + u * d / 2
-
-
-def _judge_call(judge, human, model, sleep, rand):
-    """One judge request with retries. Returns dict(f1, precision, recall, why, attempts)."""
-    import openai
-    prompt = JUDGE_PROMPT.format(human=human.strip(), model=model.strip())
-    why, attempt = "", 0
-    for attempt in range(int(judge["max_retries"]) + 1):
-        retry = True
-        try:
-            resp = judge["client"].chat.completions.create(
-                model=judge["model"], messages=[{"role": "user", "content": prompt}],
-                temperature=judge["temperature"], max_tokens=judge["max_tokens"])
-            if isinstance(resp, str) or not getattr(resp, "choices", None):
-                # the client hands back the raw body when the server does not answer JSON
-                why = f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
-            else:
-                parsed = parse_judge_output(resp.choices[0].message.content)
-                if parsed["f1"] is not None:
-                    return dict(parsed, attempts=attempt + 1)
-                why = "parse failure: " + parsed["why"]
-        except openai.APIStatusError as e:
-            why = f"HTTP {e.status_code}"
-            retry = e.status_code in (408, 409, 429) or e.status_code >= 500  # others will not heal
-        except openai.APITimeoutError:
-            why = "timeout"
-        except openai.APIConnectionError as e:
-            why = f"connection error: {type(e.__cause__ or e).__name__}"
-        except Exception as e:  # anything else (bad JSON body, ...) is a failed call, not a crash
-            why = f"{type(e).__name__}: {str(e)[:100]}"
-        if not retry or attempt == int(judge["max_retries"]):
-            break
-        sleep(backoff_delay(attempt, base=judge["backoff_base_s"], cap=judge["backoff_max_s"], u=rand()))
-    return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempt + 1}
-
-
 def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
     """Critique similarity S(h, c) for many (human, model) critique pairs (RM-NLHF §2.3, App. E;
     docs/method.md §5.3).
@@ -847,63 +781,8 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
         return list(pool.map(one, pairs))
 
 
-# Offline PROXY of the judge (no server). It is a lexical stand-in for tests and laptops, not the
-# paper's LLM judge: it cannot tell paraphrases or stances apart beyond shared content words.
-_STOP = set("""a an the and or but if then than so of to in on at by for with from as is are was
-were be been being it its this that these those there here which who whom what when where why how
-not no yes do does did done has have had can could should would will shall may might must very
-also just only more most less least such both each other into about over under again further
-their they them he she his her we our you your i me my too response""".split())
-
-
-def _points(text):
-    """Sentence-level points of a critique as sets of content words. 'Response A' / 'Response B'
-    become the tokens 'resp_a' / 'resp_b' so the response a point is about survives."""
-    text = re.sub(r"\bresponse\s+([ab])\b", r"resp_\1", (text or "").lower())
-    out = []
-    for sent in re.split(r"(?<=[.!?;])\s+|\n+", text):
-        words = {w for w in re.findall(r"[a-z0-9_]+", sent) if w not in _STOP}
-        if words:
-            out.append(words)
-    return out
-
-
-def _dice(x, y):
-    return 2 * len(x & y) / (len(x) + len(y))
-
-
-def proxy_f1(human, model, match=0.4, repeat=0.8):
-    """PROXY critique similarity: F1 of greedily matched sentence-level points (lexical).
-
-    Points = sentences as content-word sets (_points). Repetition check first: two candidate
-    points with Dice overlap >= `repeat` -> F1 0. Then pairs (human point, model point) with
-    Dice >= `match` are matched greedily by decreasing overlap, each point at most once;
-    precision = M / C, recall = M / H, F1 = 2PR / (P + R) (0 when M = 0).
-
-    Returns dict(f1, precision, recall, why); f1 None (why 'empty human critique') when the human
-    critique has no content words.
-    """
-    hp, mp = _points(human), _points(model)
-    if not hp:
-        return {"f1": None, "precision": None, "recall": None, "why": "proxy: empty human critique"}
-    for i in range(len(mp)):
-        for j in range(i + 1, len(mp)):
-            if _dice(mp[i], mp[j]) >= repeat:
-                return {"f1": 0.0, "precision": 0.0, "recall": 0.0, "why": "proxy: repetition"}
-    cand = sorted(((_dice(h, m), i, j) for i, h in enumerate(hp) for j, m in enumerate(mp)), reverse=True)
-    used_h, used_m = set(), set()
-    for sim, i, j in cand:
-        if sim >= match and i not in used_h and j not in used_m:
-            used_h.add(i)
-            used_m.add(j)
-    m = len(used_h)
-    p, r = (m / len(mp) if mp else 0.0), m / len(hp)
-    f1 = 2 * p * r / (p + r) if m else 0.0
-    return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}
-
-
 # ==============================================================================================
-# PLUMBING: skip on first read (pairwise data loading: schemas, local files, hub datasets, D_H/D_O)
+# PLUMBING: skip on first read (pairwise data loading; the judge's client with retries; the proxy judge)
 # ==============================================================================================
 
 
@@ -1250,18 +1129,143 @@ def load_do_items(cfg):
     return items[:nl["max_items"]] if nl["max_items"] else items
 
 
-def nlhf_step_items(dh, do, step, cfg, rank, world):
-    """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
-    rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
-    same prompts), then the P prompts shuffled by (seed, step) so every rank gets a mix of both.
-    Returns list of item dicts tagged "set": "dh" | "do"."""
-    P, seed = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"]
-    n_dh = round(cfg["nlhf"]["dh_per_step"] * P) if do else P
-    # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
-    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh, seed=seed,
-                                                             rank=0, world=1)]
-            + [dict(it, set="do") for it in rollout.step_items(do, step, prompts_per_step=P - n_dh, seed=seed + 1,
-                                                               rank=0, world=1)])
-    order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
-    per_rank = P // world
-    return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
+# ----------------------------------------------------------------------------------------------
+# The judge's client (one request with retries and backoff) and the offline proxy judge
+
+
+# The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
+JUDGE_KEYS = ("backend", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
+              "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
+
+
+def make_judge(cfg):
+    """Build the judge from the `judge:` config section (start-up checks happen here).
+
+    Args:
+        cfg: config.yaml's `judge:` section, every key of JUDGE_KEYS (config.load_config fills
+            them from config.yaml).
+    Returns:
+        dict with the settings, plus 'client' (an openai.OpenAI with its own retries off: we retry
+        ourselves) for backend 'openai'. The API key lives only inside the client object.
+    Raises:
+        SystemExit (one line): unknown or missing key, unknown backend, no model name, or api_key_env names an
+        environment variable that is unset (a hosted judge would fail every call otherwise).
+    """
+    unknown, missing = set(cfg) - set(JUDGE_KEYS), set(JUDGE_KEYS) - set(cfg)
+    if unknown or missing:
+        raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}, missing key(s) {sorted(missing)}; "
+                         f"config.yaml's judge section has them all")
+    j = dict(cfg)
+    if j["backend"] == "proxy":
+        return j
+    if j["backend"] != "openai":
+        raise SystemExit(f"judge.backend: {j['backend']!r} unknown; allowed: openai, proxy")
+    if not j["model"]:
+        raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
+    key = "EMPTY"  # local servers ignore the key, but the client insists on one
+    if j["api_key_env"]:
+        key = os.environ.get(j["api_key_env"])
+        if not key:
+            raise SystemExit(f"judge.api_key_env: environment variable {j['api_key_env']} is not set "
+                             f"(needed for the judge at {j['base_url']})")
+    import openai  # here, not at the top: only the 'openai' backend needs the package
+    j["client"] = openai.OpenAI(base_url=j["base_url"], api_key=key, timeout=float(j["timeout_s"]),
+                                max_retries=0)
+    return j
+
+
+def backoff_delay(attempt, base, cap, u):
+    """Seconds to wait before retry `attempt` (0-based): 'equal jitter' exponential backoff,
+    d = min(cap, base * 2**attempt), delay = d/2 + u * d/2 with u ~ U[0, 1). Half the delay is
+    guaranteed (the server gets a break), the other half spreads the clients out."""
+    d = min(cap, base * 2 ** attempt)
+    return d / 2 + u * d / 2
+
+
+def _judge_call(judge, human, model, sleep, rand):
+    """One judge request with retries. Returns dict(f1, precision, recall, why, attempts)."""
+    import openai
+    prompt = JUDGE_PROMPT.format(human=human.strip(), model=model.strip())
+    why, attempt = "", 0
+    for attempt in range(int(judge["max_retries"]) + 1):
+        retry = True
+        try:
+            resp = judge["client"].chat.completions.create(
+                model=judge["model"], messages=[{"role": "user", "content": prompt}],
+                temperature=judge["temperature"], max_tokens=judge["max_tokens"])
+            if isinstance(resp, str) or not getattr(resp, "choices", None):
+                # the client hands back the raw body when the server does not answer JSON
+                why = f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
+            else:
+                parsed = parse_judge_output(resp.choices[0].message.content)
+                if parsed["f1"] is not None:
+                    return dict(parsed, attempts=attempt + 1)
+                why = "parse failure: " + parsed["why"]
+        except openai.APIStatusError as e:
+            why = f"HTTP {e.status_code}"
+            retry = e.status_code in (408, 409, 429) or e.status_code >= 500  # others will not heal
+        except openai.APITimeoutError:
+            why = "timeout"
+        except openai.APIConnectionError as e:
+            why = f"connection error: {type(e.__cause__ or e).__name__}"
+        except Exception as e:  # anything else (bad JSON body, ...) is a failed call, not a crash
+            why = f"{type(e).__name__}: {str(e)[:100]}"
+        if not retry or attempt == int(judge["max_retries"]):
+            break
+        sleep(backoff_delay(attempt, base=judge["backoff_base_s"], cap=judge["backoff_max_s"], u=rand()))
+    return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempt + 1}
+
+
+# Offline PROXY of the judge (no server). It is a lexical stand-in for tests and laptops, not the
+# paper's LLM judge: it cannot tell paraphrases or stances apart beyond shared content words.
+_STOP = set("""a an the and or but if then than so of to in on at by for with from as is are was
+were be been being it its this that these those there here which who whom what when where why how
+not no yes do does did done has have had can could should would will shall may might must very
+also just only more most less least such both each other into about over under again further
+their they them he she his her we our you your i me my too response""".split())
+
+
+def _points(text):
+    """Sentence-level points of a critique as sets of content words. 'Response A' / 'Response B'
+    become the tokens 'resp_a' / 'resp_b' so the response a point is about survives."""
+    text = re.sub(r"\bresponse\s+([ab])\b", r"resp_\1", (text or "").lower())
+    out = []
+    for sent in re.split(r"(?<=[.!?;])\s+|\n+", text):
+        words = {w for w in re.findall(r"[a-z0-9_]+", sent) if w not in _STOP}
+        if words:
+            out.append(words)
+    return out
+
+
+def _dice(x, y):
+    return 2 * len(x & y) / (len(x) + len(y))
+
+
+def proxy_f1(human, model, match=0.4, repeat=0.8):
+    """PROXY critique similarity: F1 of greedily matched sentence-level points (lexical).
+
+    Points = sentences as content-word sets (_points). Repetition check first: two candidate
+    points with Dice overlap >= `repeat` -> F1 0. Then pairs (human point, model point) with
+    Dice >= `match` are matched greedily by decreasing overlap, each point at most once;
+    precision = M / C, recall = M / H, F1 = 2PR / (P + R) (0 when M = 0).
+
+    Returns dict(f1, precision, recall, why); f1 None (why 'empty human critique') when the human
+    critique has no content words.
+    """
+    hp, mp = _points(human), _points(model)
+    if not hp:
+        return {"f1": None, "precision": None, "recall": None, "why": "proxy: empty human critique"}
+    for i in range(len(mp)):
+        for j in range(i + 1, len(mp)):
+            if _dice(mp[i], mp[j]) >= repeat:
+                return {"f1": 0.0, "precision": 0.0, "recall": 0.0, "why": "proxy: repetition"}
+    cand = sorted(((_dice(h, m), i, j) for i, h in enumerate(hp) for j, m in enumerate(mp)), reverse=True)
+    used_h, used_m = set(), set()
+    for sim, i, j in cand:
+        if sim >= match and i not in used_h and j not in used_m:
+            used_h.add(i)
+            used_m.add(j)
+    m = len(used_h)
+    p, r = (m / len(mp) if mp else 0.0), m / len(hp)
+    f1 = 2 * p * r / (p + r) if m else 0.0
+    return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}

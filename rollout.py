@@ -90,68 +90,6 @@ def build_prompt_ids(tokenizer, text, chat):
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-def render_prompt(tokenizer, text, chat):
-    """The prompt as a string (for text-level scoring, see reward.py); same content as build_prompt_ids."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return text
-
-
-def use_chat_template(tokenizer, setting):
-    """docs/method.md §4.1: instruct models get their chat template, base models plain text.
-    setting: 'auto' (= whether the tokenizer has one), True or False."""
-    if setting == "auto":
-        return tokenizer.chat_template is not None
-    if setting and tokenizer.chat_template is None:
-        raise SystemExit("chat_template: true, but the tokenizer has no chat template")
-    return bool(setting)
-
-
-def prompt_token_limit(setting, model, max_new_tokens, key):
-    """The prompt-length limit in tokens: `setting`, or when it is 0 the model's context
-    (config.max_position_embeddings) minus max_new_tokens. SystemExit (one line) when no prompt
-    could fit."""
-    context = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
-    limit = setting or context - max_new_tokens
-    if limit < 1:
-        raise SystemExit(f"config key {key}: no prompt fits (model context {context} tokens, "
-                         f"rollout.max_new_tokens={max_new_tokens})")
-    return limit
-
-
-def keep_short(items, prompt_ids, limit, key, overhead):
-    """Items whose prompt has at most `limit` tokens, and how many were dropped.
-
-    A prompt longer than the model's context does not fail: it makes the rollout crawl (one
-    64k-token question stalls a whole step), so it is dropped at load and counted. Only prompts
-    whose UTF-8 length exceeds `limit` minus the template's own tokens are tokenised: a token
-    covers at least one byte, so a shorter text cannot exceed the limit (GSM8K's 7.5k questions
-    then need no tokenising at all).
-
-    Args:
-        items: list of item dicts. prompt_ids(item, text_only) -> list[int] of its prompt ids;
-            with text_only=True it returns the prompt's text instead (for the byte bound).
-        limit: int tokens. key: the config key named in the error.
-        overhead: tokens the template adds around an empty text (chat header, BOS).
-    Returns:
-        (kept items, number dropped). Raises SystemExit (one line) when none is left.
-    """
-    kept, shortest = [], None
-    for it in items:
-        if len(prompt_ids(it, text_only=True).encode("utf-8")) + overhead + 16 <= limit:
-            kept.append(it)
-            continue
-        n = len(prompt_ids(it, text_only=False))
-        if n <= limit:
-            kept.append(it)
-        else:
-            shortest = n if shortest is None else min(shortest, n)
-    if items and not kept:
-        raise SystemExit(f"config key {key}: every prompt is over {limit} tokens (the shortest has {shortest})")
-    return kept, len(items) - len(kept)
-
-
 # ----------------------------------------------------------------------------------------------
 # Generation: G completions per prompt and their loss mask (RLME Eq. 1; docs/method.md §4.1)
 
@@ -576,14 +514,14 @@ def completion_logits(model, prompt_ids, completion_ids, pad_id):
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, fast=True, prompt_model=None):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
 
-    fast=False returns completion_logprobs_plain (one forward per row over prompt + completion).
+    fast=False returns completion_logprobs_plain (one batched forward over [prompt | completion]).
     fast=True, same numbers (tests/test_rollout.py, values and gradients):
     - rows with the same prompt next to each other (a group) run the prompt ONCE, with grad; its
       KV cache is repeated to the group's rows and only the completion tokens run per row. For
       GSM8K prompts (~130 tokens), 128-token completions and G = 4 this skips a large part of
       the update's forward and backward (timings: docs/performance.md).
-    - when no prompt is shared, or some prompt is a single token, it falls back to one forward
-      over [left-padded prompt | completion] per row, with token_logprobs' fast backward.
+    - when no prompt is shared, or some prompt is a single token, it falls back to one batched
+      forward over [left-padded prompt | completion], with token_logprobs' fast backward.
     Only the logits of positions that predict completion tokens are materialised.
 
     Args:
@@ -664,8 +602,74 @@ def read_only_cache(cache):
 
 
 # ==============================================================================================
-# PLUMBING: skip on first read (vLLM backend, model loading, JSONL files, CLI)
+# PLUMBING: skip on first read (prompt settings, vLLM backend, model loading, JSONL files, CLI)
 # ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt settings checked at start-up: the chat template or not, the prompt-length limit
+
+
+def use_chat_template(tokenizer, setting):
+    """docs/method.md §4.1: instruct models get their chat template, base models plain text.
+    setting: 'auto' (= whether the tokenizer has one), True or False."""
+    if setting == "auto":
+        return tokenizer.chat_template is not None
+    if setting and tokenizer.chat_template is None:
+        raise SystemExit("chat_template: true, but the tokenizer has no chat template")
+    return bool(setting)
+
+
+def render_prompt(tokenizer, text, chat):
+    """The prompt as a string (for text-level scoring, see reward.py); same content as build_prompt_ids."""
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return text
+
+
+def prompt_token_limit(setting, model, max_new_tokens, key):
+    """The prompt-length limit in tokens: `setting`, or when it is 0 the model's context
+    (config.max_position_embeddings) minus max_new_tokens. SystemExit (one line) when no prompt
+    could fit."""
+    context = getattr(model.config, "max_position_embeddings", None) or 10 ** 9
+    limit = setting or context - max_new_tokens
+    if limit < 1:
+        raise SystemExit(f"config key {key}: no prompt fits (model context {context} tokens, "
+                         f"rollout.max_new_tokens={max_new_tokens})")
+    return limit
+
+
+def keep_short(items, prompt_ids, limit, key, overhead):
+    """Items whose prompt has at most `limit` tokens, and how many were dropped.
+
+    A prompt longer than the model's context does not fail: it makes the rollout crawl (one
+    64k-token question stalls a whole step), so it is dropped at load and counted. Only prompts
+    whose UTF-8 length exceeds `limit` minus the template's own tokens are tokenised: a token
+    covers at least one byte, so a shorter text cannot exceed the limit (GSM8K's 7.5k questions
+    then need no tokenising at all).
+
+    Args:
+        items: list of item dicts. prompt_ids(item, text_only) -> list[int] of its prompt ids;
+            with text_only=True it returns the prompt's text instead (for the byte bound).
+        limit: int tokens. key: the config key named in the error.
+        overhead: tokens the template adds around an empty text (chat header, BOS).
+    Returns:
+        (kept items, number dropped). Raises SystemExit (one line) when none is left.
+    """
+    kept, shortest = [], None
+    for it in items:
+        if len(prompt_ids(it, text_only=True).encode("utf-8")) + overhead + 16 <= limit:
+            kept.append(it)
+            continue
+        n = len(prompt_ids(it, text_only=False))
+        if n <= limit:
+            kept.append(it)
+        else:
+            shortest = n if shortest is None else min(shortest, n)
+    if items and not kept:
+        raise SystemExit(f"config key {key}: every prompt is over {limit} tokens (the shortest has {shortest})")
+    return kept, len(items) - len(kept)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,22 +12,25 @@ One step of `train()`, top to bottom (the stage numbers are the loop's comments)
   4. update      no-grad behaviour/reference passes, then optimizer steps   update_policy
                  with CISPO (RLME Eq. 6-8) or GRPO, one global normaliser   (policy_loss, loss_normaliser)
   5. log         metrics.jsonl and samples.jsonl on rank 0                  log_step
-  6. checkpoint  atomic save_pretrained folders; re-running resumes exactly  save_checkpoint
+  6. checkpoint  atomic save_pretrained folders; re-running resumes exactly  save_run
 
 What is simplified, and why:
   - On-policy by default (algo.updates_per_batch = algo.minibatches = 1): the policy that sampled
     is the one being updated, so CISPO's importance weight is exactly 1 and the behaviour pass is
     skipped. Set either above 1 for RLME Eq. 6's off-policy update; the same code then runs it.
-  - The live evaluator IS the policy (RLME §3.1 lets any model evaluate): it scores without
+  - The live evaluator IS the policy ("live self-evaluation", RLME §4.1): it scores without
     gradient between rollout and update, so no second model is held. Frozen evaluators are config.
   - No value model and no learned reward model for RLME; RM-NLHF's only extra model is the MetaRM.
-  - Generation is HF `generate` on CPU and vLLM on GPU (rollout.backend); with vLLM the trainer
-    recomputes the behaviour log-probs itself and logs the gap to the engine's.
+  - Generation is our own decode loop over HF models (rollout.generate; its plain twin is HF's
+    `model.generate`) or vLLM on GPU (rollout.backend); with vLLM the trainer recomputes the
+    behaviour log-probs itself and logs the gap to the engine's.
   - Every fast path has a plain twin directly above it; train.fast_paths: false routes every pass
     through the plain versions (tests compare the two).
 
-Read this file's ALGORITHM and ONE STEP sections, then `train()`; everything under PLUMBING
-(setup, data, distributed/FSDP2/vLLM glue, checkpoints) can be skipped on first read.
+Read `train()` (THE LOOP) first, then the functions it calls, which sit above it in reading
+order: ALGORITHM (the equations), THE UPDATE, ONE STEP. Everything under PLUMBING (setup, whose
+docstring lists the keys of the `state` dict the loop reads; data; distributed / FSDP2 / vLLM
+glue; checkpoints) can be skipped on first read.
 docs/method.md has every formula and every choice the papers leave open; docs/scale-out.md the
 parallelism and memory plan.
 """
@@ -59,7 +62,8 @@ from config import check_scale_config, load_config, validate_config
 
 
 def group_advantages(rewards, group_size, std=False, valid=None):
-    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (population std + 1e-6) when std=True (GRPO).
+    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (population std + 1e-6) when std=True (GRPO,
+    RM-NLHF Eq. 1-2).
 
     Args:
         rewards: FloatTensor [N], N = groups x group_size, groups contiguous.
@@ -92,8 +96,8 @@ def policy_loss(logp, behaviour_logp, advantages, mask, algo, ref_logp=None):
     geometric mean), clipped in LOG space to [log(1-eps_low), log(1+eps_high)] before exp so a
     100-token sequence cannot overflow, then DETACHED: every sample, clipped or not, gets
     gradient -sg(rho_hat_i) * A_i * grad sum_t log pi(y_it).
-    GRPO (DeepSeekMath; docs/method.md §4.5): token ratio r_t, PPO clip eps, -min(r_t A, clip(r_t) A) + beta * k3 with
-    k3 = exp(ref - logp) - (ref - logp) - 1.
+    GRPO (RM-NLHF Eq. 3; docs/method.md §4.5): token ratio r_t, PPO clip eps,
+    -min(r_t A, clip(r_t) A) + beta * k3 with k3 = exp(ref - logp) - (ref - logp) - 1.
 
     Args:
         logp: FloatTensor [B, L] current token log-probs (with grad).
@@ -297,7 +301,7 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
 
 
 # ==============================================================================================
-# ONE STEP: rollout, the RLME reward, the samples and metrics it logs
+# ONE STEP: rollout, the RLME reward, the samples and metrics it logs, the checkpoint
 # ==============================================================================================
 
 
@@ -450,6 +454,18 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
                               s=f"{metrics['time/step']:.0f}", refresh=False)
     state["pbar"].update(1)
     return metrics
+
+
+def save_run(state, cfg, step):
+    """6. The checkpoint of `step` (save_checkpoint; the MetaRM rides along in metarm/), then a
+    barrier so no rank runs ahead of rank 0's rename."""
+    mrm = state["mrm"]
+    save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
+                    scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
+                    scaler=state["scaler"],
+                    extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
+    if state["world"] > 1:
+        dist.barrier()
 
 
 # ==============================================================================================
@@ -622,7 +638,7 @@ def setup(cfg):
         state["start_step"] = load_trainer_state(ckpt, policy, state["optimizer"], state["scheduler"],
                                                  scaler=state["scaler"])
     state["mrm"], mrm_source = None, None
-    if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.3): restored with the checkpoint, loaded, or cold-started
+    if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
         state["mrm"], mrm_source, _ = metarm.setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
                                                           judge=state["judge"], device=device, rank=rank,
                                                           world=world)
@@ -645,18 +661,6 @@ def setup(cfg):
         from tqdm import tqdm
         state["pbar"] = tqdm(total=run["total_steps"], initial=state["start_step"], desc="train", dynamic_ncols=True)
     return state
-
-
-def save_run(state, cfg, step):
-    """6. The checkpoint of `step` (save_checkpoint; the MetaRM rides along in metarm/), then a
-    barrier so no rank runs ahead of rank 0's rename."""
-    mrm = state["mrm"]
-    save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
-                    scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
-                    scaler=state["scaler"],
-                    extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
-    if state["world"] > 1:
-        dist.barrier()
 
 
 def finish(state):
