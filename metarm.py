@@ -3,7 +3,8 @@
 RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5), where a judge
 compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
 critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
-response B, GRM critique), regresses the D_H reward R ∈ {0, 1, 1 + λ} with MSE (Eq. 6-7), and its
+response B, GRM critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default
+nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its
 prediction R̂, clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right
 verdict (Eq. 8): a bonus of at most λ, as on D_H.
 

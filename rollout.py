@@ -98,8 +98,9 @@ def completion_mask(completion_ids, eos):
     """Loss mask over completion tokens: 1 up to and including the first EOS, 0 after: the tokens
     t = 1..T_i that RLME Eq. 8 sums over (docs/method.md §4.1).
 
-    Works when pad id == EOS id (SmolLM2, Qwen base, Llama): `ids != pad` would drop the real
-    EOS and keep nothing after it wrongly, so we locate the first EOS instead.
+    Works when pad id == EOS id (SmolLM2, Qwen base, Llama): a mask of `ids != pad` would drop
+    the real EOS too (it IS a pad id), so the policy would never be trained to stop; we locate
+    the first EOS instead.
 
     Args:
         completion_ids: LongTensor [N, L].

@@ -183,14 +183,16 @@ def frozen_logprobs(model, batch, pad_id, cfg, device):
     the frozen initial policy; the k3 KL). A pass never borrows another model's prompt cache.
 
     Returns:
-        list (N) of FloatTensor [L_i] on CPU (L_i = the width of row i's micro-batch).
+        list (N) of FloatTensor [L] on CPU, L = batch["completion_ids"].shape[1]: zero past the
+        width of the row's micro-batch here (masked positions), so the optimizer steps may chunk
+        the rows differently (algo.minibatches > 1 with micro-batches that split a minibatch).
     """
-    out = [None] * len(batch["prompt_ids"])
+    out, full = [None] * len(batch["prompt_ids"]), batch["completion_ids"].shape[1]
     for rows in micro_batches(range(len(out)), cfg["train"]["micro_batch_size"]):
         with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
-            lp, _ = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg)
+            lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg)
         for i, row in zip(rows, lp.float().cpu()):
-            out[i] = row
+            out[i] = torch.nn.functional.pad(row, (0, full - width))
     return out
 
 

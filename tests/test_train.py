@@ -499,3 +499,33 @@ def test_clip_grad_norm_fast_equals_plain():
     assert norms[0] == pytest.approx(norms[2], rel=1e-6)
     for a, b in zip(norms[1], norms[3]):
         assert torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+def test_off_policy_update_with_micro_batches_that_split_a_minibatch(tiny_model_path):
+    """algo.minibatches=2 with train.micro_batch_size=3: the no-grad behaviour pass chunks rows
+    [0,1,2] [3,4,5] [6,7] but the second optimizer step chunks them [4,5,6] [7], so a row's
+    behaviour log-probs must cover any micro-batch width (rows 4 and 5 are 1 token long, row 6 is
+    5). The update must equal the one with micro-batches that line up (4)."""
+    def run(micro):
+        torch.manual_seed(0)
+        policy, tok = rollout.load_model(tiny_model_path)
+        before = [p.detach().clone() for p in policy.parameters()]
+        # lr 0.1: big enough that the second step is off-policy (weights != 1), small enough that
+        # float32 rounding is not amplified (at lr 1.0 even two aligned layouts differ by 2e-4)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        batch = _layout_batch()
+        batch["completion_mask"] = torch.zeros(8, 5)
+        for i, n in enumerate([5, 2, 3, 1, 1, 1, 5, 2]):
+            batch["completion_mask"][i, :n] = 1
+        cfg = _layout_cfg(micro, "seq_sum")
+        cfg["algo"] = dict(cfg["algo"], minibatches=2)
+        upd = T.update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"),
+                              pad_id=tok.pad_token_id)
+        return upd, torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
+
+    aligned, d_aligned = run(4)
+    split, d_split = run(3)
+    assert (aligned["is_weight"][4:] - 1).abs().max() > 1e-3  # the second step is off-policy
+    assert split["loss"] == pytest.approx(aligned["loss"], rel=1e-5)
+    torch.testing.assert_close(split["is_weight"], aligned["is_weight"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_split, d_aligned, rtol=1e-4, atol=1e-5)
