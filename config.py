@@ -33,6 +33,7 @@ CHOICES = {
     "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
     "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
     "judge.backend": ["openai", "proxy"],
+    "nlhf.threshold_rule": ["strict", "inclusive"],
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
 }

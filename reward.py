@@ -542,16 +542,18 @@ def parse_grm_output(text, max_lines=4, max_chars=1500):
 # ---- rewards (RM-NLHF Eq. 4, 5, 8; docs/method.md §5.3-5.4) ----------------------------------
 
 
-def process_reward(f1, threshold=0.5):
-    """R_process (RM-NLHF Eq. 4) = 1 if S(h, c) >= threshold else 0; None when the judge failed.
+def process_reward(f1, threshold=0.5, inclusive=False):
+    """R_process (RM-NLHF Eq. 4) = 1 if S(h, c) > threshold else 0; None when the judge failed.
 
-    Eq. 4 is strict (S > 0.5); the inclusive >= follows the authors' released code."""
+    Eq. 4 and Algorithm 1 are strict (S > 0.5): one of two core arguments matched (F1 = 0.5
+    exactly, common) earns nothing. inclusive=True gives S >= threshold, the RM-NLHF authors'
+    released code (config nlhf.threshold_rule: inclusive)."""
     if f1 is None:
         return None
-    return 1.0 if f1 >= threshold else 0.0
+    return 1.0 if (f1 >= threshold if inclusive else f1 > threshold) else 0.0
 
 
-def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True):
+def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False):
     """Reward of a D_H sample (RM-NLHF Eq. 4-5; docs/method.md §5.3).
 
         invalid format            -> -1
@@ -561,16 +563,19 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True):
                                       without outcome regularisation, RM-NLHF §4.3: a wrong
                                       verdict can earn lam)
         f1 None where it is needed ->  None: judge failure, the sample is masked (see top of section)
+        lam = 0                   ->  R_outcome: no process term, and no judge call needed
+                                      ("w/o process reward", RM-NLHF Table 3)
 
-    Args: valid, correct: bool; f1: float in [0, 1] or None; lam: λ; threshold: on S.
+    Args: valid, correct: bool; f1: float in [0, 1] or None; lam: λ; threshold, inclusive: on S
+        (process_reward).
     Returns: (reward float|None, r_process 0.0|1.0|None).
     """
     if not valid:
         return -1.0, None
     outcome = 1.0 if correct else 0.0
-    if not correct and gate_on_outcome:
-        return 0.0, None
-    r_proc = process_reward(f1, threshold)
+    if not correct and gate_on_outcome or lam == 0:
+        return outcome, None
+    r_proc = process_reward(f1, threshold, inclusive=inclusive)
     if r_proc is None:
         return None, None
     return outcome + lam * r_proc, r_proc
@@ -603,8 +608,8 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
     return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
 
 
-def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, sleep=time.sleep,
-             rand=random.random):
+def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False,
+             sleep=time.sleep, rand=random.random):
     """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
 
     Args:
@@ -629,8 +634,9 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
              "critique": p["critique"], "human_critique": it.get("critique"), "f1": None, "precision": None,
              "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False}
         samples.append(s)
-        # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1)
-        if p["valid"] and (correct or not gate_on_outcome):
+        # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1); with
+        # λ = 0 the process term is zero whatever S says, so the judge is never called
+        if lam > 0 and p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
     results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"]) for i in need],
                            sleep=sleep, rand=rand)
@@ -639,7 +645,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
                           judge_attempts=r["attempts"], judged=True)
     for s in samples:
         s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s["f1"], lam=lam, threshold=threshold,
-                                                gate_on_outcome=gate_on_outcome)
+                                                gate_on_outcome=gate_on_outcome, inclusive=inclusive)
     return samples
 
 

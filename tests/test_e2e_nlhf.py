@@ -231,7 +231,7 @@ def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
         if not s["valid"]:
             assert s["reward"] == -1.0
         elif s["set"] == "dh":
-            assert s["correct"] and s["reward"] == 1.0 + 0.5 * (s["f1"] >= 0.5)
+            assert s["correct"] and s["reward"] == 1.0 + 0.5 * (s["f1"] > 0.5)  # Eq. 4: strict
         else:
             assert s["correct"] and s["reward"] == pytest.approx(1.0 + min(max(s["r_hat"] - 1.0, 0.0), 0.5))
     for st in (1, 2):  # GRPO advantages: (r - mean) / (population std + 1e-6), groups of 2

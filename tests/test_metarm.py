@@ -166,7 +166,7 @@ def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
     # first-line critique vs the full human critique: recall is low, so R depends on the proxy F1;
     # recompute the expected targets with the same public functions
     f1 = [reward.proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
-    targets = [r for f in f1 for r in (1.0 + 0.5 * (f >= 0.5), 0.0)]
+    targets = [r for f in f1 for r in (1.0 + 0.5 * (f > 0.5), 0.0)]
     assert stats["rollouts"] == 6 and stats["invalid"] == 2 and stats["examples"] == 4
     assert stats["judge_failures"] == 0
     assert stats["target_mean"] == pytest.approx(sum(targets) / 4)

@@ -199,12 +199,40 @@ def test_parse_invalid_cases():
     (False, True, 0.9, (-1.0, None)),       # invalid beats everything
     (True, False, None, (0.0, None)),       # wrong choice, judge not called
     (True, True, 0.49, (1.0, 0.0)),         # 0.49 < 0.5 -> R_process 0 -> 1 + 0.5*0
-    (True, True, 0.5, (1.5, 1.0)),          # threshold is inclusive -> 1 + 0.5*1
+    (True, True, 0.5, (1.0, 0.0)),          # Eq. 4 is strict: S = 0.5 is not > 0.5 -> 1 + 0.5*0
+    (True, True, 0.51, (1.5, 1.0)),         # 1 + 0.5*1
     (True, True, 0.8, (1.5, 1.0)),
     (True, True, None, (None, None)),       # judge failure -> masked sample
 ])
 def test_dh_reward_table(valid, correct, f1, expected):
     assert reward.dh_reward(valid, correct, f1, lam=0.5, threshold=0.5) == expected
+
+
+def test_threshold_rule_strict_by_default_inclusive_as_option():
+    """S exactly at the threshold: 0 under Eq. 4's strict rule, 1 under the released code's >=."""
+    assert reward.process_reward(0.5) == 0.0 and reward.process_reward(0.5, inclusive=True) == 1.0
+    assert reward.process_reward(0.4, inclusive=True) == 0.0 and reward.process_reward(0.6) == 1.0
+    assert reward.process_reward(None, inclusive=True) is None
+    assert reward.dh_reward(True, True, 0.5, lam=0.5, inclusive=True) == (1.5, 1.0)
+    assert reward.dh_reward(True, True, 0.75, lam=0.5, threshold=0.75) == (1.0, 0.0)
+    assert reward.dh_reward(True, True, 0.75, lam=0.5, threshold=0.75, inclusive=True) == (1.5, 1.0)
+
+
+def test_lambda_zero_is_outcome_only_and_never_calls_the_judge():
+    """λ = 0 ("w/o process reward", RM-NLHF Table 3): R = -1 | 0 | 1 and the judge is not asked, so
+    a failing judge masks nothing (an unreachable server would give f1 None = masked otherwise)."""
+    dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0})
+    item = {"winner": "A", "critique": "A is right."}
+    outs = ["<critics>A is right.</critics><choice>[[A]]</choice>",
+            "<critics>B.</critics><choice>[[B]]</choice>", "no format"]
+    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 3, dead, lam=0.0,
+                        gate_on_outcome=False, sleep=lambda x: None)
+    assert [x["reward"] for x in s] == [1.0, 0.0, -1.0]
+    assert not any(x["judged"] for x in s) and all(x["r_process"] is None for x in s)
+    assert reward.dh_reward(True, True, None, lam=0.0) == (1.0, None)
+    # with λ > 0 the same dead judge is called for the right verdict and masks it
+    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 3, dead, lam=0.5, sleep=lambda x: None)
+    assert s[0]["judged"] and s[0]["reward"] is None
 
 
 def test_dh_reward_without_outcome_gate_and_other_lambda():
@@ -369,7 +397,7 @@ def test_score_dh_calls_judge_only_for_valid_right(fake_server):
     fake_server["plan"] = [ok]
     judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
     item = {"winner": "A", "critique": "Response B is wrong."}
-    outs = ["<critics>B errs.</critics><choice>[[A]]</choice>",   # right -> judged, 0.6667 >= 0.5 -> 1.5
+    outs = ["<critics>B errs.</critics><choice>[[A]]</choice>",   # right -> judged, 0.6667 > 0.5 -> 1.5
             "<critics>A errs.</critics><choice>[[B]]</choice>",   # wrong -> 0, no call
             "[[A]] without critique",                             # invalid -> -1, no call
             "<critics>B errs.</critics><choice>[[A]]</choice>"]   # right, but the plan is empty -> 500 -> None
