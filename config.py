@@ -25,7 +25,7 @@ CHOICES = {
     "reward.kind": ["rlme", "rlvr"],
     "algo.loss": ["cispo", "grpo"],
     "algo.ratio": ["sequence", "geometric_mean"],
-    "algo.aggregation": ["seq_sum", "token_mean", "dr_grpo"],
+    "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "dr_grpo"],
     "optim.schedule": ["constant", "cosine"],
     "train.parallel": ["ddp", "fsdp2"],
     "rollout.vllm_sleep_level": [1, 2],

@@ -89,7 +89,8 @@ def group_advantages(rewards, group_size, std=False, valid=None):
 
 
 def policy_loss(logp, behaviour_logp, advantages, mask, algo, ref_logp=None):
-    """Sum over this micro-batch of the per-token policy loss; the caller divides by the global
+    """Sum over this micro-batch of the per-token policy loss (each sequence's tokens divided by its
+    length first for algo.aggregation seq_mean_token_mean); the caller divides by the global
     normaliser (see `loss_normaliser`) so that the update equals one big batch.
 
     CISPO (RLME Eq. 6-8, MiniMax-M1): rho_i = exp(sum_t logp - sum_t behaviour) (or the GSPO
@@ -132,14 +133,18 @@ def policy_loss(logp, behaviour_logp, advantages, mask, algo, ref_logp=None):
         n = mask.sum(-1).clamp(min=1)
         stats = {"is_weight": (ratio.detach() * mask).sum(-1) / n,
                  "clipped": ((ratio.detach() - 1).abs() > eps).float().mul(mask).sum(-1) / n}
-    return (per_token * mask).sum(), stats
+    per_token = per_token * mask
+    if algo["aggregation"] == "seq_mean_token_mean":  # RM-NLHF Eq. 3: each sequence's token mean first
+        per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
+    return per_token.sum(), stats
 
 
 def loss_normaliser(algo, num_seqs, num_tokens, max_new_tokens):
-    """The one global divisor of a (mini-)batch (docs/method.md §4.4): sequences for seq_sum (Eq. 8),
-    tokens for token_mean, sequences x max_new_tokens for Dr.GRPO. Counts are global (all
-    micro-batches of all ranks), applied once."""
-    return {"seq_sum": num_seqs, "token_mean": num_tokens,
+    """The one global divisor of a (mini-)batch (docs/method.md §4.4): sequences for seq_sum (RLME
+    Eq. 8) and for seq_mean_token_mean (RM-NLHF Eq. 3's 1/G; policy_loss already divided each
+    sequence by its length), tokens for token_mean, sequences x max_new_tokens for Dr.GRPO. Counts
+    are global (all micro-batches of all ranks), applied once."""
+    return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs, "token_mean": num_tokens,
             "dr_grpo": num_seqs * max_new_tokens}[algo["aggregation"]]
 
 

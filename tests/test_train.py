@@ -81,6 +81,27 @@ def test_cispo_token_mean_and_dr_grpo_normalisers():
         assert loss_sum.item() == pytest.approx(-(0.5 * -3.0) - (-1.0 * -1.5), abs=1e-6)
 
 
+def test_seq_mean_token_mean_is_rm_nlhf_eq3():
+    """RM-NLHF Eq. 3: 1/G sum_i 1/|y_i| sum_t (...): each sequence's tokens averaged first, so a
+    1-token sequence weighs as much as a 2-token one. On-policy CISPO (weight 1), by hand:
+    row 0: (1/2)(-1*-1 + -1*-2) = 1.5; row 1: (1/1)(2 * -0.5) = -1.0; sum 0.5; / G = 2 -> 0.25.
+    Gradient d/d logp_it = -A_i / (|y_i| G): row 0 -1/4 each, row 1 +2/2 = 1.0, masked 0."""
+    logp = torch.tensor([[-1.0, -2.0, -7.0], [-0.5, -3.0, -3.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    algo = dict(ALGO, aggregation="seq_mean_token_mean")
+    loss_sum, _ = T.policy_loss(logp, None, adv, mask, algo)
+    norm = T.loss_normaliser(algo, 2, 3, 3)
+    assert norm == 2
+    loss = loss_sum / norm
+    assert loss.item() == pytest.approx(0.25, abs=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == [pytest.approx([-0.25, -0.25, 0.0]), pytest.approx([1.0, 0.0, 0.0])]
+    # token_mean on the same numbers: (1 + 2 - 1) / 3 tokens, the 1-token row weighs half as much
+    tm = dict(ALGO, aggregation="token_mean")
+    assert (T.policy_loss(logp, None, adv, mask, tm)[0] / T.loss_normaliser(tm, 2, 3, 3)).item() == pytest.approx(2 / 3)
+
+
 def test_cispo_long_sequence_does_not_overflow():
     # 100 tokens each with log-ratio 1.0: exp(100) overflows float32 without log-space clipping
     logp = torch.zeros(1, 100, requires_grad=True)
@@ -181,7 +202,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("agg", ["seq_sum", "token_mean"])
+@pytest.mark.parametrize("agg", ["seq_sum", "token_mean", "seq_mean_token_mean"])
 def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
     # reference: 1 rank x 1 micro-batch through the plain twins (one forward over prompt +
     # completion per row, log_softmax + gather, clip_grad_norm_); the others share each group's
