@@ -242,6 +242,9 @@ def validate_config(cfg, world_size=1):
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
         if not lo <= nl[key] <= hi:
             raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
+    for key in ("online_epochs", "rollouts_per_prompt", "epochs", "batch_size"):
+        if cfg["metarm"][key] < 1:
+            raise SystemExit(f"config key metarm.{key}: must be >= 1, got {cfg['metarm'][key]}")
     if cfg["task"] == "rm_nlhf":
         if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
             raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")

@@ -11,7 +11,7 @@ verdict (Eq. 8): a bonus of at most λ, as on D_H.
 One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
     Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
     Step 2  D_H rewards from the judge (Eq. 4-5)                 reward.score_dh
-    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (one pass at metarm.online_lr)
+    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (metarm.online_epochs passes)
     Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
             then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
     Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
@@ -28,7 +28,7 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
 
 The MetaRM state is a plain dict:
     mrm = {"model", "tokenizer", "optimizer" (online AdamW, created on first update), "mode",
-           "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates", "dtype"}
+           "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates", "dtype"}
 It is trained, so its parameters and AdamW state are float32 whatever `metarm.dtype` says;
 `dtype` is the compute dtype of its forwards (autocast), as for the policy (train.compute_context).
 
@@ -252,14 +252,15 @@ def agreement(preds, rewards, lam):
 
 
 def update(mrm, items, samples, seed=0):
-    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): one pass at
-    `online_lr` (constant) with a persistent AdamW. Agreement with the judge is measured on the
-    samples BEFORE training on them (an honest held-out number).
+    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): `online_epochs`
+    passes (1 by default; the paper's "Aggressive" ablation takes 2 at lr 1e-5, App. H.1), each
+    shuffled by (seed + pass), at `online_lr` (constant) with a persistent AdamW. Agreement with
+    the judge is measured on the samples BEFORE training on them (an honest held-out number).
 
     Args:
         items: pairwise dicts of the D_H samples (one per sample); samples: reward.score_dh output.
     Returns:
-        dict metrics: metarm/n, metarm/loss (mean over the pass; None when nothing to train on),
+        dict metrics: metarm/n, metarm/loss (mean over all passes; None when nothing to train on),
         metarm/agreement. Mode 'offline' reports agreement and trains nothing.
     """
     ex = examples_from_samples(items, samples)
@@ -275,15 +276,16 @@ def update(mrm, items, samples, seed=0):
         mrm["optimizer"] = torch.optim.AdamW(model.parameters(), lr=mrm["online_lr"], weight_decay=mrm["weight_decay"])
     model.train()
     losses = []
-    for b in _batches(len(ex), mrm["batch_size"], seed):
-        loss = metarm_loss(mrm, [ex[i]["text"] for i in b], [ex[i]["r"] for i in b])
-        mrm["optimizer"].zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        mrm["optimizer"].step()
-        losses.append(loss.item() * len(b))
+    for epoch in range(mrm["online_epochs"]):
+        for b in _batches(len(ex), mrm["batch_size"], seed + epoch):
+            loss = metarm_loss(mrm, [ex[i]["text"] for i in b], [ex[i]["r"] for i in b])
+            mrm["optimizer"].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            mrm["optimizer"].step()
+            losses.append(loss.item() * len(b))
     mrm["updates"] += 1
-    metrics["metarm/loss"] = sum(losses) / len(ex)
+    metrics["metarm/loss"] = sum(losses) / (len(ex) * mrm["online_epochs"])
     return metrics
 
 
@@ -417,7 +419,8 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
 
     def fresh():
         return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
-                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"])
+                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
+                           online_epochs=m["online_epochs"])
 
     stats = None
     if rank == 0:
@@ -464,7 +467,7 @@ def broadcast_parameters(model, src=0):
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01):
+                online_lr=5e-6, weight_decay=0.01, online_epochs=1):
     """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
 
     Args:
@@ -495,10 +498,11 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     tok.truncation_side = "left"  # keep the critique, which comes last
     return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
             "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
+            "online_epochs": int(online_epochs),
             "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
 
 
-_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "weight_decay", "updates")
+_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates")
 
 
 def save(mrm, path):
@@ -530,6 +534,7 @@ def load(path, device="cpu", dtype="float32"):
                 meta = json.load(f)
             mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
                               max_length=meta["max_length"], online_lr=meta["online_lr"],
+                              online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
                               weight_decay=meta["weight_decay"])
             mrm["updates"] = meta["updates"]
             opt_path = os.path.join(p, "optimizer.pt")
@@ -564,6 +569,7 @@ def main(argv=None):
         items = items[:m["cold_start_items"]]
     mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
                       batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
+                      online_epochs=m["online_epochs"],
                       weight_decay=m["weight_decay"])
     stats = cold_start(mrm, cfg["model"]["policy"], items, judge, **cold_start_settings(cfg))
     save(mrm, out)

@@ -234,3 +234,26 @@ def test_smollm2_as_sequence_classifier():
     assert all(isinstance(p, float) and p == p for p in preds)
     m = metarm.update(mrm, [item(1), item(2)], samples)
     assert m["metarm/n"] == 2 and m["metarm/loss"] >= 0.0
+
+
+def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path):
+    """metarm.online_epochs = 2 (the paper's "Aggressive" ablation, App. H.1) is exactly two
+    one-pass updates in a row (pass k shuffled by seed + k, the same AdamW), counted as ONE
+    update of the step; the reported loss is the mean over both passes."""
+    items = [item(0), item(1), item(2)]
+    samples = [{"valid": True, "reward": r, "critique": f"critique {k}"} for k, r in enumerate([1.5, 0.0, 1.0])]
+    torch.manual_seed(0)  # the same fresh regression head for both
+    two = fresh(tiny_model_path, online_epochs=2, batch_size=2, online_lr=1e-3)
+    torch.manual_seed(0)
+    one = fresh(tiny_model_path, batch_size=2, online_lr=1e-3)
+    fresh_params = [p.detach().clone() for p in two["model"].parameters()]
+    m2 = metarm.update(two, items, samples, seed=3)
+    a = metarm.update(one, items, samples, seed=3)
+    b = metarm.update(one, items, samples, seed=4)
+    assert two["updates"] == 1 and one["updates"] == 2
+    moved = False
+    for p, q, r in zip(two["model"].parameters(), one["model"].parameters(), fresh_params):
+        torch.testing.assert_close(p, q)
+        moved |= not torch.equal(p, r)
+    assert moved
+    assert m2["metarm/loss"] == pytest.approx((a["metarm/loss"] + b["metarm/loss"]) / 2, rel=1e-5)
