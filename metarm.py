@@ -21,8 +21,12 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
     offline      cold start, then frozen: update() is a no-op that still reports agreement
     online       cold start + one update per step (default, the paper's method)
     metarm_only  online, but the D_O reward is clip(R̂, 0, 1 + λ) without the outcome term
-    binary       online; the MetaRM regresses y = 1[R > 1] (right AND critique matched) with MSE,
-                 and predict() returns R̂ = 1 + λ·1[ŷ >= 0.5] (a yes/no process reward)
+    binary       online, the regression MetaRM as trained for `online`, its output discretised
+                 (App. H.1: "outputs discretized to {0, 1}"): the process bit is 1[R̂ > 1 + λ/2]
+                 (nearer 1 + λ than 1), so predict() returns R̂ = 1 + λ·bit
+    binary_retrain  online; the MetaRM regresses y = 1[R > 1] (right AND critique matched) with
+                 MSE instead, and predict() returns R̂ = 1 + λ·1[ŷ >= 0.5] (this project's earlier
+                 reading of the ablation, kept as an option)
     classifier   online; a 3-way classification head over the reward values (0, 1, 1 + λ) with
                  cross-entropy, predict() returns the expected value Σ p_c · value_c
 
@@ -154,8 +158,8 @@ def class_values(lam):
 
 def train_target(r, mode, lam):
     """Regression/classification target for a D_H reward R (a float in {0, 1, 1 + λ}).
-    binary: 1[R > 1]; classifier: index of the nearest class value; else R itself."""
-    if mode == "binary":
+    binary_retrain: 1[R > 1]; classifier: index of the nearest class value; else R itself."""
+    if mode == "binary_retrain":
         return 1.0 if r > 1.0 else 0.0
     if mode == "classifier":
         return min(range(3), key=lambda c: abs(class_values(lam)[c] - r))
@@ -182,7 +186,7 @@ def examples_from_samples(items, samples):
 
 
 def metarm_loss(mrm, texts, rewards):
-    """Loss on one batch. MSE(ŷ, R) (RM-NLHF Eq. 7; 'binary': MSE to 1[R > 1]); 'classifier':
+    """Loss on one batch. MSE(ŷ, R) (RM-NLHF Eq. 7; 'binary_retrain': MSE to 1[R > 1]); 'classifier':
     cross-entropy over the classes (0, 1, 1 + λ).
 
     Args: texts: list[str]; rewards: list[float] D_H rewards R. Returns: scalar tensor (grad).
@@ -220,7 +224,9 @@ def predict_texts(mrm, texts):
         if mrm["mode"] == "classifier":
             values = torch.tensor(class_values(mrm["lam"]), device=out.device)
             preds += (out.softmax(-1) * values).sum(-1).tolist()
-        elif mrm["mode"] == "binary":
+        elif mrm["mode"] == "binary":  # the regression output, discretised to a process bit
+            preds += [1.0 + mrm["lam"] * float(y > 1.0 + mrm["lam"] / 2) for y in out.tolist()]
+        elif mrm["mode"] == "binary_retrain":  # a 0/1 regressor, thresholded at 0.5
             preds += [1.0 + mrm["lam"] * float(y >= 0.5) for y in out.tolist()]
         else:
             preds += out.tolist()

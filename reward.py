@@ -581,7 +581,7 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
     return outcome + lam * r_proc, r_proc
 
 
-METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "classifier")
+METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier")
 
 
 def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):

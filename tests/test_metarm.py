@@ -32,7 +32,8 @@ def test_text_and_targets():
     t = metarm.metarm_text(" Q ", "a", "b", "Response B errs.")
     assert t == "[Conversation]\nQ\n\n[Response A]\na\n\n[Response B]\nb\n\n[Critique]\nResponse B errs."
     assert [metarm.train_target(r, "online", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 1.0, 1.5]
-    assert [metarm.train_target(r, "binary", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 0.0, 1.0]
+    assert [metarm.train_target(r, "binary", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 1.0, 1.5]  # trained as online
+    assert [metarm.train_target(r, "binary_retrain", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 0.0, 1.0]
     assert [metarm.train_target(r, "classifier", 0.5) for r in (0.0, 1.0, 1.5)] == [0, 1, 2]
     # nearest values of (0.2, 1.3, 1.2, 0.6) in (0, 1, 1.5) are (0, 1.5, 1, 1) vs R (0, 1.5, 1.5, 1): 3 of 4
     assert metarm.agreement([0.2, 1.3, 1.2, 0.6], [0.0, 1.5, 1.5, 1.0], 0.5) == 0.75
@@ -112,6 +113,19 @@ def test_classifier_and_binary_predictions(tiny_model_path):
     binary = fresh(tiny_model_path, mode="binary")
     for pred in metarm.predict_texts(binary, ["x", "y z"]):
         assert pred in (1.0, 1.5)
+
+
+def test_binary_discretises_the_regression_output(tiny_model_path, monkeypatch):
+    """App. H.1 "Binary": the online regression MetaRM's output discretised to a process bit,
+    1[R̂ > 1 + λ/2]: with λ = 0.5 the cut is 1.25, so raw (1.24, 1.26, 0.3, 1.9) -> (1, 1.5, 1, 1.5).
+    binary_retrain thresholds a 0/1 regressor at 0.5 instead: raw (0.49, 0.5) -> (1, 1.5)."""
+    raw = {"binary": [1.24, 1.26, 0.3, 1.9], "binary_retrain": [0.49, 0.5]}
+    for mode, want in [("binary", [1.0, 1.5, 1.0, 1.5]), ("binary_retrain", [1.0, 1.5])]:
+        mrm = fresh(tiny_model_path, mode=mode, lam=0.5)
+        monkeypatch.setattr(metarm, "_forward", lambda m, texts, mode=mode: torch.tensor(raw[mode][:len(texts)]))
+        assert metarm.predict_texts(mrm, ["t"] * len(want)) == want
+    # the D_O reward of a right verdict is then 1 or 1 + λ (RM-NLHF Eq. 8)
+    assert [reward.do_reward(True, True, r, lam=0.5, mode="binary") for r in (1.0, 1.5)] == [1.0, 1.5]
 
 
 def test_predict_skips_invalid_samples(tiny_mrm):
