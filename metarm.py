@@ -104,7 +104,8 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     r_hat = predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
-    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode)
+    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode,
+                         gate_on_outcome=nl["gate_on_outcome"])
     for i, s in zip(do_idx, do):
         samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False,
                           judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",

@@ -584,7 +584,7 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
 METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier")
 
 
-def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
+def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=True):
     """Reward of a D_O sample from the MetaRM prediction R̂ (RM-NLHF Eq. 8, modes from App. H.1;
     docs/method.md §5.4).
 
@@ -592,9 +592,12 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
         mode 'none' (no MetaRM)  -> 1 if right else 0                      (outcome only)
         mode 'metarm_only'       -> clip(R̂, 0, 1 + lam), no outcome term
         otherwise: wrong -> 0; right -> 1 + clip(max(0, R̂ - 1), 0, lam)
+        gate_on_outcome=False    -> wrong: clip(R̂, 0, lam), the predicted process part of a
+                                    wrong verdict (R = 0 + λ·R_process on D_H without the gate):
+                                    the "w/o outcome regularisation" ablation on D_O too
 
     Args: valid, correct: bool; r_hat: float (MetaRM output on the R scale) or None for mode
-        'none'; lam: λ; mode: one of METARM_MODES.
+        'none'; lam: λ; mode: one of METARM_MODES; gate_on_outcome: nlhf.gate_on_outcome.
     Returns: float.
     """
     if not valid:
@@ -604,7 +607,7 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online"):
     if mode == "metarm_only":
         return min(max(float(r_hat), 0.0), 1.0 + lam)
     if not correct:
-        return 0.0
+        return 0.0 if gate_on_outcome else min(max(float(r_hat), 0.0), lam)
     return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
 
 
@@ -649,7 +652,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     return samples
 
 
-def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
+def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True):
     """Rewards of D_O samples (RM-NLHF Eq. 8; docs/method.md §5.4). r_hat: list of MetaRM
     predictions (None entries allowed for invalid samples or mode 'none'). Returns list of sample
     dicts with choice, valid, why, correct, critique, r_hat, reward."""
@@ -658,7 +661,8 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online"):
         correct = p["valid"] and p["choice"] == it["winner"]
         out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
                     "critique": p["critique"], "r_hat": rh,
-                    "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode)})
+                    "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode,
+                                        gate_on_outcome=gate_on_outcome)})
     return out
 
 

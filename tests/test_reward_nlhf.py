@@ -235,6 +235,17 @@ def test_lambda_zero_is_outcome_only_and_never_calls_the_judge():
     assert s[0]["judged"] and s[0]["reward"] is None
 
 
+def test_do_reward_without_outcome_regularisation():
+    """nlhf.gate_on_outcome false on D_O: a wrong verdict gets the predicted process part,
+    clip(R̂, 0, λ); a right one is unchanged, 1 + clip(R̂ - 1, 0, λ); invalid stays -1."""
+    assert reward.do_reward(True, False, 0.3, lam=0.5) == 0.0                          # gated (default)
+    assert reward.do_reward(True, False, 0.3, lam=0.5, gate_on_outcome=False) == 0.3
+    assert reward.do_reward(True, False, 0.9, lam=0.5, gate_on_outcome=False) == 0.5   # capped at λ
+    assert reward.do_reward(True, False, -0.2, lam=0.5, gate_on_outcome=False) == 0.0
+    assert reward.do_reward(True, True, 1.2, lam=0.5, gate_on_outcome=False) == pytest.approx(1.2)
+    assert reward.do_reward(False, False, 0.3, lam=0.5, gate_on_outcome=False) == -1.0
+
+
 def test_dh_reward_without_outcome_gate_and_other_lambda():
     assert reward.dh_reward(True, False, 0.8, gate_on_outcome=False) == (0.5, 1.0)  # 0 + 0.5*1
     assert reward.dh_reward(True, False, 0.2, gate_on_outcome=False) == (0.0, 0.0)
