@@ -34,6 +34,7 @@ CHOICES = {
     "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
     "judge.backend": ["openai", "proxy"],
     "nlhf.threshold_rule": ["strict", "inclusive"],
+    "nlhf.similarity": ["f1", "precision", "recall"],
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
 }

@@ -88,7 +88,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     # Step 2: D_H rewards from the judge
     dh = reward.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, lam=nl["lam"],
                          threshold=nl["threshold"], gate_on_outcome=nl["gate_on_outcome"],
-                         inclusive=nl["threshold_rule"] == "inclusive")
+                         inclusive=nl["threshold_rule"] == "inclusive", similarity=nl["similarity"])
     for i, s in zip(dh_idx, dh):
         s["f1_why"] = s["judge_why"] if s["judged"] else ("invalid format" if not s["valid"] else "wrong verdict: judge not called")
         samples[i] = dict(s, r_hat=None)
@@ -339,7 +339,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
     parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in out["completions"]]
     samples = reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
-                              gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive")
+                              gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
+                              similarity=nl["similarity"])
     ex = examples_from_samples(items, samples)
     stats = {"rollouts": len(samples), "examples": len(ex), "invalid": sum(not s["valid"] for s in samples),
              "judge_failures": sum(s["judged"] and s["f1"] is None for s in samples),

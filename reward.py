@@ -612,13 +612,15 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
 
 
 def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False,
-             sleep=time.sleep, rand=random.random):
+             similarity="f1", sleep=time.sleep, rand=random.random):
     """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
 
     Args:
         parsed: list of parse_grm_output dicts, one per completion.
         items: list of pairwise dicts (same length; repeat an item G times for a group).
         judge: make_judge(...) dict.
+        similarity: which of the judge's numbers is S(h, c) in Eq. 4: "f1" (the paper's), "precision"
+            or "recall" (RM-NLHF §2.3 compares them; config nlhf.similarity).
     Returns:
         list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
         recall, judge_why, judge_attempts, judged (bool), r_process, reward (float or None).
@@ -647,8 +649,9 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
                           judge_attempts=r["attempts"], judged=True)
     for s in samples:
-        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s["f1"], lam=lam, threshold=threshold,
-                                                gate_on_outcome=gate_on_outcome, inclusive=inclusive)
+        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s[similarity], lam=lam,
+                                                threshold=threshold, gate_on_outcome=gate_on_outcome,
+                                                inclusive=inclusive)
     return samples
 
 

@@ -235,6 +235,21 @@ def test_lambda_zero_is_outcome_only_and_never_calls_the_judge():
     assert s[0]["judged"] and s[0]["reward"] is None
 
 
+def test_similarity_choice_drives_the_process_reward():
+    """nlhf.similarity picks which judge number is S(h, c) (RM-NLHF §2.3): the proxy judge on a
+    one-point GRM critique against a two-point human one gives precision 1, recall 0.5, F1 2/3,
+    so with threshold 0.6 (strict) F1 and precision earn the bonus and recall does not."""
+    judge = make_judge({"backend": "proxy"})
+    item = {"winner": "A", "critique": "Response B adds 2 and 3 wrongly. Response A cites the source."}
+    out = [reward.parse_grm_output("<critics>Response B adds 2 and 3 wrongly.</critics><choice>[[A]]</choice>")]
+    rewards = {}
+    for sim in ("f1", "precision", "recall"):
+        s = reward.score_dh(out, [item], judge, lam=0.5, threshold=0.6, similarity=sim)[0]
+        assert (s["precision"], s["recall"]) == (1.0, 0.5) and s["f1"] == pytest.approx(2 / 3)
+        rewards[sim] = s["reward"]
+    assert rewards == {"f1": 1.5, "precision": 1.5, "recall": 1.0}
+
+
 def test_do_reward_without_outcome_regularisation():
     """nlhf.gate_on_outcome false on D_O: a wrong verdict gets the predicted process part,
     clip(R̂, 0, λ); a right one is unchanged, 1 + clip(R̂ - 1, 0, λ); invalid stays -1."""
