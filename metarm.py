@@ -95,6 +95,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     metrics["order/judge_done_s"] = time.perf_counter() - t0
     # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
     updates_before = mrm["updates"] if mrm is not None else 0
+    truncated_before = mrm["truncated"] if mrm is not None else 0
     if mrm is not None:
         metrics.update(online_update(mrm, [items[i] for i in dh_idx], dh, world=world, seed=cfg["run"]["seed"] * 7_919 + step))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
@@ -102,6 +103,8 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
     critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
     r_hat = predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
+    if mrm is not None:  # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
+        metrics["metarm/truncated"] = mrm["truncated"] - truncated_before
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
     do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode,
@@ -152,6 +155,45 @@ def metarm_text(context, response_a, response_b, critique):
             f"[Response B]\n{response_b.strip()}\n\n[Critique]\n{(critique or '').strip()}")
 
 
+def metarm_input(mrm, context, response_a, response_b, critique):
+    """metarm_text within the MetaRM's token budget (metarm.max_length), keeping every part Eq. 6
+    conditions on: when the whole is too long, the MIDDLE of the conversation is cut first, then
+    the middles of both responses (equal shares), and the critique's middle only as a last resort;
+    a cut part keeps its head and tail around " [...] ". (Truncating the joined text from one side
+    would drop the conversation and Response A of every long item.)
+
+    Returns:
+        (text str, truncated bool). The count of truncated inputs is added to mrm["truncated"].
+    """
+    tok = mrm["tokenizer"]
+    parts = [context.strip(), response_a.strip(), response_b.strip(), (critique or "").strip()]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
+    # the budget for the four parts: max_length less the labels, BOS/EOS, and a margin for the
+    # few tokens that merge differently where parts are joined
+    frame = len(tok(metarm_text("", "", "", ""))["input_ids"])
+    over = sum(map(len, ids)) - (mrm["max_length"] - frame - 8)
+    if over <= 0:
+        return metarm_text(*parts), False
+    over += 4 * (len(tok(" [...] ", add_special_tokens=False)["input_ids"]) + 2)  # the cut markers, seams
+    keep = [len(x) for x in ids]
+    min_keep = 32  # tokens of head + tail a cut part keeps, while others can still give
+    for group in ([0], [1, 2], [3]):  # conversation, then both responses, then the critique
+        for j, k in enumerate(group):
+            share = -(-over // (len(group) - j))  # ceil: what this part must give
+            give = min(share, max(0, keep[k] - min_keep) if group != [3] else keep[k])
+            keep[k] -= give
+            over -= give
+        if over <= 0:
+            break
+    for k in range(4):
+        if keep[k] < len(ids[k]):
+            head = keep[k] // 2
+            tail = keep[k] - head
+            parts[k] = (tok.decode(ids[k][:head]) + " [...] " + (tok.decode(ids[k][-tail:]) if tail else "")).strip()
+    mrm["truncated"] += 1
+    return metarm_text(*parts), True
+
+
 def class_values(lam):
     """The reward values the 'classifier' mode predicts over: (0, 1, 1 + λ)."""
     return (0.0, 1.0, 1.0 + lam)
@@ -167,7 +209,7 @@ def train_target(r, mode, lam):
     return float(r)
 
 
-def examples_from_samples(items, samples):
+def examples_from_samples(mrm, items, samples):
     """MetaRM training examples from scored D_H samples: every valid verdict whose reward is known.
 
     Invalid formats (R = -1) are left out: the MetaRM regresses R ∈ {0, 1, 1 + λ} and D_O never
@@ -181,8 +223,8 @@ def examples_from_samples(items, samples):
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
-            out.append({"text": metarm_text(it["context"], it["response_a"], it["response_b"], s["critique"]),
-                        "r": float(s["reward"])})
+            text, _ = metarm_input(mrm, it["context"], it["response_a"], it["response_b"], s["critique"])
+            out.append({"text": text, "r": float(s["reward"])})
     return out
 
 
@@ -240,8 +282,9 @@ def predict(mrm, items, critiques):
     (None for an invalid sample gives None: its reward is -1 whatever R̂ says).
     Returns list[float | None]."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
-    preds = predict_texts(mrm, [metarm_text(items[i]["context"], items[i]["response_a"], items[i]["response_b"],
-                                            critiques[i]) for i in idx]) if idx else []
+    texts = [metarm_input(mrm, items[i]["context"], items[i]["response_a"], items[i]["response_b"], critiques[i])[0]
+             for i in idx]
+    preds = predict_texts(mrm, texts) if idx else []
     out = [None] * len(critiques)
     for i, p in zip(idx, preds):
         out[i] = p
@@ -270,7 +313,7 @@ def update(mrm, items, samples, seed=0):
         dict metrics: metarm/n, metarm/loss (mean over all passes; None when nothing to train on),
         metarm/agreement. Mode 'offline' reports agreement and trains nothing.
     """
-    ex = examples_from_samples(items, samples)
+    ex = examples_from_samples(mrm, items, samples)
     metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
     if not ex:
         return metrics
@@ -321,8 +364,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
         fast: False samples with the plain twin (rollout.generate_plain, train.fast_paths).
     Returns:
-        dict: rollouts, examples, invalid, judge_failures, target_mean, loss_first, loss_last,
-        seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
+        dict: rollouts, examples, truncated (inputs cut to metarm.max_length), invalid,
+        judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
         MetaRM keeps its initial head; the numbers say so.
     """
     nl = nlhf if nlhf is not None else config.load_config([])["nlhf"]
@@ -341,8 +384,9 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     samples = reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
                               gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
                               similarity=nl["similarity"])
-    ex = examples_from_samples(items, samples)
-    stats = {"rollouts": len(samples), "examples": len(ex), "invalid": sum(not s["valid"] for s in samples),
+    ex = examples_from_samples(mrm, items, samples)
+    stats = {"rollouts": len(samples), "examples": len(ex), "truncated": mrm["truncated"],
+             "invalid": sum(not s["valid"] for s in samples),
              "judge_failures": sum(s["judged"] and s["f1"] is None for s in samples),
              "target_mean": sum(e["r"] for e in ex) / len(ex) if ex else None}
     log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
@@ -506,7 +550,7 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     tok.truncation_side = "left"  # keep the critique, which comes last
     return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
             "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
-            "online_epochs": int(online_epochs),
+            "online_epochs": int(online_epochs), "truncated": 0,
             "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
 
 

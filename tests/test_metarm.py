@@ -40,12 +40,38 @@ def test_text_and_targets():
     assert metarm.agreement([], [], 0.5) is None
 
 
-def test_examples_skip_invalid_and_judge_failures():
+def test_examples_skip_invalid_and_judge_failures(tiny_mrm):
     samples = [{"valid": True, "reward": 1.5, "critique": "c0"}, {"valid": False, "reward": -1.0, "critique": None},
                {"valid": True, "reward": None, "critique": "c2"}, {"valid": True, "reward": 0.0, "critique": "c3"}]
-    ex = metarm.examples_from_samples([item(i) for i in range(4)], samples)
+    ex = metarm.examples_from_samples(tiny_mrm, [item(i) for i in range(4)], samples)
     assert [e["r"] for e in ex] == [1.5, 0.0]
     assert ex[1]["text"].endswith("[Critique]\nc3") and "What is 3+3?" in ex[1]["text"]
+
+
+def test_input_budget_cuts_middles_and_keeps_every_part(tiny_model_path):
+    """metarm.max_length too small for the item: the conversation's middle goes first, then the
+    responses' middles; both responses' heads and tails and the whole critique stay (Eq. 6
+    conditions on all four), and the result fits the budget. Left-truncating the joined text
+    would have dropped the conversation and Response A entirely."""
+    mrm = fresh(tiny_model_path, max_length=160)
+    tok = mrm["tokenizer"]
+    conv = "START " + " ".join(f"word{i}" for i in range(300)) + " END"
+    a, b, critique = "Alpha answer here.", "Beta answer here.", "Response B is wrong because of X."
+    text, cut = metarm.metarm_input(mrm, conv, a, b, critique)
+    assert cut and mrm["truncated"] == 1
+    assert len(tok(text)["input_ids"]) <= 160
+    assert "[Conversation]\nSTART" in text and "END\n\n[Response A]\nAlpha answer here." in text and " [...] " in text
+    assert "[Response B]\nBeta answer here." in text and text.endswith("[Critique]\n" + critique)
+    # long responses too: the conversation keeps 32 tokens, then each response gives an equal share
+    long_a, long_b = "A0 " + "alpha " * 200 + "A9", "B0 " + "beta " * 200 + "B9"
+    text, cut = metarm.metarm_input(mrm, conv, long_a, long_b, critique)
+    assert cut and len(tok(text)["input_ids"]) <= 160 and text.endswith(critique)
+    for head, tail in [("START", "END"), ("A0", "A9"), ("B0", "B9")]:
+        assert head in text and tail in text
+    assert text.count(" [...] ") == 3
+    # short inputs are untouched
+    assert metarm.metarm_input(mrm, "Q", "a", "b", "c") == (metarm.metarm_text("Q", "a", "b", "c"), False)
+    assert mrm["truncated"] == 2
 
 
 def test_pad_id_set_and_padding_does_not_change_predictions(tiny_mrm):
@@ -61,7 +87,7 @@ def test_mse_is_the_mean_square_and_a_step_lowers_it(tiny_model_path):
     mrm = fresh(tiny_model_path, online_lr=1e-3)
     items = [item(i) for i in range(4)]
     samples = [{"valid": True, "reward": r, "critique": f"critique {i}"} for i, r in enumerate([0.0, 1.0, 1.5, 1.0])]
-    ex = metarm.examples_from_samples(items, samples)
+    ex = metarm.examples_from_samples(mrm, items, samples)
     texts, rs = [e["text"] for e in ex], [e["r"] for e in ex]
     with torch.no_grad():
         preds = metarm._forward(mrm, texts)
