@@ -603,8 +603,7 @@ def load(path, device="cpu", dtype="float32"):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
     ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
     ap.add_argument("command", choices=["cold-start"])
     ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")

@@ -650,10 +650,10 @@ def setup(cfg):
                                                           judge=state["judge"], device=device, rank=rank,
                                                           world=world)
 
-    # the run folder: the resolved config, logs truncated to the resume point (out_dir exists:
-    # check_startup made it); the progress bar
+    # the run folder: the resolved config, logs truncated to the resume point; the progress bar
     state["pbar"] = None
     if is_main:
+        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -1174,13 +1174,21 @@ def lr_lambda(cfg):
 
 def check_startup(cfg):
     """What can be known about this machine before anything is loaded: the device exists, the
-    output folder can be written. One-line SystemExit naming the key."""
+    output folder can be written. One-line SystemExit naming the key.
+
+    The folder itself is made later (setup, rank 0), so a start that fails on bad data or a bad
+    model path leaves no empty run folder behind: here a probe file is written and removed in
+    run.out_dir, or in its nearest existing parent when it does not exist yet."""
     if cfg["train"]["device"] == "cuda" and not torch.cuda.is_available():
         raise SystemExit("config key train.device=cuda: no CUDA device on this machine (use train.device=cpu or auto)")
     out_dir = cfg["run"]["out_dir"]
+    where = os.path.abspath(out_dir)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file, not a folder")
+        probe = os.path.join(where, f".rlme_write_test_{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)

@@ -111,7 +111,10 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path):
             "reward.meta_questions=[{question: 'Is the answer correct?', target: ''}]", f"run.out_dir={tmp_path}/c"],
         "config key rollout.group_size: must be >= 2": ["rollout.group_size=1", f"run.out_dir={tmp_path}/d"],
         "config key algo.kl_coef=0.1: the KL term is GRPO's": ["algo.kl_coef=0.1", f"run.out_dir={tmp_path}/e"],
+        "data file nothere.jsonl does not exist": ["data.train=nothere.jsonl", f"run.out_dir={tmp_path}/f/run"],
+        "config key run.out_dir=": [f"run.out_dir={tmp_path}/g/run"],  # a file where the folder would go
     }
+    (tmp_path / "g").write_text("a file")
     if torch.cuda.is_available():
         del cases["config key train.device=cuda: no CUDA device on this machine"]
     procs = {msg: subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -120,6 +123,7 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])
         assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["g"]  # a failed start leaves no (empty) run folder behind
 
 
 @pytest.mark.slow
