@@ -223,7 +223,8 @@ def examples_from_samples(mrm, items, samples):
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
-            text, _ = metarm_input(mrm, it["context"], it["response_a"], it["response_b"], s["critique"])
+            text, _ = metarm_input(mrm, it["context"], response_a=it["response_a"], response_b=it["response_b"],
+                                   critique=s["critique"])
             out.append({"text": text, "r": float(s["reward"])})
     return out
 
@@ -282,8 +283,8 @@ def predict(mrm, items, critiques):
     (None for an invalid sample gives None: its reward is -1 whatever R̂ says).
     Returns list[float | None]."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
-    texts = [metarm_input(mrm, items[i]["context"], items[i]["response_a"], items[i]["response_b"], critiques[i])[0]
-             for i in idx]
+    texts = [metarm_input(mrm, items[i]["context"], response_a=items[i]["response_a"],
+                          response_b=items[i]["response_b"], critique=critiques[i])[0] for i in idx]
     preds = predict_texts(mrm, texts) if idx else []
     out = [None] * len(critiques)
     for i, p in zip(idx, preds):
