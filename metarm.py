@@ -97,7 +97,12 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     updates_before = mrm["updates"] if mrm is not None else 0
     truncated_before = mrm["truncated"] if mrm is not None else 0
     if mrm is not None:
-        metrics.update(online_update(mrm, [items[i] for i in dh_idx], dh, world=world, seed=cfg["run"]["seed"] * 7_919 + step))
+        train_items, train_samples = [items[i] for i in dh_idx], dh
+        if cfg["metarm"]["train_on_do"]:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
+            extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=nl["lam"])
+            train_items, train_samples = train_items + [items[i] for i in do_idx], train_samples + extra
+        metrics.update(online_update(mrm, train_items, train_samples, world=world,
+                                     seed=cfg["run"]["seed"] * 7_919 + step))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
@@ -121,6 +126,24 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     return {"reward": torch.tensor([s["reward"] if s["reward"] is not None else 0.0 for s in samples]),
             "valid": torch.tensor([s["reward"] is not None for s in samples]),
             "records": records, "metrics": metrics}
+
+
+def do_training_samples(parsed, items, lam):
+    """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
+    Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
+    outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
+    The paper's sentence pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read
+    it as right -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method.
+
+    Args: parsed: parse_grm_output dicts; items: their pairwise dicts; lam: λ.
+    Returns: list of {"valid", "reward", "critique"} (invalid verdicts: reward None, not trained on).
+    """
+    out = []
+    for p, it in zip(parsed, items):
+        right = p["valid"] and p["choice"] == it["winner"]
+        out.append({"valid": p["valid"], "critique": p["critique"],
+                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None})
+    return out
 
 
 def online_update(mrm, items, samples, *, world, seed):

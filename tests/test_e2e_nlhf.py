@@ -124,6 +124,33 @@ def test_rewards_without_metarm_hand_numbers():
     assert s[2]["f1_why"] == "invalid format" and s[3]["r_hat"] is None and s[3]["f1"] is None
 
 
+def test_do_training_labels_for_the_w_do_ablation():
+    """metarm.train_on_do: D_O verdicts labelled by outcome alone, right 1 + λ/2, wrong 0, invalid
+    not trained on (reward None), with their own critiques; λ = 0.5 -> 1.25."""
+    items = [pair(0, "A", None), pair(1, "B", None), pair(2, "A", None)]
+    parsed = [reward.parse_grm_output(verdict("A is right.", "A")), reward.parse_grm_output(verdict("A.", "A")),
+              reward.parse_grm_output("no tags")]
+    out = metarm.do_training_samples(parsed, items, lam=0.5)
+    assert [s["reward"] for s in out] == [1.25, 0.0, None]
+    assert out[0]["critique"] == "A is right." and [s["valid"] for s in out] == [True, True, False]
+
+
+def test_train_on_do_adds_the_valid_do_verdicts_to_the_metarm_update(tiny_model_path):
+    cfg = small_cfg()
+    cfg["metarm"]["train_on_do"] = True
+    h = "Response B adds 2 and 3 wrongly. Response A is right."
+    mrm = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
+    items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
+    comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
+    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
+                                  world=1, step=0, t0=0.0)
+    assert out["metrics"]["metarm/n"] == 3  # 2 D_H + the 1 valid D_O verdict
+    cfg["metarm"]["train_on_do"] = False
+    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
+                                  world=1, step=1, t0=0.0)
+    assert out["metrics"]["metarm/n"] == 2
+
+
 def test_metarm_updated_before_it_scores_do(tiny_model_path):
     """Algorithm 1's order (RM-NLHF App. D.1): the R̂ used for D_O is the prediction of the MetaRM AFTER this step's update
     on the D_H samples, not before; D_O reward = 1 + clip(R̂ - 1, 0, λ) for a right verdict."""
