@@ -47,7 +47,16 @@ PRESETS = {
     "configs/rm_nlhf.yaml": {"layers": ["configs/rm_nlhf.yaml"]},
     # train.device cuda and rollout.backend hf: nothing but the device keeps it off the CPU
     "configs/gpu_bare.yaml": {"layers": ["configs/gpu_bare.yaml"]},
+    "configs/paper/rm_nlhf_qwen7b.yaml": {"layers": ["configs/paper/rm_nlhf_qwen7b.yaml"]},
 }
+# The ablation rows of RM-NLHF Tables 3 and 10 each layer one file over the paper preset. "light":
+# each runs end to end (test_config_runs); the precision and resume checks (c), (d) run on the
+# paper preset they layer on, whose code paths they share.
+PAPER = "configs/paper/rm_nlhf_qwen7b.yaml"
+for _name in ("w_o_process_reward", "w_o_outcome_regularization", "w_do_for_metarm", "no_metarm", "offline_metarm",
+              "only_metarm", "binary", "aggressive", "classifier"):
+    PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {"layers": [PAPER, f"configs/paper/ablations/{_name}.yaml"],
+                                                         "light": True}
 SKIPPED = {
     "configs/gpu_check.yaml": "needs CUDA + vLLM (rollout.backend vllm, train.device cuda); "
                               "exercised by the GPU check (scripts/gpu_check.sh) instead",
@@ -68,9 +77,9 @@ STEPS = 2
 
 
 def shipped_configs():
-    """config.yaml and every preset in configs/ (by glob)."""
-    found = [os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml"))
-             + glob.glob(os.path.join(REPO, "configs", "*.yml"))]
+    """config.yaml and every preset in configs/ and its subfolders (by glob)."""
+    found = [os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True)
+             + glob.glob(os.path.join(REPO, "configs", "**", "*.yml"), recursive=True)]
     return ["config.yaml"] + sorted(found)
 
 
@@ -236,11 +245,14 @@ def runs(request, tmp_path_factory):
     return Runs(request, tmp_path_factory.mktemp("configs"))
 
 
-def preset_or_skip(name):
+def preset_or_skip(name, full_checks=False):
     if name in SKIPPED:
         pytest.skip(SKIPPED[name])
     assert name in PRESETS, (f"{name} is a shipped config that no test exercises: add it to PRESETS in "
                              f"tests/test_configs.py (or to SKIPPED with the reason and where it is exercised)")
+    if full_checks and PRESETS[name].get("light"):
+        pytest.skip(f"an ablation layer over {PAPER}: it runs end to end in test_config_runs; the precision "
+                    f"and resume checks run on {PAPER}")
 
 
 # ---- fast: the list and the swaps -----------------------------------------------------------------
@@ -292,7 +304,9 @@ def test_config_runs(name, runs):
         assert m["grad_norm"] > 0, (m["step"], "grad_norm 0: nothing to learn from, (c) would be vacuous")
     assert os.path.isfile(os.path.join(r["out"], "checkpoints", f"step_{STEPS:06d}", "config.json"))
     cfg = r["cfg"]
-    if cfg["task"] == "rm_nlhf" and cfg["judge"]["backend"] == "openai":
+    if cfg["task"] == "rm_nlhf" and cfg["nlhf"]["lam"] == 0:  # w/o process reward: no judge call at all
+        assert sum(m["judge/calls"] for m in metrics) == 0
+    elif cfg["task"] == "rm_nlhf" and cfg["judge"]["backend"] == "openai":
         # the tiny server's answers do not parse: counted failures, masked samples, a run that goes on
         assert sum(m["judge/calls"] for m in metrics) > 0, "the judge server was never called"
         judged = [s for s in read_jsonl(os.path.join(r["out"], "samples.jsonl")) if s.get("judged")]
@@ -312,7 +326,7 @@ def test_config_moves_parameters(name, runs):
     """(c) AdamW's first step moves (nearly) every element with a gradient by ~lr (m/sqrt(v) = g/|g|);
     the step-1 checkpoint against the initial tiny model must show that, as much as a float32 run
     of the same config from the same initial weights does."""
-    preset_or_skip(name)
+    preset_or_skip(name, full_checks=True)
     r = runs.get(name, "stop1")  # step 1 of the 2-step run (its metrics == the uninterrupted run's: (d))
     cfg = r["cfg"]
     assert cfg["optim"]["weight_decay"] == 0.0  # else the expectation below needs a decay term
@@ -335,7 +349,7 @@ def test_config_resumes_exactly(name, runs):
     """(d) 1 step, stop (run.stop_after=1, as if killed), then the same command again resumes to
     step 2: metrics, completions and step-2 weights equal the uninterrupted run's (which (c) shares:
     its step 1 is the stopped run's)."""
-    preset_or_skip(name)
+    preset_or_skip(name, full_checks=True)
     full, res = runs.get(name, "full"), runs.get(name, "resumed")
     assert "resuming from" in res["log"] or not PRESETS[name].get("cli")
     a, b = read_jsonl(os.path.join(full["out"], "metrics.jsonl")), read_jsonl(os.path.join(res["out"], "metrics.jsonl"))
