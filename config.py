@@ -33,6 +33,7 @@ CHOICES = {
     "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
     "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
     "judge.backend": ["openai", "proxy"],
+    "judge.variant": list(R.JUDGE_VARIANTS),
     "nlhf.threshold_rule": ["strict", "inclusive"],
     "nlhf.similarity": ["f1", "precision", "recall"],
     "metarm.mode": list(R.METARM_MODES),

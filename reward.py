@@ -643,7 +643,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         # λ = 0 the process term is zero whatever S says, so the judge is never called
         if lam > 0 and p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
-    results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"]) for i in need],
+    results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need],
                            sleep=sleep, rand=rand)
     for i, r in zip(need, results):
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
@@ -715,12 +715,24 @@ def nlhf_step_metrics(records, step_metrics):
 # retried with exponential backoff and jitter; after the last retry the result is f1=None with the
 # reason in `why`. Nothing in here raises into the training loop.
 
-JUDGE_PROMPT = """You compare two critiques of the same pair of AI responses (Response A and Response B): a REFERENCE critique written by a human expert and a CANDIDATE critique written by a model. Measure how many of the reference's core arguments the candidate makes.
+# The judge's prompts, one per process-reward design of RM-NLHF §2.3 / App. E (judge.variant).
+# "core" (the paper's choice, "Similarity w/ Core HC") and "all" ("Similarity w/ All HC") extract
+# arguments from both critiques and match them; "meta_judge" ("LLM-as-a-Meta-Judge") rates the GRM
+# critique's correctness directly, without the human one. The paper's prompt texts (Figs. 11, 13)
+# are not in its text; these are written from its description. Both extraction prompts start with
+# the repetition check (a critique that repeats itself must not collect matches).
+_JUDGE_STEPS = {
+    "core": """2. List the CORE arguments of the reference: the decisive reasons that settle which response is better. Leave out nitpicks and minor points (style, small omissions, things that would not change the verdict). If the reference names a fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply), count that error as the only core argument. Let H be their number.
+3. List the core arguments of the candidate the same way. Let C be their number.""",
+    "all": """2. List ALL arguments of the reference: every distinct reason about one response (a flaw or a strength), minor ones included. Let H be their number.
+3. List all arguments of the candidate the same way. Let C be their number.""",
+}
+
+JUDGE_PROMPT = """You compare two critiques of the same pair of AI responses (Response A and Response B): a REFERENCE critique written by a human expert and a CANDIDATE critique written by a model. Measure how many of the reference's arguments the candidate makes.
 
 Work through these steps in order.
 1. Repetition check. If the candidate restates the same argument more than once (the same point in other words, copied sentences, or filler that repeats itself), stop here and answer precision 0, recall 0, f1 0.
-2. List the key arguments of the reference. An argument is one distinct reason about one response (a flaw or a strength). If the reference names a fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply), count that error as the only key argument. Let H be the number of key arguments.
-3. List the arguments of the candidate the same way. Let C be their number.
+{steps}
 4. Match candidate arguments to reference arguments by meaning and stance: a match must be about the same response with the same polarity (both call it a flaw, or both a strength); wording may differ. Each reference argument and each candidate argument can be used in at most one match. Let M be the number of matches.
 5. precision = M / C, recall = M / H, f1 = 2 * precision * recall / (precision + recall), and 0 when M is 0.
 
@@ -734,6 +746,55 @@ Think briefly, then end your answer with exactly these tags, each holding a plai
 <precision>...</precision>
 <recall>...</recall>
 <f1>...</f1>"""
+
+META_JUDGE_PROMPT = """You check a CRITIQUE that a model wrote about two AI responses to the same conversation. Decide whether the critique is correct: it identifies the real issues (or strengths) of the responses that decide which one is better, and claims nothing false about them.
+
+Work through these steps in order.
+1. Repetition check. If the critique restates the same point more than once, answer 0.
+2. Read the conversation and both responses; note any fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply). A critique that misses a fatal error, or blames a response for a flaw it does not have, is not correct.
+3. Answer 1 if the critique is correct, else 0.
+
+[Conversation]
+{context}
+
+[Response A]
+{response_a}
+
+[Response B]
+{response_b}
+
+[Critique]
+{model}
+
+Think briefly, then end your answer with exactly this tag holding 1 or 0:
+<correct>...</correct>"""
+
+JUDGE_VARIANTS = ("core", "all", "meta_judge")
+
+
+def judge_prompt(variant, human, model, item=None):
+    """The judge's request for one GRM critique `model` (str): against the human critique `human`
+    (core / all), or on its own with the pair `item` (context, response_a, response_b; meta_judge).
+    Raises ValueError on an unknown variant or a meta_judge call without the item."""
+    if variant == "meta_judge":
+        if item is None:
+            raise ValueError("judge.variant meta_judge needs the pair (context and both responses)")
+        return META_JUDGE_PROMPT.format(context=item["context"].strip(), response_a=item["response_a"].strip(),
+                                        response_b=item["response_b"].strip(), model=model.strip())
+    if variant not in _JUDGE_STEPS:
+        raise ValueError(f"unknown judge variant {variant!r} (one of {', '.join(JUDGE_VARIANTS)})")
+    return JUDGE_PROMPT.format(steps=_JUDGE_STEPS[variant], human=human.strip(), model=model.strip())
+
+
+def parse_meta_judge_output(text):
+    """The meta-judge's <correct>1|0</correct> as the judge dict of parse_judge_output: precision =
+    recall = f1 = the 0/1 verdict (so nlhf.similarity and the threshold read it the same way), or
+    all None with `why` when the tag is missing or holds anything else."""
+    m = re.findall(r"<correct>\s*([01])\s*</correct>", text or "")
+    if not m:
+        return {"precision": None, "recall": None, "f1": None, "why": "no <correct>0|1</correct> tag"}
+    v = float(m[-1])
+    return {"precision": v, "recall": v, "f1": v, "why": ""}
 
 
 # A plain decimal in [0, 1]: '0', '1', '0.5', '.5', '1.0'. Scientific notation ('1e-1'), 'nan',
@@ -773,7 +834,8 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
     docs/method.md §5.3).
 
     Args:
-        judge: make_judge(...) dict. pairs: list of (human critique str, GRM critique str).
+        judge: make_judge(...) dict. pairs: list of (human critique str, GRM critique str) or of
+            (human, GRM critique, pair item): the item is what judge.variant meta_judge reads.
         sleep, rand: injectable for tests (backoff waits and jitter draws).
     Returns:
         list (same order) of dict(f1, precision, recall, why, attempts); f1 None = failure.
@@ -781,12 +843,13 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
     """
     if not pairs:
         return []
-    if judge["backend"] == "proxy":
-        return [dict(proxy_f1(h, c), attempts=1) for h, c in pairs]
+    if judge["backend"] == "proxy":  # lexical F1 against the human critique, whatever the variant
+        return [dict(proxy_f1(p[0], p[1]), attempts=1) for p in pairs]
 
     def one(pair):
         try:
-            return _judge_call(judge, pair[0], pair[1], sleep=sleep, rand=rand)
+            prompt = judge_prompt(judge["variant"], pair[0], pair[1], pair[2] if len(pair) > 2 else None)
+            return _judge_call(judge, prompt, sleep=sleep, rand=rand)
         except Exception as e:  # belt and braces: a judge bug must not kill a training run
             return {"precision": None, "recall": None, "f1": None, "why": f"{type(e).__name__}: {e}", "attempts": 0}
 
@@ -1147,7 +1210,7 @@ def load_do_items(cfg):
 
 
 # The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
-JUDGE_KEYS = ("backend", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
+JUDGE_KEYS = ("backend", "variant", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
               "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
 
 
@@ -1169,6 +1232,8 @@ def make_judge(cfg):
         raise SystemExit(f"judge: unknown key(s) {sorted(unknown)}, missing key(s) {sorted(missing)}; "
                          f"config.yaml's judge section has them all")
     j = dict(cfg)
+    if j["variant"] not in JUDGE_VARIANTS:
+        raise SystemExit(f"judge.variant: {j['variant']!r} unknown; allowed: {', '.join(JUDGE_VARIANTS)}")
     if j["backend"] == "proxy":
         return j
     if j["backend"] != "openai":
@@ -1195,10 +1260,11 @@ def backoff_delay(attempt, base, cap, u):
     return d / 2 + u * d / 2
 
 
-def _judge_call(judge, human, model, sleep, rand):
-    """One judge request with retries. Returns dict(f1, precision, recall, why, attempts)."""
+def _judge_call(judge, prompt, sleep, rand):
+    """One judge request (judge_prompt's text) with retries. Returns dict(f1, precision, recall,
+    why, attempts)."""
     import openai
-    prompt = JUDGE_PROMPT.format(human=human.strip(), model=model.strip())
+    parse = parse_meta_judge_output if judge["variant"] == "meta_judge" else parse_judge_output
     why, attempt = "", 0
     for attempt in range(int(judge["max_retries"]) + 1):
         retry = True
@@ -1210,7 +1276,7 @@ def _judge_call(judge, human, model, sleep, rand):
                 # the client hands back the raw body when the server does not answer JSON
                 why = f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
             else:
-                parsed = parse_judge_output(resp.choices[0].message.content)
+                parsed = parse(resp.choices[0].message.content)
                 if parsed["f1"] is not None:
                     return dict(parsed, attempts=attempt + 1)
                 why = "parse failure: " + parsed["why"]

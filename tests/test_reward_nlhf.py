@@ -514,3 +514,50 @@ def test_score_dh_rejects_items_without_critique():
         reward.score_dh(p, [{"winner": "A", "critique": None}], judge)
     with pytest.raises(ValueError, match="1 parse results for 2 items"):
         reward.score_dh(p, [{"winner": "A", "critique": "c"}] * 2, judge)
+
+
+# ---- judge variants (RM-NLHF §2.3, App. E) --------------------------------------------------------
+
+def test_judge_prompts_per_variant():
+    """core (the paper's) and all extract arguments from both critiques, repetition check first;
+    core keeps only the decisive ones and the fatal-error rule; meta_judge sees the pair and the GRM
+    critique, never the human critique."""
+    item = {"context": "What is 2+3?", "response_a": "5", "response_b": "6"}
+    core = reward.judge_prompt("core", "HUMAN says B is wrong.", "MODEL says B is wrong.", item)
+    every = reward.judge_prompt("all", "HUMAN says B is wrong.", "MODEL says B is wrong.", item)
+    meta = reward.judge_prompt("meta_judge", "HUMAN says B is wrong.", "MODEL says B is wrong.", item)
+    for p in (core, every):
+        assert p.index("Repetition check") < p.index("List") and "HUMAN says" in p and "MODEL says" in p
+        assert p.rstrip().endswith("<f1>...</f1>")
+    assert "CORE arguments" in core and "nitpicks" in core and "fatal error" in core
+    assert "ALL arguments" in every and "minor ones included" in every and "fatal error" not in every
+    assert "HUMAN says" not in meta and "MODEL says B is wrong." in meta and "What is 2+3?" in meta
+    assert "[Response B]\n6" in meta and meta.index("Repetition check") < meta.index("fatal error")
+    with pytest.raises(ValueError, match="needs the pair"):
+        reward.judge_prompt("meta_judge", "h", "c")
+    with pytest.raises(ValueError, match="unknown judge variant"):
+        reward.judge_prompt("some", "h", "c")
+    with pytest.raises(SystemExit, match=r"judge.variant: 'some' unknown"):
+        make_judge({"backend": "proxy", "variant": "some"})
+
+
+def test_parse_meta_judge_output():
+    assert reward.parse_meta_judge_output("ok. <correct>1</correct>")["f1"] == 1.0
+    assert reward.parse_meta_judge_output("<correct>1</correct> on second thought <correct> 0 </correct>") == \
+        {"precision": 0.0, "recall": 0.0, "f1": 0.0, "why": ""}
+    for bad in ("<correct>yes</correct>", "<correct>0.5</correct>", "", None):
+        assert reward.parse_meta_judge_output(bad)["f1"] is None
+
+
+def test_meta_judge_over_http(fake_server):
+    """judge.variant meta_judge through a real HTTP round trip: the request carries the pair and the
+    GRM critique (not the human one), the 0/1 answer becomes S, and the reward follows Eq. 4-5."""
+    fake_server["plan"] = [(200, "application/json", completion_body("Correct. <correct>1</correct>"))]
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "variant": "meta_judge", "max_retries": 0})
+    item = {"winner": "A", "critique": "HUMAN CRITIQUE", "context": "What is 2+3?", "response_a": "5",
+            "response_b": "6"}
+    out = [reward.parse_grm_output("<critics>Response B is wrong: 2+3 is 5.</critics><choice>[[A]]</choice>")]
+    s = reward.score_dh(out, [item], judge, lam=0.5, sleep=lambda x: None)[0]
+    assert s["f1"] == 1.0 and s["reward"] == 1.5 and s["judged"]
+    sent = fake_server["bodies"][0]["messages"][0]["content"]
+    assert "Response B is wrong: 2+3 is 5." in sent and "What is 2+3?" in sent and "HUMAN CRITIQUE" not in sent
