@@ -10,6 +10,8 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
   (RM-NLHF §4.4).
 * evaluator-check: how well an evaluator's P(target | meta-question), RLME Eq. 2, separates right
   from wrong answers (AUROC, calibration) before a run spends compute on it.
+* judge-check: the critique judge's agreement with human 0/1 labels of GRM critiques (RM-NLHF
+  §2.3, Table 1: accuracy of S > 0.5 for F1, recall and precision), through a real server.
 * plot: learning curves with an exponential moving average (0.9) and a ±1 std band across runs,
   as in RLME §4.1's figures.
 
@@ -20,6 +22,7 @@ under --out and prints a readable table:
     python evaluate.py pairwise --model GRM [BENCHMARK.jsonl ...]     (default: every file below)
     python evaluate.py bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
     python evaluate.py evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
+    python evaluate.py judge-check --data ANNOTATED.jsonl --base-url http://127.0.0.1:8000/v1 --model M
     python evaluate.py plot rlme=run1/metrics.jsonl,run2/metrics.jsonl rlvr=run3/metrics.jsonl
 
 The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
@@ -732,6 +735,64 @@ def cmd_evaluator_check(a):
 
 
 # ----------------------------------------------------------------------------------------------
+# Judge check (RM-NLHF §2.3, Table 1; App. E): does the critique judge agree with human labels?
+
+JUDGE_CHECK_FIELDS = ("context", "response_a", "response_b", "human_critique", "critique", "label")
+
+
+def load_judge_check_items(path):
+    """Annotated GRM critiques, one JSON object per line with the fields JUDGE_CHECK_FIELDS:
+    the pair (context, response_a, response_b), the human critique h, the GRM critique ĉ and label
+    z (1 = the critique is correct, 0 = it is not; RM-NLHF App. E's annotation). Returns the list
+    of dicts (an "id" added where missing). SystemExit (one line naming the file, line and field)
+    on a missing field or a label other than 0/1."""
+    items = read_jsonl(path)
+    if not items:
+        raise SystemExit(f"{path}: no items")
+    for n, it in enumerate(items, 1):
+        for f in JUDGE_CHECK_FIELDS:
+            if f not in it:
+                raise SystemExit(f"{path} line {n}: missing field {f!r} (needs {', '.join(JUDGE_CHECK_FIELDS)})")
+        if it["label"] not in (0, 1) or isinstance(it["label"], bool):
+            raise SystemExit(f"{path} line {n}: field 'label' must be 0 or 1, got {it['label']!r}")
+        it.setdefault("id", f"line{n}")
+    return items
+
+
+def judge_check_summary(rows, threshold=0.5):
+    """Table 1's protocol: for each similarity (f1, recall, precision) the accuracy of
+    1[S > threshold] (Eq. 4's strict rule) against the human label, over the rows the judge
+    answered; the rows it failed on are counted, not scored.
+
+    Args: rows: dicts with label (0/1) and the judge's f1, precision, recall (None = failed).
+    Returns: dict n, n_failed, acc_f1, acc_recall, acc_precision (None when nothing was answered).
+    """
+    ok = [r for r in rows if r["f1"] is not None]
+    out = {"n": len(rows), "n_failed": len(rows) - len(ok)}
+    for metric in ("f1", "recall", "precision"):
+        out[f"acc_{metric}"] = (sum((r[metric] > threshold) == bool(r["label"]) for r in ok) / len(ok)) if ok else None
+    return out
+
+
+def cmd_judge_check(a):
+    import config
+    items = load_judge_check_items(a.data)
+    settings = config.load_config([a.config] if a.config else [])["judge"]
+    for key in ("backend", "variant", "base_url", "model", "api_key_env", "max_tokens", "max_retries"):
+        if getattr(a, key) is not None:  # a flag given on the command line wins over the config
+            settings[key] = getattr(a, key)
+    judge = reward.make_judge(settings)
+    results = reward.judge_scores(judge, [(it["human_critique"], it["critique"], it) for it in items])
+    rows = [dict(id=it["id"], label=it["label"], **res) for it, res in zip(items, results)]
+    summary = dict(judge_check_summary(rows, a.threshold), data=a.data, threshold=a.threshold,
+                   backend=settings["backend"], variant=settings["variant"], model=settings["model"])
+    write_results(a.out, "judge_check", summary, rows)
+    print(f"judge check: {settings['variant']} judge {settings['model'] or settings['backend']} on {a.data}")
+    print_table([summary], ["n", "n_failed", "acc_f1", "acc_recall", "acc_precision"])
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
 # Plots (RLME §4.1's figures: EMA 0.9, several runs with a ±1 std band; docs/method.md §6)
 
 
@@ -1008,6 +1069,22 @@ def build_parser():
     p.add_argument("--bins", type=int, default=10, help="equal-width probability bins of the reliability table")
     p.add_argument("--n-canary", type=int, default=16, help="problems the canary answers are scored on")
     p.set_defaults(fn=cmd_evaluator_check)
+
+    p = subcommand("judge-check", "critique judge vs human 0/1 labels: accuracy of S > threshold (RM-NLHF Table 1)")
+    common(p, model_flags=False)
+    p.add_argument("--data", required=True, help="annotated JSONL: context, response_a, response_b, "
+                                                 "human_critique, critique, label (1 = the critique is correct)")
+    p.add_argument("--config", default=None, help="a config (e.g. a run's config.yaml) whose judge: section to use "
+                                                  "(default: config.yaml's)")
+    p.add_argument("--backend", default=None, choices=["openai", "proxy"], help="judge.backend")
+    p.add_argument("--variant", default=None, choices=list(reward.JUDGE_VARIANTS), help="judge.variant")
+    p.add_argument("--base-url", default=None, help="judge.base_url of an OpenAI-compatible server")
+    p.add_argument("--model", default=None, help="judge.model: the name the server serves")
+    p.add_argument("--api-key-env", default=None, help="judge.api_key_env: the NAME of the variable with the key")
+    p.add_argument("--max-tokens", type=int, default=None, help="judge.max_tokens")
+    p.add_argument("--max-retries", type=int, default=None, help="judge.max_retries")
+    p.add_argument("--threshold", type=float, default=0.5, help="S > threshold counts as 'correct' (Eq. 4)")
+    p.set_defaults(fn=cmd_judge_check)
 
     p = subcommand("plot", "learning curves (EMA, ±1 std across runs) and reward vs accuracy")
     common(p, model_flags=False)

@@ -530,3 +530,65 @@ def test_cli_policy_sampling_paths_on_tiny_model(tiny_model_path, tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.load(open(tmp_path / "evaluator_check.json"))
     assert s["n_answers"] == 4 and s["n_correct"] == 0 and s["auroc"] is None  # one class: undefined
+
+
+# ---- judge-check (RM-NLHF §2.3, Table 1) ------------------------------------------------------------
+
+def test_judge_check_summary_hand_numbers():
+    """Accuracy of 1[S > 0.5] against the human label per similarity, over answered rows:
+    f1 (0.6, 0.5, 0.2) -> (1, 0, 0) vs labels (1, 0, 0): 3/3; recall (0.5, 0.4, 0.8) -> (0, 0, 1): 1/3;
+    precision (0.75, 0.9, 0.1) -> (1, 1, 0): 2/3; the failed row is counted, not scored."""
+    rows = [{"label": 1, "f1": 0.6, "recall": 0.5, "precision": 0.75},
+            {"label": 0, "f1": 0.5, "recall": 0.4, "precision": 0.9},
+            {"label": 1, "f1": None, "recall": None, "precision": None},
+            {"label": 0, "f1": 0.2, "recall": 0.8, "precision": 0.1}]
+    s = evaluate.judge_check_summary(rows, threshold=0.5)
+    assert s == {"n": 4, "n_failed": 1, "acc_f1": 1.0, "acc_recall": pytest.approx(1 / 3),
+                 "acc_precision": pytest.approx(2 / 3)}
+    assert evaluate.judge_check_summary(rows[2:3])["acc_f1"] is None
+
+
+def _judge_check_file(path, rows):
+    base = {"context": "What is 2+3?", "response_a": "5", "response_b": "6",
+            "human_critique": "Response B adds 2 and 3 wrongly."}
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(dict(base, **r)) + "\n")
+    return str(path)
+
+
+def test_judge_check_proxy_and_bad_input(tmp_path):
+    """The CLI end to end with the offline proxy judge (lexical F1): a copied critique scores 1, an
+    unrelated one 0; labels 1 and 0 -> accuracy 1. Bad files stop with one line naming the line."""
+    data = _judge_check_file(tmp_path / "ok.jsonl", [{"critique": "Response B adds 2 and 3 wrongly.", "label": 1},
+                                                     {"critique": "Both responses are polite.", "label": 0}])
+    s = evaluate.main(["judge-check", "--data", data, "--backend", "proxy", "--out", str(tmp_path / "out")])
+    assert s["n"] == 2 and s["n_failed"] == 0 and s["acc_f1"] == 1.0 and s["variant"] == "core"
+    rows = [json.loads(ln) for ln in open(tmp_path / "out" / "judge_check.items.jsonl")]
+    assert [r["f1"] for r in rows] == [1.0, 0.0] and [r["id"] for r in rows] == ["line1", "line2"]
+    bad = _judge_check_file(tmp_path / "bad.jsonl", [{"critique": "c", "label": 1}, {"critique": "c", "label": 2}])
+    with pytest.raises(SystemExit, match=r"bad.jsonl line 2: field 'label' must be 0 or 1, got 2"):
+        evaluate.main(["judge-check", "--data", bad, "--backend", "proxy"])
+    (tmp_path / "missing.jsonl").write_text(json.dumps({"critique": "c", "label": 1}) + "\n")
+    with pytest.raises(SystemExit, match=r"missing.jsonl line 1: missing field 'context'"):
+        evaluate.main(["judge-check", "--data", str(tmp_path / "missing.jsonl"), "--backend", "proxy"])
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_judge_check_against_transformers_serve(tiny_judge_server, tmp_path):
+    """judge-check through a real OpenAI-compatible server (`transformers serve` of the tiny random
+    model), core and meta_judge prompts: every row comes back answered or as a counted parse
+    failure, never a connection error; the summary counts them."""
+    data = _judge_check_file(tmp_path / "d.jsonl", [{"critique": "Response B is wrong.", "label": 1},
+                                                    {"critique": "Response A is wrong.", "label": 0}])
+    for variant in ("core", "meta_judge"):
+        out = tmp_path / variant
+        s = evaluate.main(["judge-check", "--data", data, "--base-url", tiny_judge_server["base_url"],
+                           "--model", tiny_judge_server["model"], "--variant", variant, "--max-tokens", "8",
+                           "--max-retries", "0", "--out", str(out)])
+        rows = [json.loads(ln) for ln in open(out / "judge_check.items.jsonl")]
+        assert s["n"] == 2 and s["variant"] == variant and len(rows) == 2
+        assert s["n_failed"] == sum(r["f1"] is None for r in rows)
+        for r in rows:
+            assert r["f1"] is not None or r["why"].startswith("parse failure"), r["why"]
