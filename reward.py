@@ -503,7 +503,8 @@ def build_grm_prompt(context, response_a, response_b, max_lines=4):
 
 
 def parse_grm_output(text, max_lines=4, max_chars=1500):
-    """Parse a GRM completion (docs/method.md §5.2; limits from the RM-NLHF authors' released code).
+    """Parse a GRM completion (docs/method.md §5.2; limits from the RM-NLHF authors' released code,
+    reward_function_rm_nlhf in liudan193/Qwen-Character's Character-GenRM-NLHF).
 
     critique = the LAST closed <critics>...</critics> block (stripped); choice = the letter in the
     LAST <choice>...</choice> block; when that is missing or holds no [[A]]/[[B]], the first
