@@ -174,8 +174,9 @@ def online_update(mrm, items, samples, *, world, seed):
 def metarm_text(context, response_a, response_b, critique):
     """The MetaRM input M_φ(q, y_A, y_B, ĉ) (RM-NLHF Eq. 6): conversation, both responses and the GRM critique, as text.
     No chat template: this model is a regressor, not a chat model."""
-    return (f"[Conversation]\n{context.strip()}\n\n[Response A]\n{response_a.strip()}\n\n"
-            f"[Response B]\n{response_b.strip()}\n\n[Critique]\n{(critique or '').strip()}")
+    pair = reward.PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(),
+                                   response_b=response_b.strip())
+    return f"{pair}\n\n[Critique]\n{(critique or '').strip()}"
 
 
 def metarm_input(mrm, context, response_a, response_b, critique):

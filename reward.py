@@ -456,16 +456,19 @@ def weighted_reward(logp, v, w):
 
 # ---- GRM prompt and parsing (docs/method.md §5.2) ------------------------------------------
 
-GRM_PROMPT = """You are judging two AI assistant responses to the same conversation. Decide which response is better: more helpful, correct, honest and harmless for the user.
-
-[Conversation]
+# The pair as every model in RM-NLHF reads it (the GRM, the meta-judge, the MetaRM: metarm.metarm_text)
+PAIR_TEXT = """[Conversation]
 {context}
 
 [Response A]
 {response_a}
 
 [Response B]
-{response_b}
+{response_b}"""
+
+GRM_PROMPT = """You are judging two AI assistant responses to the same conversation. Decide which response is better: more helpful, correct, honest and harmless for the user.
+
+""" + PAIR_TEXT + """
 
 Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
 
@@ -755,14 +758,7 @@ Work through these steps in order.
 2. Read the conversation and both responses; note any fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply). A critique that misses a fatal error, or blames a response for a flaw it does not have, is not correct.
 3. Answer 1 if the critique is correct, else 0.
 
-[Conversation]
-{context}
-
-[Response A]
-{response_a}
-
-[Response B]
-{response_b}
+""" + PAIR_TEXT + """
 
 [Critique]
 {model}

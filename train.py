@@ -602,15 +602,14 @@ def setup(cfg):
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
     chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
-    key = "nlhf.max_prompt_tokens" if task == "rm_nlhf" else "data.max_prompt_tokens"
-    setting = cfg["nlhf"]["max_prompt_tokens"] if task == "rm_nlhf" else cfg["data"]["max_prompt_tokens"]
-    limit = rollout.prompt_token_limit(setting, policy, ro["max_new_tokens"], key)
     if task == "rm_nlhf":
+        section, names = "nlhf", ("dh_items", "do_items")
         ids = functools.partial(R.grm_prompt_ids, tokenizer, chat=chat, nl=cfg["nlhf"])
-        names = ("dh_items", "do_items")
     else:
+        section, names = "data", ("items",)
         ids = functools.partial(rollout.policy_prompt_ids, tokenizer, chat=chat, template=cfg["data"]["prompt_template"])
-        names = ("items",)
+    key = f"{section}.max_prompt_tokens"
+    limit = rollout.prompt_token_limit(cfg[section]["max_prompt_tokens"], policy, ro["max_new_tokens"], key)
     dropped = 0
     for name in names:
         state[name], n = rollout.keep_short(state[name], ids, limit=limit, key=key, overhead=overhead)
