@@ -36,6 +36,9 @@ CHOICES = {
     "judge.variant": list(R.JUDGE_VARIANTS),
     "nlhf.threshold_rule": ["strict", "inclusive"],
     "nlhf.similarity": ["f1", "precision", "recall"],
+    "nlhf.grm_prompt": list(R.GRM_PROMPT_STYLES),
+    "nlhf.do_reward": list(R.DO_REWARD_FORMS),
+    "judge.on_failure": ["mask", "zero"],
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
 }
@@ -100,6 +103,21 @@ def _merge(base, new, prefix=""):
             base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently, so a preset could set a value that never takes effect)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _yaml_where(e):
     """'at line L, column C: problem' of a yaml error (1-based), for one-line config errors."""
     mark = getattr(e, "problem_mark", None)
@@ -114,7 +132,7 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     def read(p):
         try:
             with open(p) as f:
-                return yaml.safe_load(f) or {}
+                return yaml.load(f, Loader=_UniqueKeyLoader) or {}
         except OSError as e:
             raise SystemExit(f"config file {p}: {e.strerror}")
         except yaml.YAMLError as e:
@@ -250,6 +268,13 @@ def validate_config(cfg, world_size=1):
     if cfg["task"] == "rm_nlhf":
         if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
             raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")
+        if nl["do_reward"] == "released":  # the form only changes the right-verdict bonus of the MetaRM modes
+            why = ("no D_O data (nlhf.do is null)" if not nl["do"] else
+                   f"metarm.mode={cfg['metarm']['mode']} does not use Eq. 8's bonus"
+                   if cfg["metarm"]["mode"] in ("none", "metarm_only") else
+                   "nlhf.gate_on_outcome=false: the released code has no ungated D_O reward" if not nl["gate_on_outcome"] else "")
+            if why:
+                raise SystemExit(f"config key nlhf.do_reward=released would change nothing here: {why}")
         if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
             raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
                              f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")

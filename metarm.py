@@ -80,7 +80,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
         judge F1 or why not, R̂, reward), "metrics" dict (MetaRM loss/agreement, order of operations).
     """
     nl, mode = cfg["nlhf"], cfg["metarm"]["mode"]
-    parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in completions]
+    parsed = [reward.parse_grm_completion(c, nl) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
     samples = [None] * len(items)
@@ -113,13 +113,13 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
     do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode,
-                         gate_on_outcome=nl["gate_on_outcome"])
+                         gate_on_outcome=nl["gate_on_outcome"], form=nl["do_reward"])
     for i, s in zip(do_idx, do):
-        samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False,
+        samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False, judge_failed=False,
                           judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
                           metarm_updates=mrm["updates"] if mrm is not None else None)
     metrics["order/do_reward_done_s"] = time.perf_counter() - t0
-    keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged", "f1", "precision", "recall",
+    keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged", "judge_failed", "f1", "precision", "recall",
             "judge_why", "judge_attempts", "f1_why", "r_process", "r_hat", "reward", "metarm_updates")
     records = [{"item": it["id"], "set": it["set"], "source": it["source"], "winner": it["winner"],
                 **{k: s.get(k) for k in keep}} for it, s in zip(items, samples)]
@@ -397,22 +397,21 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     t0 = time.time()
     grm, tok = grm or rollout.load_model(grm_path)
     chat = rollout.use_chat_template(tok, chat_template)
-    prompts = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(it["context"], it["response_a"], it["response_b"],
-                                                                     nl["max_critique_lines"]), chat) for it in dh_items]
+    prompts = [reward.grm_prompt_ids(tok, it, chat, nl) for it in dh_items]
     device = next(grm.parameters()).device
     with rollout.autocast(compute_dtype, device.type):
         out = rollout.generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed, micro_batch_size=micro_batch_size, fast=fast)
     del grm
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
-    parsed = [reward.parse_grm_output(c, nl["max_critique_lines"], nl["max_critique_chars"]) for c in out["completions"]]
+    parsed = [reward.parse_grm_completion(c, nl) for c in out["completions"]]
     samples = reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
                               gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
                               similarity=nl["similarity"])
     ex = examples_from_samples(mrm, items, samples)
     stats = {"rollouts": len(samples), "examples": len(ex), "truncated": mrm["truncated"],
              "invalid": sum(not s["valid"] for s in samples),
-             "judge_failures": sum(s["judged"] and s["f1"] is None for s in samples),
+             "judge_failures": sum(s["judge_failed"] for s in samples),
              "target_mean": sum(e["r"] for e in ex) / len(ex) if ex else None}
     log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
         f"{stats['judge_failures']} judge failures, {stats['examples']} training examples")

@@ -472,6 +472,39 @@ GRM_PROMPT = """You are judging two AI assistant responses to the same conversat
 
 Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
 
+# The RM-NLHF authors' GRM prompt (nlhf.grm_prompt: authors), verbatim from their release
+# (PROMPT_GRM in Character-GenRM-NLHF/verl/verl/workers/reward_manager/pairwise_grm.py of
+# github.com/liudan193/Qwen-Character, where their released GRMs judge policy samples), so a
+# released checkpoint is scored in its own format. Its conversation is the turns rendered as
+# "role:\ncontent\n" (authors_context). The paper's training template (its Fig. 9) is not public.
+AUTHORS_GRM_PROMPT = """Please act as an impartial judge and evaluate the quality of the responses provided by two AI Chatbots to the Client question displayed below.
+
+[Client Question]
+{context}
+
+[The Start of Chatbot A's Response]
+{response_a}
+[The End of Chatbot A's Response]
+
+
+[The Start of Chatbot B's Response]
+{response_b}
+[The End of Chatbot B's Response]
+
+Output your final verdict by strictly following this format:
+
+<critics>
+[Provide a brief summary of your reasoning for the choice]
+</critics>
+
+<choice>
+[[A]]
+</choice>
+
+Note: Use [[A]] if A is better, or [[B]] if B is better."""
+
+GRM_PROMPT_STYLES = ("ours", "authors")
+
 
 def nlhf_step_items(dh, do, step, cfg, rank, world):
     """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
@@ -491,56 +524,98 @@ def nlhf_step_items(dh, do, step, cfg, rank, world):
 
 
 def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
-    """Token ids of the GRM prompt for one pairwise item (build_grm_prompt, in the chat template
-    when `chat`; nl: the `nlhf` config section); its text (the user message) with text_only=True."""
-    text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"])
+    """Token ids of the GRM prompt for one pairwise item (build_grm_prompt in the style
+    nl["grm_prompt"], in the chat template when `chat`; nl: the `nlhf` config section); its text
+    (the user message) with text_only=True."""
+    text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"],
+                            style=nl["grm_prompt"], turns=item.get("meta", {}).get("turns"))
     return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
 
 
-def build_grm_prompt(context, response_a, response_b, max_lines=4):
+def build_grm_prompt(context, response_a, response_b, max_lines=4, style="ours", turns=None):
     """The GRM user message (docs/method.md §5.2); the caller applies the chat template
-    (rollout.build_prompt_ids). Args: str, str, str; max_lines: the critique limit told to the
-    model (the same value parse_grm_output enforces). Returns str."""
+    (rollout.build_prompt_ids).
+
+    Args: context, response_a, response_b: str. max_lines: the critique limit told to the model
+        (style "ours"; the same value parse_grm_output enforces). style: "ours" (GRM_PROMPT) or
+        "authors" (AUTHORS_GRM_PROMPT; the conversation is `turns` rendered by authors_context
+        when the item kept its turns, else `context` as is).
+    Returns: str.
+    """
+    if style == "authors":
+        conv = authors_context(turns) if turns else context.strip()
+        return AUTHORS_GRM_PROMPT.format(context=conv, response_a=response_a, response_b=response_b)
+    if style != "ours":
+        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: {', '.join(GRM_PROMPT_STYLES)}")
     return GRM_PROMPT.format(context=context.strip(), response_a=response_a.strip(),
                              response_b=response_b.strip(), max_lines=max_lines)
 
 
-def parse_grm_output(text, max_lines=4, max_chars=1500):
+def authors_context(turns):
+    """A conversation (list of {role, content}) as the authors' release renders it for the GRM
+    and the MetaRM: "role:\ncontent\n" per turn, concatenated."""
+    return "".join(f"{t.get('role', 'unknown')}:\n{t.get('content', '')}\n" for t in turns)
+
+
+def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     """Parse a GRM completion (docs/method.md §5.2; limits from the RM-NLHF authors' released code,
     reward_function_rm_nlhf in liudan193/Qwen-Character's Character-GenRM-NLHF).
 
-    critique = the LAST closed <critics>...</critics> block (stripped); choice = the letter in the
-    LAST <choice>...</choice> block; when that is missing or holds no [[A]]/[[B]], the first
-    [[A]] or [[B]] anywhere in the text. Lines are counted as non-blank lines of the critique.
+    style "ours": critique = the LAST closed <critics>...</critics> block (stripped; blank ->
+    none); choice = the letter in the LAST <choice>...</choice> block; when that is missing or
+    holds no [[A]]/[[B]], the first [[A]] or [[B]] anywhere. Lines = non-blank lines.
+    style "authors" (their parse_llm_evaluation + format check, for nlhf.grm_prompt: authors):
+    critique = the last <critics> block stripped (an empty block is a valid empty critique);
+    choice = the last <choice> block's text when it holds exactly one of the letters A, B
+    (anywhere, e.g. "[[A]]" or "A"), else none; only when there is no <choice> block at all, the
+    first [[A]] / [[ B ]] anywhere. Lines = every line, blank ones included (split on "\n").
 
     Args:
         text: str, the decoded completion. max_lines, max_chars: int, the format limits.
+        style: "ours" | "authors".
     Returns:
         dict(critique: str|None, choice: 'A'|'B'|None, valid: bool, why: str) with why one of
         '' (valid), 'no_critique', 'no_choice', 'too_many_lines', 'too_long'.
     """
     text = text or ""
     blocks = re.findall(r"<critics>(.*?)</critics>", text, flags=re.S)
-    critique = blocks[-1].strip() if blocks else None
-    critique = critique or None
-    choice = None
     choices = re.findall(r"<choice>(.*?)</choice>", text, flags=re.S)
-    if choices:
-        m = re.search(r"\[\[([AB])\]\]", choices[-1])
-        choice = m.group(1) if m else None
-    if choice is None:
-        m = re.search(r"\[\[([AB])\]\]", text)
-        choice = m.group(1) if m else None
+    choice = None
+    if style == "authors":
+        critique = blocks[-1].strip() if blocks else None
+        if choices:
+            last = choices[-1].strip()
+            choice = {(True, False): "A", (False, True): "B"}.get(("A" in last, "B" in last))
+        else:
+            m = re.search(r"\[\[\s*([AB])\s*\]\]", text)
+            choice = m.group(1) if m else None
+        n_lines = None if critique is None else len(critique.split("\n"))
+    elif style == "ours":
+        critique = (blocks[-1].strip() if blocks else None) or None
+        if choices:
+            m = re.search(r"\[\[([AB])\]\]", choices[-1])
+            choice = m.group(1) if m else None
+        if choice is None:
+            m = re.search(r"\[\[([AB])\]\]", text)
+            choice = m.group(1) if m else None
+        n_lines = None if critique is None else len([ln for ln in critique.splitlines() if ln.strip()])
+    else:
+        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: {', '.join(GRM_PROMPT_STYLES)}")
     why = ""
     if critique is None:
         why = "no_critique"
     elif choice is None:
         why = "no_choice"
-    elif len([ln for ln in critique.splitlines() if ln.strip()]) > max_lines:
+    elif n_lines > max_lines:
         why = "too_many_lines"
     elif len(critique) > max_chars:
         why = "too_long"
     return {"critique": critique, "choice": choice, "valid": why == "", "why": why}
+
+
+def parse_grm_completion(text, nl):
+    """parse_grm_output with the `nlhf` config section's format limits and prompt style."""
+    return parse_grm_output(text, nl["max_critique_lines"], nl["max_critique_chars"], style=nl["grm_prompt"])
 
 
 # ---- rewards (RM-NLHF Eq. 4, 5, 8; docs/method.md §5.3-5.4) ----------------------------------
@@ -588,20 +663,27 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
 METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier")
 
 
-def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=True):
+DO_REWARD_FORMS = ("paper", "released")
+
+
+def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=True, form="paper"):
     """Reward of a D_O sample from the MetaRM prediction R̂ (RM-NLHF Eq. 8, modes from App. H.1;
     docs/method.md §5.4).
 
         invalid                  -> -1
         mode 'none' (no MetaRM)  -> 1 if right else 0                      (outcome only)
         mode 'metarm_only'       -> clip(R̂, 0, 1 + lam), no outcome term
-        otherwise: wrong -> 0; right -> 1 + clip(max(0, R̂ - 1), 0, lam)
+        otherwise: wrong -> 0; right -> 1 + clip(max(0, R̂ - 1), 0, lam)   (form 'paper', Eq. 8)
+                                        right -> 1 + lam * max(0, R̂ - 1)   (form 'released': the
+                                    authors' released reward manager, unclipped, weight 0.5 = λ)
         gate_on_outcome=False    -> wrong: clip(R̂, 0, lam), the predicted process part of a
                                     wrong verdict (R = 0 + λ·R_process on D_H without the gate):
                                     the "w/o outcome regularisation" ablation on D_O too
 
     Args: valid, correct: bool; r_hat: float (MetaRM output on the R scale) or None for mode
-        'none'; lam: λ; mode: one of METARM_MODES; gate_on_outcome: nlhf.gate_on_outcome.
+        'none'; lam: λ; mode: one of METARM_MODES; gate_on_outcome: nlhf.gate_on_outcome;
+        form: nlhf.do_reward, one of DO_REWARD_FORMS (config.py refuses 'released' where it
+        would change nothing: modes 'none' / 'metarm_only', no outcome gate).
     Returns: float.
     """
     if not valid:
@@ -612,6 +694,8 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
         return min(max(float(r_hat), 0.0), 1.0 + lam)
     if not correct:
         return 0.0 if gate_on_outcome else min(max(float(r_hat), 0.0), lam)
+    if form == "released":
+        return 1.0 + lam * max(float(r_hat) - 1.0, 0.0)
     return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
 
 
@@ -625,9 +709,12 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         judge: make_judge(...) dict.
         similarity: which of the judge's numbers is S(h, c) in Eq. 4: "f1" (the paper's), "precision"
             or "recall" (RM-NLHF §2.3 compares them; config nlhf.similarity).
+        judge["on_failure"]: "mask" (ours: a failed call gives reward None, the sample is left out)
+            or "zero" (the authors' released code: a failed call scores S = 0, so R_process = 0).
     Returns:
         list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
-        recall, judge_why, judge_attempts, judged (bool), r_process, reward (float or None).
+        recall, judge_why, judge_attempts, judged (bool), judge_failed (bool), r_process, reward
+        (float or None).
     Raises:
         ValueError (a caller bug, before any judge call): lengths differ or an item has no critique.
         Judge failures never raise: they give reward None.
@@ -641,7 +728,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         correct = p["valid"] and p["choice"] == it["winner"]
         s = {"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
              "critique": p["critique"], "human_critique": it.get("critique"), "f1": None, "precision": None,
-             "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False}
+             "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False, "judge_failed": False}
         samples.append(s)
         # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1); with
         # λ = 0 the process term is zero whatever S says, so the judge is never called
@@ -650,8 +737,11 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need],
                            sleep=sleep, rand=rand)
     for i, r in zip(need, results):
+        failed = r["f1"] is None
+        if failed and judge["on_failure"] == "zero":  # the released code's rule: a failure scores 0
+            r = dict(r, f1=0.0, precision=0.0, recall=0.0)
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
-                          judge_attempts=r["attempts"], judged=True)
+                          judge_attempts=r["attempts"], judged=True, judge_failed=failed)
     for s in samples:
         s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s[similarity], lam=lam,
                                                 threshold=threshold, gate_on_outcome=gate_on_outcome,
@@ -659,17 +749,17 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     return samples
 
 
-def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True):
+def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True, form="paper"):
     """Rewards of D_O samples (RM-NLHF Eq. 8; docs/method.md §5.4). r_hat: list of MetaRM
-    predictions (None entries allowed for invalid samples or mode 'none'). Returns list of sample
-    dicts with choice, valid, why, correct, critique, r_hat, reward."""
+    predictions (None entries allowed for invalid samples or mode 'none'); form: do_reward's.
+    Returns list of sample dicts with choice, valid, why, correct, critique, r_hat, reward."""
     out = []
     for p, it, rh in zip(parsed, items, r_hat):
         correct = p["valid"] and p["choice"] == it["winner"]
         out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
                     "critique": p["critique"], "r_hat": rh,
                     "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode,
-                                        gate_on_outcome=gate_on_outcome)})
+                                        gate_on_outcome=gate_on_outcome, form=form)})
     return out
 
 
@@ -680,7 +770,7 @@ def nlhf_metrics(samples):
     judge/fail_rate = failed / judged calls; process_rate and f1_mean over successful calls."""
     n = max(len(samples), 1)
     judged = [s for s in samples if s.get("judged")]
-    ok = [s for s in judged if s["f1"] is not None]
+    ok = [s for s in judged if not s["judge_failed"]]
     out = {"nlhf/format_error_rate": sum(not s["valid"] for s in samples) / n,
            "nlhf/outcome_acc": sum(s["correct"] for s in samples) / n,
            "judge/calls": len(judged),
@@ -704,7 +794,7 @@ def nlhf_step_metrics(records, step_metrics):
                                                / max(1, sum(r["reward"] is not None for r in part)))
     hats = [r["r_hat"] for r in records if r["r_hat"] is not None]
     out["metarm/r_hat_mean"] = sum(hats) / len(hats) if hats else None
-    out["judge/failed"] = sum(r["judged"] and r["f1"] is None for r in records)
+    out["judge/failed"] = sum(r["judged"] and r["judge_failed"] for r in records)
     out.update(step_metrics)
     return out
 
@@ -862,11 +952,13 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
 # Required fields per schema; `detect_schema` tries them in this order (HelpSteer3 before the
 # generic one: some HelpSteer3 derivatives also carry `chosen`/`rejected`).
 PAIR_SCHEMAS = {
+    "rm_nlhf": ("extra_info",),                         # the RM-NLHF authors' release (Tongyi-ConvAI/RM-NLHF)
     "helpsteer3": ("context", "response1", "response2", "overall_preference"),
     "mr_ben": ("Question_UUID", "Question", "Model_Solution_Steps", "Model_Solution_Correctness"),
     "pandalm": ("instruction", "response1", "response2", "annotator1", "annotator2", "annotator3"),
     "llmbar": ("input", "output_1", "output_2", "label"),
     "judgebench": ("question", "response_A", "response_B", "label"),
+    "reward_bench_2": ("prompt", "chosen", "rejected", "num_correct"),  # 1 chosen vs 3 rejected
     "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles
     "chosen_rejected": ("chosen", "rejected"),          # + optional prompt, optional critique
 }
@@ -978,26 +1070,114 @@ def _split_hh(chosen, rejected):
     return context, chosen[cut + len(marker):].strip(), rejected[cut + len(marker):].strip()
 
 
+def _text_field(value, where, field):
+    """A critique part as text: a string, or a list of strings (one point per line)."""
+    if value is None:
+        return ""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(v.strip() for v in value if v.strip())
+    if not isinstance(value, str):
+        raise SystemExit(f"{where}: field {field!r} must be a string or a list of strings, got {type(value).__name__}")
+    return value.strip()
+
+
+# The released data's critique parts, per response (reward_function.py of the authors' release)
+STRUCTURED_KEYS = ("strengths_A", "weaknesses_A", "strengths_B", "weaknesses_B")
+
+
+def _rm_nlhf_pair(where, row, stem, n):
+    """One row of the RM-NLHF authors' released data (hub: Tongyi-ConvAI/RM-NLHF; read by their
+    Character-GenRM-NLHF code in liudan193/Qwen-Character). Everything is in `extra_info` (a dict
+    or its JSON text): context (list of {role, content} or str), response_A, response_B, winner
+    'A'|'B', dataset_type, and for rows with human feedback processed_critique = {strengths_A,
+    weaknesses_A, strengths_B, weaknesses_B}. A row without those parts is a D_O row."""
+    info = row["extra_info"]
+    if isinstance(info, str):
+        try:
+            info = json.loads(info)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{where}: field 'extra_info' is not valid JSON ({e.msg})")
+    if not isinstance(info, dict):
+        raise SystemExit(f"{where}: field 'extra_info' must be an object (schema rm_nlhf)")
+    schema = "rm_nlhf"
+    turns = _need(info, "context", where, schema, kind=None)
+    winner = _need(info, "winner", where, schema)
+    if winner not in ("A", "B"):
+        raise SystemExit(f"{where}: field 'extra_info.winner' must be 'A' or 'B', got {winner!r}")
+    parts, pc = None, info.get("processed_critique")
+    if isinstance(pc, dict) and any(_text_field(pc.get(k), where, k) for k in STRUCTURED_KEYS):
+        # 'Response A/B' (or 'Chatbot A/B') inside a part -> 'Response 1/2', relabelled after the shuffle
+        ab = lambda t: re.sub(r"\b(?:[Rr]esponse|[Cc]hatbot)\s*([AB])\b",
+                              lambda m: f"Response {'1' if m.group(1) == 'A' else '2'}", t)
+        parts = {k: {kind: ab(_text_field(pc.get(f"{kind}_{letter}"), where, f"{kind}_{letter}"))
+                     for kind in ("strengths", "weaknesses")} for k, letter in ((1, "A"), (2, "B"))}
+    meta = {"dataset_type": info.get("dataset_type")}
+    if isinstance(turns, list):
+        meta["turns"] = turns
+    return [{"id": str(info.get("id", row.get("id", f"{stem}:{n}"))), "context": render_turns(turns, where),
+             "r1": _need(info, "response_A", where, schema), "r2": _need(info, "response_B", where, schema),
+             "winner": 1 if winner == "A" else 2, "critique": None, "critique_parts": parts,
+             "source": f"{schema}/{stem}", "meta": meta}]
+
+
+def structured_critique(parts):
+    """A human critique kept per response (RM-NLHF §2.3's human critiques; the authors' released
+    data stores them as strengths and weaknesses of A and of B) as the text the judge reads:
+
+        Response A strengths: ...
+        Response A weaknesses: ...
+        Response B strengths: ...
+        Response B weaknesses: ...
+
+    Args: parts: {"A": {"strengths": str, "weaknesses": str}, "B": {...}} (empty -> "none noted").
+    Returns: str."""
+    return "\n".join(f"Response {letter} {kind}: {parts[letter][kind].strip() or 'none noted'}"
+                     for letter in "AB" for kind in ("strengths", "weaknesses"))
+
+
 def _raw_pairs(schema, where, row, stem, n):
     """One row (the n-th of its file, 0-based; default id '<stem>:<n>') -> list of 'raw' pairs in
     the row's own order: {id, context, r1, r2, winner: 1|2, critique (refers to 'Response 1'/
-    'Response 2') or None, source, meta}. [] = dropped (tie).
+    'Response 2') or None, optional critique_parts {1: {strengths, weaknesses}, 2: {...}}
+    (a critique kept per response; finalize_pair renders it), source, meta}. [] = dropped (tie).
     Mr-Ben is built per question in `_mr_ben_pairs` instead."""
     src = f"{schema}/{stem}"
     base = {"critique": None, "source": src, "meta": {}}
+    if schema == "rm_nlhf":
+        return _rm_nlhf_pair(where, row, stem, n)
+    if schema == "reward_bench_2":
+        # RewardBench 2: 1 chosen vs 3 rejected; one pair per rejected response, grouped by the
+        # row id (meta.group) so an evaluation can apply its best-of-4 rule (the chosen response
+        # must win all three). Ties rows (several right answers, scored by their own rule) are
+        # dropped.
+        if row.get("subset") == "Ties":
+            return []
+        chosen = _need(row, "chosen", where, schema, kind=list)
+        rejected = _need(row, "rejected", where, schema, kind=list)
+        if len(chosen) != 1 or not rejected or not all(isinstance(s, str) for s in chosen + rejected):
+            raise SystemExit(f"{where}: fields 'chosen'/'rejected' must be lists of strings, one chosen (schema {schema})")
+        group = str(row.get("id", f"{stem}:{n}"))
+        return [dict(base, id=f"{group}:{k}", context=render_turns(_need(row, "prompt", where, schema, kind=None), where),
+                     r1=chosen[0], r2=r, winner=1, meta={"subset": row.get("subset"), "group": group,
+                                                         "group_size": len(rejected)})
+                for k, r in enumerate(rejected)]
     if schema == "helpsteer3":
         pref = _need(row, "overall_preference", where, schema, kind=int)
         if isinstance(pref, bool) or not -3 <= pref <= 3:
             raise SystemExit(f"{where}: field 'overall_preference' must be an integer in -3..3, got {pref!r}")
         if pref == 0:
             return []  # tie: no winner to learn (docs/method.md §5.1)
+        # the annotators' reasonings are comparative ("@Response 1 is better because ..."), not
+        # per response, so they stay one text (docs/method.md §5.1); the authors' release holds
+        # them split per response (schema rm_nlhf)
         reasons = [p.get("reasoning") for p in row.get("individual_preference") or [] if isinstance(p, dict)]
         critique = "\n".join(r.strip() for r in reasons if isinstance(r, str) and r.strip()) or None
-        return [dict(base, id=str(row.get("id", f"{stem}:{n}")),
-                     context=render_turns(_need(row, "context", where, schema, kind=None), where),
+        turns = _need(row, "context", where, schema, kind=None)
+        meta = {"overall_preference": pref, **({"turns": turns} if isinstance(turns, list) else {})}
+        return [dict(base, id=str(row.get("id", f"{stem}:{n}")), context=render_turns(turns, where),
                      r1=_need(row, "response1", where, schema), r2=_need(row, "response2", where, schema),
                      winner=1 if pref < 0 else 2,  # negative = response1 better (HelpSteer3 card)
-                     critique=critique, meta={"overall_preference": pref})]
+                     critique=critique, meta=meta)]
     if schema == "pandalm":
         votes = [_need(row, f"annotator{k}", where, schema, kind=int) for k in (1, 2, 3)]
         if any(v not in (0, 1, 2) for v in votes):
@@ -1058,8 +1238,9 @@ def _raw_pairs(schema, where, row, stem, n):
 
 def _mr_ben_pairs(rows, stem):
     """Mr-Ben math as D_H: for every question, every (correct, incorrect) pair of its solutions.
-    Critique = the human error reasons (`Model_Solution_Error_Reason`, one per annotator) of the
-    incorrect solution, with its first error step. 306 questions on disk give 192 pairs
+    Critique, kept per response (structured_critique): the correct solution's strength is being
+    correct; the incorrect one's weakness is its first error step and the human error reasons
+    (`Model_Solution_Error_Reason`, one per annotator). 306 questions on disk give 192 pairs
     (58 questions with 1 correct of 3 and 38 with 2 of 3, each giving 2 pairs)."""
     by_q = {}
     for where, row in rows:
@@ -1081,12 +1262,14 @@ def _mr_ben_pairs(rows, stem):
             for b in bad:
                 step = b.get("Model_Solution_First_Error_Step")
                 reasons = [r.strip() for r in b["Model_Solution_Error_Reason"] if isinstance(r, str) and r.strip()]
-                critique = (f"Response 2 is incorrect; its first error is in step {step}. Response 1 is correct.\n"
-                            + "\n".join(reasons))
+                parts = {1: {"strengths": "Its solution is correct.", "weaknesses": ""},
+                         2: {"strengths": "", "weaknesses": f"Its solution is incorrect; the first error is in step {step}. "
+                                                            + " ".join(reasons)}}
                 context = g["Question"] + ("\n\nOptions:\n" + g["Options"].strip() if g.get("Options") else "")
                 pairs.append({"id": f"{qid}:{g.get('Sampled_Model')}>{b.get('Sampled_Model')}",
                               "context": context, "r1": "\n".join(g["Model_Solution_Steps"]),
-                              "r2": "\n".join(b["Model_Solution_Steps"]), "winner": 1, "critique": critique,
+                              "r2": "\n".join(b["Model_Solution_Steps"]), "winner": 1, "critique": None,
+                              "critique_parts": parts,
                               "source": f"mr_ben/{stem}",
                               "meta": {"first_error_step": step, "subject": g.get("Subject")}})
     return pairs
@@ -1112,9 +1295,14 @@ def finalize_pair(raw, seed, shuffle=True):
     swap = shuffle and random.Random(f"{seed}:{raw['id']}").random() < 0.5
     a, b = (raw["r2"], raw["r1"]) if swap else (raw["r1"], raw["r2"])
     winner = ("A" if raw["winner"] == 1 else "B") if not swap else ("B" if raw["winner"] == 1 else "A")
+    one, two = ("B", "A") if swap else ("A", "B")  # the final letters of response 1 and response 2
     critique = raw["critique"]
     if critique is not None:
-        critique = _relabel(critique, "B", "A") if swap else _relabel(critique, "A", "B")
+        critique = _relabel(critique, one, two)
+    if raw.get("critique_parts"):
+        parts = {letter: {k: _relabel(v, one, two) for k, v in raw["critique_parts"][n].items()}
+                 for n, letter in ((1, one), (2, two))}
+        critique = structured_critique(parts)
     return {"id": raw["id"], "context": raw["context"], "response_a": a, "response_b": b, "winner": winner,
             "critique": critique, "source": raw["source"], "meta": dict(raw["meta"], swapped=swap)}
 
@@ -1129,8 +1317,11 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
             HelpSteer3: 'nvidia/HelpSteer3', its default config is the preference subset).
         schema: 'auto' (per file, from the first row's field names) or a key of PAIR_SCHEMAS:
             helpsteer3 (overall_preference < 0: response1 wins; 0: tie, dropped; critique =
-            individual_preference[].reasoning joined by newlines), mr_ben (correct-vs-incorrect
-            pairs, critique = human error reasons), pandalm (majority of 3 annotators; no
+            individual_preference[].reasoning joined by newlines), rm_nlhf (the RM-NLHF authors'
+            release: extra_info with response_A/B, winner and a per-response processed_critique,
+            see _rm_nlhf_pair), mr_ben (correct-vs-incorrect pairs, critique per response =
+            human error reasons), reward_bench_2 (one pair per rejected response, meta.group =
+            the row; Ties dropped), pandalm (majority of 3 annotators; no
             majority or majority tie dropped), llmbar (label 1|2), judgebench ('A>B'|'B>A'),
             rm_bench (3x3 style grid per row, meta holds the styles), chosen_rejected (prompt +
             chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field).
@@ -1207,7 +1398,7 @@ def load_do_items(cfg):
 
 
 # The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
-JUDGE_KEYS = ("backend", "variant", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
+JUDGE_KEYS = ("backend", "variant", "on_failure", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
               "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
 
 
@@ -1231,6 +1422,8 @@ def make_judge(cfg):
     j = dict(cfg)
     if j["variant"] not in JUDGE_VARIANTS:
         raise SystemExit(f"judge.variant: {j['variant']!r} unknown; allowed: {', '.join(JUDGE_VARIANTS)}")
+    if j["on_failure"] not in ("mask", "zero"):
+        raise SystemExit(f"judge.on_failure: {j['on_failure']!r} unknown; allowed: mask, zero")
     if j["backend"] == "proxy":
         return j
     if j["backend"] != "openai":

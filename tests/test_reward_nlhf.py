@@ -121,8 +121,12 @@ def test_mr_ben_pairs_on_real_file():
         assert lose == "\n".join(sols[bad]["Model_Solution_Steps"])
         loser = "B" if it["winner"] == "A" else "A"
         step = sols[bad]["Model_Solution_First_Error_Step"]
-        assert it["critique"].splitlines()[0] == (f"Response {loser} is incorrect; its first error is in step {step}. "
-                                                  f"Response {it['winner']} is correct.")
+        # kept per response, in the final A/B letters (reward.structured_critique)
+        lines = it["critique"].splitlines()
+        assert lines[["A", "B"].index(it["winner"]) * 2] == f"Response {it['winner']} strengths: Its solution is correct."
+        assert lines[["A", "B"].index(loser) * 2 + 1].startswith(
+            f"Response {loser} weaknesses: Its solution is incorrect; the first error is in step {step}. ")
+        assert f"Response {loser} strengths: none noted" in lines
         for reason in sols[bad]["Model_Solution_Error_Reason"]:
             assert reason.strip() in it["critique"]
         assert it["context"].startswith(sols["GPT3.5"]["Question"]) and "Options:\nA:" in it["context"]
