@@ -57,6 +57,8 @@ for _name in ("w_o_process_reward", "w_o_outcome_regularization", "w_do_for_meta
               "only_metarm", "binary", "aggressive", "classifier"):
     PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {"layers": [PAPER, f"configs/paper/ablations/{_name}.yaml"],
                                                          "light": True}
+# the authors' released-code variant layers on the paper preset the same way
+PRESETS["configs/paper/released_code.yaml"] = {"layers": [PAPER, "configs/paper/released_code.yaml"], "light": True}
 SKIPPED = {
     "configs/gpu_check.yaml": "needs CUDA + vLLM (rollout.backend vllm, train.device cuda); "
                               "exercised by the GPU check (scripts/gpu_check.sh) instead",

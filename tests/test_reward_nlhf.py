@@ -565,3 +565,135 @@ def test_meta_judge_over_http(fake_server):
     assert s["f1"] == 1.0 and s["reward"] == 1.5 and s["judged"]
     sent = fake_server["bodies"][0]["messages"][0]["content"]
     assert "Response B is wrong: 2+3 is 5." in sent and "What is 2+3?" in sent and "HUMAN CRITIQUE" not in sent
+
+
+# ---- the authors' released formats (nlhf.grm_prompt, nlhf.do_reward, judge.on_failure) -------
+
+def test_authors_grm_prompt_renders_turns_like_the_release():
+    """style 'authors': their PROMPT_GRM with the conversation as 'role:\\ncontent\\n' per turn."""
+    turns = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    p = reward.build_grm_prompt("ignored when turns exist", "ans A", "ans B", style="authors", turns=turns)
+    assert "[Client Question]\nuser:\nHi?\nassistant:\nHello.\n\n\n[The Start of Chatbot A's Response]\nans A\n" in p
+    assert p.endswith("Note: Use [[A]] if A is better, or [[B]] if B is better.")
+    assert "ignored" not in p
+    # no turns kept (a plain-text context): the context string as is
+    assert "[Client Question]\nQ?\n" in reward.build_grm_prompt("Q?", "a", "b", style="authors")
+    with pytest.raises(ValueError, match="style 'theirs' unknown"):
+        reward.build_grm_prompt("Q?", "a", "b", style="theirs")
+    # grm_prompt_ids reads the item's kept turns (HelpSteer3 / rm_nlhf rows)
+    item = {"context": "User: Hi?", "response_a": "x", "response_b": "y", "meta": {"turns": turns}}
+    text = reward.grm_prompt_ids(None, item, False, {"max_critique_lines": 4, "grm_prompt": "authors"}, text_only=True)
+    assert "user:\nHi?\nassistant:\nHello.\n" in text
+
+
+def test_authors_parser_differs_from_ours_where_the_release_does():
+    """The released parse_llm_evaluation + format check, case by case (docs/method.md §5.2)."""
+    P = lambda t, **k: reward.parse_grm_output(t, style="authors", **k)
+    # the release's own answer format: the letter anywhere inside the last <choice> block
+    assert P("<critics>\nA is right.\n</critics>\n\n<choice>\n[[A]]\n</choice>") == \
+        {"critique": "A is right.", "choice": "A", "valid": True, "why": ""}
+    assert P("<critics>x</critics><choice>B</choice>")["choice"] == "B"   # ours needs [[B]]
+    assert reward.parse_grm_output("<critics>x</critics><choice>B</choice>")["choice"] is None
+    # both letters in the block: no choice, and NO fallback to a [[A]] elsewhere (ours falls back)
+    t = "<critics>x</critics> [[A]] <choice>A or B</choice>"
+    assert P(t)["why"] == "no_choice" and reward.parse_grm_output(t)["choice"] == "A"
+    # no <choice> block at all: the first [[ A ]] (spaces allowed) anywhere
+    assert P("<critics>x</critics> verdict [[ B ]] then [[A]]")["choice"] == "B"
+    # an empty critique block is a valid (empty) critique there; ours calls it no_critique
+    assert P("<critics> </critics><choice>A</choice>") == {"critique": "", "choice": "A", "valid": True, "why": ""}
+    # lines: the release counts blank lines too (split on '\n'): 3 points + 2 blank lines = 5 > 4
+    five = "<critics>1\n\n2\n\n3</critics><choice>A</choice>"
+    assert P(five)["why"] == "too_many_lines" and reward.parse_grm_output(five.replace("<choice>A", "<choice>[[A]]"))["valid"]
+    assert P("<critics>" + "x" * 1501 + "</critics><choice>A</choice>")["why"] == "too_long"
+    nl = {"max_critique_lines": 4, "max_critique_chars": 1500, "grm_prompt": "authors"}
+    assert reward.parse_grm_completion("<critics>x</critics><choice>B</choice>", nl)["valid"]
+
+
+def test_do_reward_released_form_is_unclipped():
+    """nlhf.do_reward: released = 1 + λ·max(0, R̂ - 1) (their reward manager, weight 0.5 = λ);
+    the paper's Eq. 8 clips the bonus to [0, λ]. R̂ = 2.2, λ = 0.5: released 1 + 0.5·1.2 = 1.6,
+    paper 1 + min(1.2, 0.5) = 1.5; R̂ = 1.4: released 1.2, paper 1.4; R̂ = 0.3: both 1.0."""
+    f = lambda r_hat, form: reward.do_reward(True, True, r_hat, lam=0.5, form=form)
+    assert f(2.2, "released") == pytest.approx(1.6) and f(2.2, "paper") == pytest.approx(1.5)
+    assert f(1.4, "released") == pytest.approx(1.2) and f(1.4, "paper") == pytest.approx(1.4)
+    assert f(0.3, "released") == 1.0 and f(0.3, "paper") == 1.0
+    assert reward.do_reward(True, False, 2.2, lam=0.5, form="released") == 0.0     # wrong verdict: 0
+    assert reward.do_reward(False, True, 2.2, lam=0.5, form="released") == -1.0    # invalid: -1
+    out = reward.score_do([reward.parse_grm_output("<critics>x</critics><choice>[[A]]</choice>")], [{"winner": "A"}],
+                          [2.2], lam=0.5, form="released")
+    assert out[0]["reward"] == pytest.approx(1.6)
+
+
+def test_judge_failure_masks_by_default_and_scores_zero_as_the_release_does():
+    """judge.on_failure: a right verdict whose judge call fails is masked (reward None, ours) or
+    gets S = 0, so R = 1 + λ·0 = 1 (the release); either way it counts as a failed call."""
+    item = {"winner": "A", "critique": "A is right."}
+    parsed = [reward.parse_grm_output("<critics>A is right.</critics><choice>[[A]]</choice>")]
+    for policy, want in (("mask", None), ("zero", 1.0)):
+        dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0, "on_failure": policy})
+        s = reward.score_dh(parsed, [item], dead, lam=0.5, sleep=lambda x: None)
+        assert s[0]["reward"] == want and s[0]["judge_failed"] and s[0]["judged"]
+        m = reward.nlhf_metrics(s)
+        assert m["judge/fail_rate"] == 1.0 and "judge/f1_mean" not in m
+    with pytest.raises(SystemExit, match="judge.on_failure: 'retry' unknown"):
+        make_judge({"backend": "proxy", "on_failure": "retry"})
+
+
+# ---- per-response human critiques and the authors' released data ------------------------------
+
+def released_row(winner="A", critique=True, **over):
+    info = {"context": [{"role": "user", "content": "Capital of France?"}], "response_A": "Paris.",
+            "response_B": "Lyon.", "winner": winner, "dataset_type": "DataWithHumanCritique" if critique else "other"}
+    if critique:
+        info["processed_critique"] = {"strengths_A": "Response A names the right city.", "weaknesses_A": "",
+                                      "strengths_B": ["Short."], "weaknesses_B": "Response B is wrong, unlike Response A."}
+    info.update(over)
+    return {"prompt": [{"role": "user", "content": "..."}], "data_source": "helpsteer3", "extra_info": info}
+
+
+def test_released_schema_keeps_critiques_per_response_through_the_shuffle(tmp_path):
+    """schema rm_nlhf: extra_info holds the pair, the winner and strengths/weaknesses of A and of B;
+    after the A/B shuffle the parts AND the letters inside them follow their responses."""
+    rows = [released_row(id=f"r{k}") for k in range(12)] + [released_row(critique=False, id="plain")]
+    path = write_jsonl(tmp_path / "rel.jsonl", rows[:-1] + [dict(rows[-1], extra_info=json.dumps(rows[-1]["extra_info"]))])
+    stats = {}
+    items = reward.load_pairwise(path, seed=0, stats=stats)
+    assert stats["schema"] == ["rm_nlhf"] and len(items) == 13
+    swapped = [it for it in items[:12] if it["meta"]["swapped"]]
+    kept = [it for it in items[:12] if not it["meta"]["swapped"]]
+    assert swapped and kept  # 12 coins at seed 0 land both ways
+    for it in kept:
+        assert it["winner"] == "A" and it["response_a"] == "Paris."
+        assert it["critique"] == ("Response A strengths: Response A names the right city.\n"
+                                  "Response A weaknesses: none noted\n"
+                                  "Response B strengths: Short.\n"
+                                  "Response B weaknesses: Response B is wrong, unlike Response A.")
+    for it in swapped:
+        assert it["winner"] == "B" and it["response_b"] == "Paris."
+        assert it["critique"] == ("Response A strengths: Short.\n"
+                                  "Response A weaknesses: Response A is wrong, unlike Response B.\n"
+                                  "Response B strengths: Response B names the right city.\n"
+                                  "Response B weaknesses: none noted")
+    assert items[0]["meta"]["turns"] == [{"role": "user", "content": "Capital of France?"}]
+    assert items[0]["context"] == "User: Capital of France?"
+    assert items[-1]["critique"] is None  # a row without human feedback: D_O
+    bad = write_jsonl(tmp_path / "bad.jsonl", [released_row(winner="C")])
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: field 'extra_info.winner' must be 'A' or 'B', got 'C'"):
+        reward.load_pairwise(bad)
+    bad = write_jsonl(tmp_path / "bad2.jsonl", [{"extra_info": "{not json"}])
+    with pytest.raises(SystemExit, match=r"bad2.jsonl:1: field 'extra_info' is not valid JSON"):
+        reward.load_pairwise(bad)
+
+
+def test_reward_bench_2_rows_become_grouped_pairs(tmp_path):
+    """schema reward_bench_2: one pair per rejected response (chosen wins), grouped by the row for
+    the best-of-4 rule; Ties rows (several right answers) are dropped and counted."""
+    rows = [{"id": 7, "prompt": "P", "chosen": ["good"], "rejected": ["b1", "b2", "b3"], "num_correct": 1,
+             "subset": "Math"},
+            {"id": 8, "prompt": "T", "chosen": ["t1", "t2"], "rejected": ["t3"], "num_correct": 2, "subset": "Ties"}]
+    stats = {}
+    items = reward.load_pairwise(write_jsonl(tmp_path / "rb2.jsonl", rows), shuffle=False, stats=stats)
+    assert stats == {"rows": 2, "items": 3, "dropped": 1, "schema": ["reward_bench_2"]}
+    assert [(it["id"], it["response_a"], it["response_b"], it["winner"]) for it in items] == \
+        [("7:0", "good", "b1", "A"), ("7:1", "good", "b2", "A"), ("7:2", "good", "b3", "A")]
+    assert {it["meta"]["group"] for it in items} == {"7"} and items[0]["meta"]["subset"] == "Math"

@@ -272,6 +272,16 @@ def test_config_layering_and_overrides(tmp_path):
     (["rollout.group_size=1"], "config key rollout.group_size: must be >= 2"),
     (["train.share_prompt=false"], "config key train.share_prompt was replaced by train.fast_paths"),
     (["model.dtype=float16", "train.parallel=fsdp2"], "model.dtype=float16 with train.parallel=fsdp2"),
+    # RM-NLHF choices (issue 15): unknown names, and the released D_O form where it changes nothing
+    (["judge.variant=coarse"], "config key judge.variant: 'coarse' is not one of ['core', 'all', 'meta_judge']"),
+    (["nlhf.similarity=f2"], "config key nlhf.similarity: 'f2' is not one of ['f1', 'precision', 'recall']"),
+    (["nlhf.grm_prompt=theirs"], "config key nlhf.grm_prompt: 'theirs' is not one of ['ours', 'authors']"),
+    (["judge.on_failure=retry"], "config key judge.on_failure: 'retry' is not one of ['mask', 'zero']"),
+    (["task=rm_nlhf", "nlhf.do_reward=released", "metarm.mode=metarm_only"],
+     "nlhf.do_reward=released would change nothing here: metarm.mode=metarm_only"),
+    (["task=rm_nlhf", "nlhf.do_reward=released", "nlhf.do=null"], "nlhf.do_reward=released would change nothing here: no D_O"),
+    (["task=rm_nlhf", "nlhf.do_reward=released", "nlhf.gate_on_outcome=false"],
+     "nlhf.do_reward=released would change nothing here: nlhf.gate_on_outcome=false"),
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
@@ -285,6 +295,14 @@ def test_invalid_yaml_file_names_the_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         T.load_config([str(bad)])
     assert str(e.value).startswith(f"config file {bad}: invalid YAML at line 3, column 2") and "\n" not in str(e.value)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys silently; a preset's first value would never apply."""
+    dup = _write(tmp_path, "dup.yaml", "algo:\n  aggregation: seq_sum\n  aggregation: token_mean\n")
+    with pytest.raises(SystemExit) as e:
+        T.load_config([dup])
+    assert str(e.value) == f"config file {dup}: invalid YAML at line 3, column 3: key 'aggregation' appears twice"
 
 
 def test_world_size_must_divide_prompts():
