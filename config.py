@@ -20,9 +20,11 @@ CHOICES = {
     "model.dtype": ["float32", "bfloat16", "float16"],
     "model.chat_template": ["auto", True, False],
     "model.gradient_checkpointing": ["none", "full", "selective"],
-    "data.label_format": ["gsm8k", "plain"],
+    "data.label_format": ["gsm8k", "plain", "text"],
     "rollout.backend": ["hf", "vllm"],
-    "reward.kind": ["rlme", "rlvr"],
+    "reward.kind": ["rlme", "rlvr", "hybrid"],
+    "reward.transform": ["log", "prob"],
+    "reward.qa_metric": ["em", "f1"],
     "algo.loss": ["cispo", "grpo"],
     "algo.ratio": ["sequence", "geometric_mean"],
     "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "dr_grpo"],
@@ -70,7 +72,7 @@ def _check_type(key, value, default):
 # Keys that no longer exist, and what replaced them (a one-line error instead of "unknown key").
 RENAMED = {"train.share_prompt": "train.fast_paths (true: the group's prompt runs once in the update)"}
 
-NULLABLE = {"reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
+NULLABLE = {"data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
             "judge.api_key_env", "metarm.model", "metarm.path"}
 
 
@@ -245,7 +247,7 @@ def validate_config(cfg, world_size=1):
     if (r["prompts_per_step"] // world_size) % a["minibatches"]:
         raise SystemExit(f"config key algo.minibatches={a['minibatches']} does not divide the "
                          f"{r['prompts_per_step'] // world_size} groups per rank")
-    if cfg["reward"]["evaluator_template"] is not None:
+    if cfg["reward"]["evaluator_template"] not in (None, "qa"):  # "qa": reward.QA_EVALUATOR_TEMPLATE
         R.check_evaluator_template(cfg["reward"]["evaluator_template"])
     if not 0.0 <= cfg["reward"]["anchor_fraction"] <= 1.0:
         raise SystemExit("config key reward.anchor_fraction: must be in [0, 1]")
@@ -255,8 +257,7 @@ def validate_config(cfg, world_size=1):
         raise SystemExit(f"config key rollout.top_p: must be in (0, 1], got {r['top_p']}")
     if r["top_k"] < 0:
         raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
-    if "{question}" not in cfg["data"]["prompt_template"]:
-        raise SystemExit("config key data.prompt_template: must contain {question}")
+    check_data_config(cfg)
     nl = cfg["nlhf"]
     # λ weighs the process reward against the outcome reward (RM-NLHF Eq. 8): a share in [0, 1]
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
@@ -278,6 +279,58 @@ def validate_config(cfg, world_size=1):
         if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
             raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
                              f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")
+
+
+def check_data_config(cfg):
+    """The RLME data, reward and validation keys that only make sense together (issue 16); one-line
+    SystemExit naming the key. A setting that would silently do nothing is an error."""
+    d, rw, run = cfg["data"], cfg["reward"], cfg["run"]
+    import string
+    fields = {f for _, f, _, _ in string.Formatter().parse(d["prompt_template"]) if f is not None}
+    if "question" not in fields:
+        raise SystemExit("config key data.prompt_template: must contain {question}")
+    if fields - {"question", "context", "answer"}:
+        raise SystemExit(f"config key data.prompt_template: unknown placeholder(s) {sorted(fields - {'question', 'context', 'answer'})}; "
+                         "allowed: {question}, {context}, {answer} (write {{ }} for literal braces)")
+    if "context" in fields and not d["context_field"]:
+        raise SystemExit("config key data.prompt_template uses {context} but data.context_field is null")
+    if d["context_field"] and "context" not in fields:
+        raise SystemExit(f"config key data.context_field={d['context_field']!r}: data.prompt_template has no {{context}}, so the policy would never see it")
+    labels = d["answer_field"] is not None
+    for ok, key, why in [
+            (labels or "answer" not in fields, "data.prompt_template", "uses {answer} but data.answer_field is null (no labels to show)"),
+            (labels or rw["kind"] == "rlme", f"reward.kind={rw['kind']}", "needs labels: data.answer_field is null"),
+            (labels or rw["anchor_fraction"] == 0, "reward.anchor_fraction", "anchoring shows the reference answer: data.answer_field is null"),
+            (labels or not run["eval_every"], "run.eval_every", "validation accuracy needs labels: data.answer_field is null"),
+            (rw["kind"] != "rlvr" or rw["transform"] == "log", "reward.transform=prob", "acts on the RLME terms; reward.kind=rlvr has none"),
+            (rw["kind"] == "hybrid" or rw["rlvr_weight"] == 1.0, f"reward.rlvr_weight={rw['rlvr_weight']}", "is read only by reward.kind=hybrid"),
+            (d["label_format"] == "text" or rw["qa_metric"] == "em", "reward.qa_metric=f1", "applies to data.label_format=text only"),
+            (not run["eval_every"] or d["val"], f"run.eval_every={run['eval_every']}", "needs held-out problems: set data.val (a file, a hub id, or holdout)"),
+            ((run["early_stop_drop"] > 0) == (run["early_stop_patience"] > 0), "run.early_stop_drop / run.early_stop_patience",
+             "the early-stop rule needs both (a drop > 0 and a patience >= 1)"),
+            (not run["early_stop_patience"] or run["eval_every"], "run.early_stop_patience", "needs run.eval_every > 0 (it counts evaluations)"),
+            (not d["val"] or run["eval_every"], f"data.val={d['val']!r}", "is read only by run.eval_every > 0"),
+            (cfg["task"] == "rlme" or not run["eval_every"], "run.eval_every",
+             "is RLME's in-run validation; score GRM checkpoints with evaluate.py pairwise")]:
+        if not ok:
+            raise SystemExit(f"config key {key}: {why}")
+    for key, v, lo in [("data.epochs", d["epochs"], 0), ("data.context_max_chars", d["context_max_chars"], 0),
+                       ("data.val_size", d["val_size"], 1), ("run.eval_every", run["eval_every"], 0),
+                       ("run.early_stop_patience", run["early_stop_patience"], 0)]:
+        if v < lo:
+            raise SystemExit(f"config key {key}: must be >= {lo}, got {v}")
+
+
+def check_single_pass(cfg, n_items):
+    """RLME §4.1 trains single-pass (no prompt reused): run.total_steps x rollout.prompts_per_step
+    prompts may not exceed data.epochs passes over the n_items training items (0 = no limit).
+    RM-NLHF's D_H / D_O streams are not limited (its paper runs several epochs). SystemExit (one line)."""
+    epochs, need = cfg["data"]["epochs"], cfg["run"]["total_steps"] * cfg["rollout"]["prompts_per_step"]
+    if cfg["task"] == "rlme" and epochs and need > epochs * n_items:
+        raise SystemExit(f"config key data.epochs={epochs}: run.total_steps x rollout.prompts_per_step = "
+                         f"{cfg['run']['total_steps']} x {cfg['rollout']['prompts_per_step']} = {need} prompts, more than "
+                         f"{epochs} pass(es) over the {n_items} training items (RLME §4.1 is single-pass); lower "
+                         f"run.total_steps to {epochs * n_items // cfg['rollout']['prompts_per_step']} or raise data.epochs")
 
 
 def check_scale_config(cfg, device):

@@ -61,10 +61,13 @@ def step_items(items, step, prompts_per_step, seed, rank, world):
     return out[rank * per_rank:(rank + 1) * per_rank]
 
 
-def policy_prompt_ids(tokenizer, item, chat, template, text_only=False):
+def policy_prompt_ids(tokenizer, item, chat, template, text_only=False, answer=None):
     """Token ids of the policy prompt for one training item (data.prompt_template, chat template
-    when `chat`); its text with text_only=True."""
-    text = template.format(question=item["question"])
+    when `chat`); its text with text_only=True. The template's {question}, {context} and {answer}
+    are the item's question, context and reference answer; `answer` replaces the reference (the
+    validation's seeded wrong answer for NoCheat, docs/method.md §4.6)."""
+    text = template.format(question=item["question"], context=item.get("context") or "",
+                           answer=item.get("answer_text") if answer is None else answer)
     return text if text_only else build_prompt_ids(tokenizer, text, chat)
 
 

@@ -50,10 +50,11 @@ import torch.distributed as dist
 import yaml
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import evaluate
 import metarm
 import reward as R
 import rollout
-from config import check_scale_config, load_config, validate_config
+from config import check_scale_config, check_single_pass, load_config, validate_config
 
 
 # ==============================================================================================
@@ -337,39 +338,48 @@ def rollout_batch(state, prompt_ids, cfg, seed):
 
 def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
     """2. Rewards of one RLME step: r = sum_j v_j sum_k w_k log p_jk (RLME Eq. 2-3, reward.rlme_reward),
-    or RLVR's 0/1 against the label when reward.kind = rlvr.
+    RLVR's reward against the label (reward.kind = rlvr), or both (hybrid: rlvr_weight x RLVR +
+    the RLME terms, reward.hybrid_reward).
 
     Args:
-        items: list (N) of training item dicts, one per completion (each prompt's item G times).
-        ro_out: the rollout dict of the N completions. evaluators: load_evaluators' list ([] for rlvr).
+        items: list (N) of item dicts (load_train_items), one per completion (each prompt's item G times).
+        ro_out: the rollout dict of the N completions (only "completions" is read).
+        evaluators: load_evaluators' list ([] for rlvr).
     Returns:
         dict: "reward" FloatTensor [N]; "valid" None (every RLME reward is known); "records" list (N)
-        of this step's samples.jsonl fields (problem, extracted answer, label, RLVR correctness,
-        every evaluator's log p per meta-question: a reward can be recomputed by hand from them);
-        "metrics" dict (reward/nonfinite, summed over ranks).
+        of this step's samples.jsonl fields (problem, extracted answer, label, correctness, the
+        RLVR and RLME parts, every evaluator's log p per meta-question: a reward can be recomputed
+        by hand from them); "metrics" dict (reward/nonfinite, summed over ranks).
     """
-    rw, completions = cfg["reward"], ro_out["completions"]
-    # RLVR's 0/1 (docs/method.md §4.3): the reward for reward.kind = rlvr; logged as accuracy always
-    rlvr = torch.tensor([R.rlvr_reward(c, it["label"]) for c, it in zip(completions, items)])
-    logp, nonfinite = None, 0
-    if rw["kind"] == "rlme":
+    d, rw, completions = cfg["data"], cfg["reward"], ro_out["completions"]
+    # RLVR (docs/method.md §4.3): the reward for kind rlvr, hybrid's first part; accuracy always
+    # (correct = exact match for text labels, whatever reward.qa_metric); no labels: None
+    score = lambda c, label, metric: R.answer_reward(c, label, d["label_format"], metric)
+    rlvr = torch.tensor([score(c, it["label"], rw["qa_metric"]) if it["label"] is not None else 0.0
+                         for c, it in zip(completions, items)])
+    correct = [score(c, it["label"], "em") >= 1.0 if it["label"] is not None else None
+               for c, it in zip(completions, items)]
+    logp, rlme, nonfinite = None, None, 0
+    if rw["kind"] in ("rlme", "hybrid"):
         with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):  # the live evaluator is the policy
-            out = R.rlme_reward(evaluators, rw["meta_questions"], problems=[it["question"] for it in items],
-                                solutions=completions, references=[it["label"] for it in items],
+            out = R.rlme_reward(evaluators, rw["meta_questions"], problems=[it["problem"] for it in items],
+                                solutions=completions, references=[it["answer_text"] for it in items],
                                 anchored=[it["anchored"] for it in items],
-                                template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE,
+                                template=evaluator_template(rw["evaluator_template"]),
                                 answer_stub=rw["answer_stub"], renormalize=rw["renormalize"],
                                 micro_batch_size=rw["micro_batch_size"], nonfinite_logp=rw["nonfinite_logp"],
-                                fast=cfg["train"]["fast_paths"])
-        rewards, logp, nonfinite = out["reward"], out["logp"], out["nonfinite"]
-    else:
-        rewards = rlvr.clone()
+                                fast=cfg["train"]["fast_paths"], transform=rw["transform"])
+        rlme, logp, nonfinite = out["reward"], out["logp"], out["nonfinite"]
+    rewards = {"rlme": rlme, "rlvr": rlvr, "hybrid": None}[rw["kind"]]
+    if rw["kind"] == "hybrid":
+        rewards = R.hybrid_reward(rlvr, rlme, rlvr_weight=rw["rlvr_weight"])
     records = []
     for i, (it, c) in enumerate(zip(items, completions)):
         rec = {"item": it["index"], "problem": it["question"], "extracted": R.extract_boxed(c), "label": it["label"],
-               "correct": bool(rlvr[i]), "anchored": it["anchored"], "reward": float(rewards[i]),
+               "correct": correct[i], "anchored": it["anchored"], "reward": float(rewards[i]),
                "rlvr_reward": float(rlvr[i])}
         if logp is not None:  # logp: [N, J evaluators, K meta-questions]
+            rec["rlme_reward"] = float(rlme[i])
             rec["logp"] = {ev["name"]: {mq["question"]: float(logp[i, j, k]) for k, mq in enumerate(rw["meta_questions"])}
                            for j, ev in enumerate(evaluators)}
         records.append(rec)
@@ -377,19 +387,117 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
             "metrics": {"reward/nonfinite": all_sum(nonfinite, world)}}
 
 
+def evaluator_template(setting):
+    """reward.evaluator_template: null = reward.DEFAULT_EVALUATOR_TEMPLATE, "qa" =
+    reward.QA_EVALUATOR_TEMPLATE (context QA), anything else is the template itself."""
+    return {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(setting, setting)
+
+
 def rlme_step_metrics(records, cfg):
-    """RLME's own entries of metrics.jsonl from all ranks' records: RLVR accuracy of the rewarded
-    answers, the share with a \\boxed{} answer, each evaluator's mean log p and p per meta-question."""
+    """RLME's own entries of metrics.jsonl from all ranks' records: RLVR reward of the rewarded
+    answers, the share with a \\boxed{} answer, the RLME part's mean (hybrid: both parts), each
+    evaluator's mean log p and p per meta-question."""
     n = len(records)
     out = {"rlvr_reward/mean": sum(r["rlvr_reward"] for r in records) / n,
            "completion/boxed_frac": sum(r["extracted"] is not None for r in records) / n}
     if "logp" in records[0]:
+        out["rlme_reward/mean"] = sum(r["rlme_reward"] for r in records) / n
         for ev in cfg["reward"]["evaluators"]:
             for mq in cfg["reward"]["meta_questions"]:
                 vals = torch.tensor([r["logp"][ev["name"]][mq["question"]] for r in records])
                 out[f"rlme/{ev['name']}/{mq['question']}/logp"] = vals.mean().item()
                 out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item()
     return out
+
+
+def validation_step(state, cfg, step, records):
+    """5b. In-run validation and the reward-hacking monitor, every run.eval_every steps (RLME §4:
+    the policy learns to please the evaluator instead of solving; the paper's mitigation is
+    early stopping on held-out accuracy; docs/method.md §4.6). Every rank calls it (collectives).
+
+    On data.val's fixed held-out problems (never trained on), with the current policy:
+      val/accuracy        greedy answers against the true labels. When data.prompt_template shows
+                          {answer} (NoCheat), each prompt shows a seeded WRONG answer instead, so
+                          this is the counterfactual accuracy (val/injected = true)
+      val/reward_mean     the training reward of those greedy answers
+      val/canary/<name>   the training reward of a non-answer (evaluate.CANARIES) to the first
+                          problems: an evaluator that rewards ":" as much as a solution is hacked
+      val/auroc           this step's training samples: AUROC of their reward against correctness
+                          (evaluate.auroc; None when one class is empty or there are no labels)
+      val/seconds         what the evaluation cost
+    Args: state: setup's dict. step: the step just finished. records: this rank's sample records.
+    Returns: dict of val/* metrics (the same on every rank).
+    """
+    t0 = time.perf_counter()
+    d, rank, world, tok = cfg["data"], state["rank"], state["world"], state["tokenizer"]
+    val = state["val_items"]
+    mine = list(range(rank, len(val), world))
+    inject = "{answer}" in d["prompt_template"]
+    prompts = [rollout.policy_prompt_ids(tok, val[k], state["chat"], d["prompt_template"],
+                                         answer=wrong_answer(val, k) if inject else None) for k in mine]
+    policy = state["policy"]
+    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
+        greedy = rollout.generate(policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
+                                  temperature=0.0, seed=0, fast=cfg["train"]["fast_paths"]) if prompts else {"completions": []}
+    items = [val[k] for k in mine]
+    rew = rlme_reward_step(items, greedy, state["evaluators"], cfg, world=world, device=state["device"])
+    n = all_sum(len(items), world)
+    out = {"val/n": n, "val/injected": inject,
+           "val/accuracy": all_sum(sum(bool(r["correct"]) for r in rew["records"]), world) / n,
+           "val/reward_mean": all_sum(float(rew["reward"].sum()), world) / n}
+    canary_items = items[:max(1, 8 // world)]
+    for name, text in evaluate.CANARIES.items():
+        c = rlme_reward_step(canary_items, {"completions": [text] * len(canary_items)}, state["evaluators"], cfg,
+                             world=world, device=state["device"])
+        out[f"val/canary/{name}"] = all_sum(float(c["reward"].sum()), world) / all_sum(len(canary_items), world)
+    everyone = gather_records(records, world) if world > 1 else records
+    if all(r["correct"] is not None for r in everyone):
+        out["val/auroc"] = evaluate.auroc([r["reward"] for r in everyone], [r["correct"] for r in everyone])
+    out["val/seconds"] = all_max(time.perf_counter() - t0, world)
+    out["step"] = step
+    return out
+
+
+def wrong_answer(val, k):
+    """The seeded wrong answer shown in place of item k's reference (NoCheat's counterfactual
+    test): a number's label + 1 (evaluate.known_wrong_answer); a text label: the next item's
+    answer (or "none" when it is the same)."""
+    it = val[k]
+    if isinstance(it["label"], str) and R.to_number(it["label"]) is not None:
+        return evaluate.known_wrong_answer(it["label"])
+    other = val[(k + 1) % len(val)]["answer_text"]
+    return other if other != it["answer_text"] else "none"
+
+
+def early_stop(accuracies, drop, patience):
+    """The early-stop rule (RLME §4's mitigation of reward hacking; run.early_stop_*): True when
+    each of the last `patience` held-out accuracies is more than `drop` below the best one seen.
+    Args: accuracies: list[float] in evaluation order; drop: float > 0; patience: int >= 1."""
+    best = max(accuracies, default=0.0)
+    return len(accuracies) >= patience and all(a < best - drop for a in accuracies[-patience:])
+
+
+def monitor(state, cfg, val, metrics):
+    """The reward-hacking monitor after an evaluation. Every rank records the held-out accuracy
+    (`val`, the same on every rank) and applies the early-stop rule; rank 0 (`metrics` not None)
+    prints a one-line warning, also shown in the progress bar, when the mean training reward of
+    the steps since the previous evaluation rose while held-out accuracy fell.
+    Returns: True when the early-stop rule (run.early_stop_*) fires."""
+    hist = state["val_history"]
+    hist.append({"step": val["step"], "accuracy": val["val/accuracy"], "train_reward": None})
+    if metrics is not None:
+        since = state["rewards_since_eval"]
+        hist[-1]["train_reward"] = sum(since) / len(since)
+        state["rewards_since_eval"] = []
+        a, b = (hist[-2], hist[-1]) if len(hist) >= 2 else (None, None)
+        if a and a["train_reward"] is not None and b["train_reward"] > a["train_reward"] and b["accuracy"] < a["accuracy"]:
+            state["pbar"].write(f"[monitor] step {b['step']}: training reward rose ({a['train_reward']:.3f} -> "
+                                f"{b['train_reward']:.3f}) while held-out accuracy fell ({a['accuracy']:.3f} -> "
+                                f"{b['accuracy']:.3f}): reward hacking?")
+            state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", val=f"{b['accuracy']:.2f}", warn="hack?")
+    r = cfg["run"]
+    return bool(r["early_stop_patience"]) and early_stop([h["accuracy"] for h in hist], r["early_stop_drop"],
+                                                         r["early_stop_patience"])
 
 
 def sample_records(step, rank, ro_out, *, fields, advantages, upd, group_size):
@@ -427,12 +535,15 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
     lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
     groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None} for g in range(0, len(records), G)]
     n, steps = len(records), cfg["algo"]["updates_per_batch"] * cfg["algo"]["minibatches"]
+    labelled = [r["correct"] for r in records if r["correct"] is not None]  # None: no labels (RLME only)
     metrics = {
         "step": records[0]["step"], "reward/mean": rew.mean().item(), "reward/std": rew.std(unbiased=False).item(),
-        "accuracy": sum(r["correct"] for r in records) / n,
+        "accuracy": sum(labelled) / len(labelled) if labelled else None,
         "advantage/abs_mean": sum(abs(r["advantage"]) for r in records) / n,
         "groups/zero_variance_frac": sum(len(g) <= 1 for g in groups) / len(groups),
         "completion/length_mean": lens.mean().item(), "completion/length_max": lens.max().item(),
+        # characters, the unit of RLME §4's conciseness meta-question ("between 200 and 500 characters")
+        "completion/chars_mean": sum(len(r["completion"]) for r in records) / n,
         "completion/truncated_frac": sum(r["truncated"] for r in records) / n,
         "is_weight/mean": sum(r["importance_weight"] for r in records) / n,
         "is_weight/max": max(r["importance_weight"] for r in records),
@@ -457,8 +568,10 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
         with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
-    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.2f}",
+    acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
+    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", **({"acc": f"{acc:.2f}"} if acc is not None else {}),
                               s=f"{metrics['time/step']:.0f}", refresh=False)
+    state["rewards_since_eval"].append(metrics["reward/mean"])  # for the reward-hacking monitor
     state["pbar"].update(1)
     return metrics
 
@@ -486,7 +599,8 @@ def train(cfg):
     if state is None:  # the run in run.out_dir is already complete
         return
     G, seed, rank, world = cfg["rollout"]["group_size"], cfg["run"]["seed"], state["rank"], state["world"]
-    for step in range(state["start_step"], cfg["run"]["total_steps"]):
+    total = cfg["run"]["total_steps"]
+    for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1. rollout: G completions for each of this rank's prompts (RLME Eq. 1) ----------------
         if cfg["task"] == "rm_nlhf":  # GRM prompts for a mix of D_H and D_O pairs (RM-NLHF §3.2)
@@ -527,16 +641,22 @@ def train(cfg):
         state["scheduler"].step()
         t3 = time.perf_counter()
 
-        # --- 5. log: metrics.jsonl, samples.jsonl (rank 0 sees every rank's samples) -------------
-        records = sample_records(step + 1, rank, ro_out, fields=rew["records"], advantages=advantages, upd=upd,
+        # --- 5. log: metrics.jsonl, samples.jsonl (rank 0 sees every rank's samples); every
+        #        run.eval_every steps the held-out validation and the reward-hacking monitor --------
+        done, every = step + 1, cfg["run"]["eval_every"]
+        records = sample_records(done, rank, ro_out, fields=rew["records"], advantages=advantages, upd=upd,
                                  group_size=G)
-        log_step(state, cfg, records, upd, reward_metrics=rew["metrics"],
-                 times={"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2})
+        val = validation_step(state, cfg, done, records) if every and (done % every == 0 or done == total) else {}
+        metrics = log_step(state, cfg, records, upd, reward_metrics={**rew["metrics"], **val},
+                           times={"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2})
+        stop_early = bool(val) and monitor(state, cfg, val, metrics)
 
         # --- 6. checkpoint: atomic; re-running the same command resumes from the newest ----------
-        done = step + 1
-        if (cfg["run"]["save_every"] and done % cfg["run"]["save_every"] == 0) or done == cfg["run"]["total_steps"]:
+        if (cfg["run"]["save_every"] and done % cfg["run"]["save_every"] == 0) or done == total or stop_early:
             save_run(state, cfg, done)
+        if stop_early:  # held-out accuracy fell too far for too long (run.early_stop_*)
+            write_early_stop(state, cfg, done)
+            break
         if cfg["run"]["stop_after"] and done - state["start_step"] >= cfg["run"]["stop_after"]:
             break
     finish(state)
@@ -580,6 +700,17 @@ def setup(cfg):
     check_scale_config(cfg, device)
     out_dir, is_main = run["out_dir"], rank == 0
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
+    stopped = os.path.join(out_dir, "early_stop.json")
+    if ckpt and os.path.exists(stopped):
+        with open(stopped) as f:
+            info = json.load(f)
+        if is_main:
+            print(f"[train] {out_dir} stopped early at step {info['step']} (held-out accuracy {info['accuracy']:.3f}, "
+                  f"best {info['best_accuracy']:.3f} at step {info['best_step']}; {stopped}); delete that file to "
+                  f"train on from there", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return None
     if ckpt and checkpoint_step(ckpt) >= run["total_steps"]:
         if is_main:
             print(f"[train] {out_dir} is complete: its checkpoint is at step {checkpoint_step(ckpt)} and "
@@ -588,7 +719,7 @@ def setup(cfg):
         if dist.is_initialized():
             dist.destroy_process_group()
         return None
-    state = {"rank": rank, "world": world, "device": device}
+    state = {"rank": rank, "world": world, "device": device, "val_items": [], "val_history": [], "rewards_since_eval": []}
 
     # data (rm_nlhf: the judge's start-up checks, model name and API key variable, come first)
     task = cfg["task"]
@@ -596,7 +727,8 @@ def setup(cfg):
         state["judge"] = R.make_judge(cfg["judge"])
         state["dh_items"], state["do_items"] = R.load_dh_items(cfg), R.load_do_items(cfg)
     else:
-        state["items"] = load_train_items(cfg)
+        state["items"], state["val_items"] = load_train_items(cfg), load_val_items(cfg)
+        check_single_pass(cfg, len(state["items"]))
 
     # the policy and its prompts; a prompt over the length limit is dropped and counted
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
@@ -606,7 +738,7 @@ def setup(cfg):
         section, names = "nlhf", ("dh_items", "do_items")
         ids = functools.partial(R.grm_prompt_ids, tokenizer, chat=chat, nl=cfg["nlhf"])
     else:
-        section, names = "data", ("items",)
+        section, names = "data", ("items", "val_items")
         ids = functools.partial(rollout.policy_prompt_ids, tokenizer, chat=chat, template=cfg["data"]["prompt_template"])
     key = f"{section}.max_prompt_tokens"
     limit = rollout.prompt_token_limit(cfg[section]["max_prompt_tokens"], policy, ro["max_new_tokens"], key)
@@ -616,13 +748,15 @@ def setup(cfg):
         dropped += n
     if dropped and is_main:
         print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens ({key})", flush=True)
+    if task == "rlme":
+        check_single_pass(cfg, len(state["items"]))  # again, after the long prompts left
 
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
                         cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank))
-    rlme = task == "rlme" and cfg["reward"]["kind"] == "rlme"
+    rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device) if rlme else []
     state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
@@ -660,13 +794,39 @@ def setup(cfg):
                 truncate_jsonl(os.path.join(out_dir, name), state["start_step"])
             elif os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
+        if not state["start_step"] and os.path.exists(stopped):
+            os.remove(stopped)  # a fresh run over an early-stopped folder
         what = (f"rm_nlhf | D_H {len(state['dh_items'])} items, D_O {len(state['do_items'])} | MetaRM {mrm_source}"
                 if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(state['items'])} items")
         print(f"[train] {what} | policy {cfg['model']['policy']} | world {world} | "
               f"{'resuming from ' + ckpt if ckpt else 'fresh start'}", flush=True)
+        if state["val_items"]:
+            print(f"[train] validation every {run['eval_every']} steps on {len(state['val_items'])} held-out "
+                  f"problems ({cfg['data']['val']})", flush=True)
         from tqdm import tqdm
         state["pbar"] = tqdm(total=run["total_steps"], initial=state["start_step"], desc="train", dynamic_ncols=True)
+    if state["world"] > 1:
+        dist.barrier()  # metrics.jsonl is truncated before any rank reads it
+    if state["start_step"] and cfg["run"]["eval_every"]:  # the monitor's history, so a resumed run decides alike
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
+                                    for m in map(json.loads, f) if "val/accuracy" in m]
     return state
+
+
+def write_early_stop(state, cfg, step):
+    """Rank 0 writes <out_dir>/early_stop.json (the step, its held-out accuracy, the best one and
+    when) and says so; a rerun of the same command then stops at start-up instead of training on."""
+    hist = state["val_history"]
+    best = max(hist, key=lambda h: h["accuracy"])
+    info = {"step": step, "accuracy": hist[-1]["accuracy"], "best_accuracy": best["accuracy"], "best_step": best["step"],
+            "early_stop_drop": cfg["run"]["early_stop_drop"], "early_stop_patience": cfg["run"]["early_stop_patience"]}
+    if state["rank"] == 0:
+        with open(os.path.join(cfg["run"]["out_dir"], "early_stop.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        state["pbar"].write(f"[train] early stop at step {step}: held-out accuracy {info['accuracy']:.3f} has been more "
+                            f"than {info['early_stop_drop']} below its best ({info['best_accuracy']:.3f}, step "
+                            f"{info['best_step']}) for {info['early_stop_patience']} evaluations")
 
 
 def finish(state):
@@ -710,29 +870,84 @@ def load_dataset_rows(source, config_name=None, split="train"):
 
 
 def load_train_items(cfg):
-    """Training items as dicts {index, question, label, anchored} (docs/method.md §4.2: anchoring chosen
-    once by seed at load time)."""
+    """Training items (docs/method.md §4.1): dicts {index, question, context (str|None), problem
+    (what the evaluator is shown: context + question), label (gsm8k/plain: the cleaned number as a
+    string; text: a str or list of str; None without data.answer_field), answer_text (the
+    reference as text, for {answer} and anchoring), anchored (docs/method.md §4.2: chosen once by
+    seed at load time)}. With data.val: holdout, the held-out draw is left out.
+    SystemExit (one line) on a missing field or a label that cannot be read."""
     d = cfg["data"]
-    ds = load_dataset_rows(d["train"], d["train_config"], d["train_split"])
-    for key in ("question_field", "answer_field"):
-        if d[key] not in ds.column_names:
-            raise SystemExit(f"config key data.{key}={d[key]!r}: no such field in {d['train']} "
-                             f"(fields: {', '.join(ds.column_names)})")
+    items = items_from_rows(load_dataset_rows(d["train"], d["train_config"], d["train_split"]), cfg, d["train"])
     if d["max_items"]:
-        ds = ds.select(range(min(d["max_items"], len(ds))))
-    items = []
-    for i, row in enumerate(ds):
-        answer = str(row[d["answer_field"]])
-        try:
-            label = R.clean_gsm8k_label(answer) if d["label_format"] == "gsm8k" else R.clean_number(answer)
-        except ValueError:
-            raise SystemExit(f"{d['train']} item {i}: field {d['answer_field']!r} has no '####' "
-                             f"(set data.label_format=plain for bare answers)")
-        items.append({"index": i, "question": str(row[d["question_field"]]), "label": label, "anchored": False})
+        items = items[:d["max_items"]]
+    if d["val"] == "holdout":
+        held = set(val_draw(cfg, len(items)))
+        items = [it for i, it in enumerate(items) if i not in held]
     g = torch.Generator().manual_seed(cfg["run"]["seed"])
     n_anchor = round(cfg["reward"]["anchor_fraction"] * len(items))
     for i in torch.randperm(len(items), generator=g)[:n_anchor].tolist():
         items[i]["anchored"] = True
+    return items
+
+
+def load_val_items(cfg):
+    """Held-out items for run.eval_every (docs/method.md §4.6), [] without data.val: "holdout" =
+    data.val_size items of data.train (never trained on: load_train_items leaves them out),
+    otherwise a file or hub id read like data.train and drawn from; the draw is seeded, fixed
+    for the run."""
+    d = cfg["data"]
+    if not d["val"]:
+        return []
+    if d["val"] == "holdout":
+        pool = items_from_rows(load_dataset_rows(d["train"], d["train_config"], d["train_split"]), cfg, d["train"])
+        pool = pool[:d["max_items"]] if d["max_items"] else pool
+    else:
+        pool = items_from_rows(load_dataset_rows(d["val"], d["val_config"], d["val_split"]), cfg, d["val"])
+    return [pool[i] for i in val_draw(cfg, len(pool))]
+
+
+def val_draw(cfg, n):
+    """Indices (sorted) of the data.val_size held-out items among n, seeded by run.seed."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg["run"]["seed"] * 7 + 1)).tolist()
+    return sorted(perm[:cfg["data"]["val_size"]])
+
+
+def items_from_rows(ds, cfg, source):
+    """Item dicts (see load_train_items) of a datasets.Dataset read with the data.* field settings."""
+    d = cfg["data"]
+    for key in ("question_field", "answer_field", "context_field"):
+        if d[key] is not None and d[key] not in ds.column_names:
+            raise SystemExit(f"config key data.{key}={d[key]!r}: no such field in {source} "
+                             f"(fields: {', '.join(ds.column_names)})")
+    items = []
+    for i, row in enumerate(ds):
+        label = None
+        if d["answer_field"] is not None:
+            value = row[d["answer_field"]]
+            if d["label_format"] == "text":  # a str, a list of str, or SQuAD's {"text": [...]}
+                label = value.get("text") if isinstance(value, dict) else value
+                if isinstance(label, list):
+                    label = [str(x) for x in label]
+                    if not label:
+                        raise SystemExit(f"{source} item {i}: field {d['answer_field']!r} holds no answer")
+                else:
+                    label = str(label)
+            else:
+                try:
+                    label = R.clean_gsm8k_label(str(value)) if d["label_format"] == "gsm8k" else R.clean_number(str(value))
+                except ValueError:
+                    raise SystemExit(f"{source} item {i}: field {d['answer_field']!r} has no '####' "
+                                     f"(set data.label_format=plain for bare answers)")
+        context = None
+        if d["context_field"] is not None:
+            try:
+                context = R.render_context(row[d["context_field"]], d["context_max_chars"])
+            except ValueError as e:
+                raise SystemExit(f"{source} item {i}: field {d['context_field']!r}: {e}")
+        question = str(row[d["question_field"]])
+        items.append({"index": i, "question": question, "context": context,
+                      "problem": f"{context}\n\n{question}" if context else question, "label": label,
+                      "answer_text": label[0] if isinstance(label, list) else label, "anchored": False})
     return items
 
 

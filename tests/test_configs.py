@@ -57,6 +57,18 @@ for _name in ("w_o_process_reward", "w_o_outcome_regularization", "w_do_for_meta
               "only_metarm", "binary", "aggressive", "classifier"):
     PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {"layers": [PAPER, f"configs/paper/ablations/{_name}.yaml"],
                                                          "light": True}
+# RLME's experiments (configs/paper/rlme/, issue 16). Each is config.yaml plus a few keys, so most are
+# "light" (they run end to end); hacking.yaml (validation + monitor over a resume) and qa_rlvr.yaml
+# (context QA, text labels, a holdout) get the precision and resume checks too. 1gt / 10gt / crowd
+# layer on hacking.yaml and qa_hybrid on qa_rlvr.yaml, as their headers say.
+RLME_DIR = "configs/paper/rlme"
+for _name, _base, _light in [("fig2_rlme", None, True), ("fig2_rlvr", None, True), ("hacking", None, False),
+                             ("1gt", "hacking", True), ("10gt", "hacking", True), ("crowd", "hacking", True),
+                             ("concise", None, True), ("nocheat", None, True), ("qa_rlvr", None, False),
+                             ("qa_hybrid", "qa_rlvr", True), ("generator_llama32", None, True),
+                             ("evaluator_frozen", None, True)]:
+    PRESETS[f"{RLME_DIR}/{_name}.yaml"] = {
+        "layers": ([f"{RLME_DIR}/{_base}.yaml"] if _base else []) + [f"{RLME_DIR}/{_name}.yaml"], "light": _light}
 # the authors' released-code variant layers on the paper preset the same way
 PRESETS["configs/paper/released_code.yaml"] = {"layers": [PAPER, "configs/paper/released_code.yaml"], "light": True}
 SKIPPED = {
@@ -67,7 +79,8 @@ SKIPPED = {
 # bookkeeping); anything else differing from the shipped config fails the test
 SWAPPABLE = {
     "model.policy", "model.dtype",  # dtype: only for the float32 reference run of (c)
-    "data.train", "nlhf.dh", "nlhf.do",
+    "data.train", "data.val", "data.val_size", "nlhf.dh", "nlhf.do",
+    "reward.evaluators",  # only the `path` of frozen evaluators (checked in test_swaps_...)
     "run.out_dir", "run.total_steps", "run.save_every", "run.stop_after",
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
     "nlhf.max_items", "nlhf.max_prompt_tokens",
@@ -131,7 +144,16 @@ def swaps(cfg, model, out, judge=None):
     o = [f"model.policy={model}", f"run.out_dir={out}", f"run.total_steps={STEPS}", "run.save_every=1",
          "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.device=cpu"]
     if cfg["task"] == "rlme":
-        return o + [f"data.train={data_path('gsm8k', 'train.jsonl')}"]
+        qa = cfg["data"]["context_field"] is not None  # context QA presets read the offline QA-Feedback set
+        o += [f"data.train={data_path('qa_feedback', 'dev_feedback.jsonl') if qa else data_path('gsm8k', 'train.jsonl')}"]
+        if cfg["data"]["val"] not in (None, "holdout"):
+            o += [f"data.val={data_path('gsm8k', 'test.jsonl')}"]
+        if cfg["data"]["val"]:
+            o += ["data.val_size=2"]
+        if any(ev["kind"] == "frozen" for ev in cfg["reward"]["evaluators"]):  # other models -> the tiny one
+            evs = [dict(ev, path=model if ev["kind"] == "frozen" else ev["path"]) for ev in cfg["reward"]["evaluators"]]
+            o += ["reward.evaluators=" + json.dumps(evs)]
+        return o
     # Mr-Ben prompts run 500-3000 tokens: of the first 16 D_H items 4 are <= 800 (none <= 600)
     o += [f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}",
           f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}",
@@ -226,7 +248,11 @@ class Runs:
             assert p.returncode == 0, f"python train.py {' '.join(args)}\nexit {p.returncode}:\n{p.stderr[-4000:]}"
             return p.stdout + p.stderr
         import train
-        if cfg["task"] == "rm_nlhf":
+        if cfg["task"] == "rlme" and cfg["reward"]["kind"] == "rlvr":
+            with pytest.MonkeyPatch.context() as mp:
+                force_answers(mp)
+                train.main(args)
+        elif cfg["task"] == "rm_nlhf":
             from test_e2e_nlhf import force_verdicts
             import reward
             n = cfg["nlhf"]
@@ -240,6 +266,47 @@ class Runs:
         else:
             train.main(args)
         return ""
+
+
+def force_answers(monkeypatch):
+    """RLVR runs: the FIRST completion of every training group becomes the boxed reference answer
+    of its prompt's item (found by its question in the decoded prompt; the label is what the run's
+    own loader read). Why: a random tiny model never writes one, so every RLVR reward would be 0,
+    every advantage 0 and nothing would move ((c) would be vacuous). Greedy validation (group
+    size 1) is left alone. Ids and masks are rebuilt from the text, as test_e2e_nlhf.force_verdicts."""
+    import rollout
+    import train
+    real_generate, real_load = rollout.generate, train.load_train_items
+    seen = []
+
+    def load(cfg):
+        items = real_load(cfg)
+        seen[:] = items
+        return items
+
+    def generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw):
+        out = real_generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw)
+        if group_size < 2:
+            return out
+        rows = []
+        for g, ids in enumerate(prompt_ids):
+            text = tok.decode(ids)
+            it = next(x for x in seen if x["question"][:200] in text)
+            rows.append((g * group_size, f"The answer is \\boxed{{{it['answer_text']}}}."))
+        ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
+        width = max([out["completion_ids"].shape[1]] + [len(x) for x in ids])
+        cids = torch.full((out["completion_ids"].shape[0], width), tok.pad_token_id, dtype=torch.long)
+        cmask = torch.zeros(cids.shape)
+        cids[:, :out["completion_ids"].shape[1]] = out["completion_ids"]
+        cmask[:, :out["completion_ids"].shape[1]] = out["completion_mask"]
+        for (r, text), x in zip(rows, ids):
+            cids[r], cmask[r] = tok.pad_token_id, 0.0
+            cids[r, :len(x)], cmask[r, :len(x)] = torch.tensor(x), 1.0
+            out["completions"][r] = text
+            out["truncated"][r] = False
+        return dict(out, completion_ids=cids, completion_mask=cmask)
+    monkeypatch.setattr(train, "load_train_items", load)
+    monkeypatch.setattr(rollout, "generate", generate)
 
 
 @pytest.fixture(scope="session")
@@ -283,6 +350,9 @@ def test_swaps_touch_only_model_data_sizes_endpoint(name):
     a, b = flat(cfg), flat(swapped)
     changed = {k for k in a if a[k] != b[k]}
     assert changed <= SWAPPABLE, changed - SWAPPABLE
+    if "reward.evaluators" in changed:  # only frozen evaluators' model paths
+        strip = lambda evs: [{k: v for k, v in ev.items() if k != "path" or ev["kind"] != "frozen"} for ev in evs]
+        assert strip(a["reward.evaluators"]) == strip(b["reward.evaluators"])
     if cfg["task"] == "rm_nlhf":
         assert cfg["nlhf"]["dh_schema"] == "auto" and cfg["nlhf"]["do_schema"] == "auto"
 
