@@ -1,0 +1,229 @@
+"""RLME's experiment plumbing in train.py and config.py (issue 16; docs/method.md §4.1, §4.6):
+the single-pass guard, {context} / {answer} prompts, held-out items, the hybrid reward step, the
+in-run validation with its reward-hacking monitor and early-stop rule. Expected numbers are
+worked out by hand in the comments."""
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import data_path
+import reward as R
+import rollout
+import train as T
+
+
+def cfg_with(*overrides):
+    return T.load_config([], list(overrides))
+
+
+# ---- the single-pass guard (RLME §4.1) -----------------------------------------------------------
+
+def test_single_pass_guard_numbers():
+    """config.yaml: 116 steps x 64 prompts = 7,424 <= 7,473 GSM8K train items (one pass); 117 steps
+    = 7,488 > 7,473 stops with the largest allowed step count, 7,473 // 64 = 116."""
+    T.check_single_pass(cfg_with(), 7473)
+    with pytest.raises(SystemExit) as e:
+        T.check_single_pass(cfg_with("run.total_steps=117"), 7473)
+    assert str(e.value) == ("config key data.epochs=1: run.total_steps x rollout.prompts_per_step = 117 x 64 = 7488 "
+                            "prompts, more than 1 pass(es) over the 7473 training items (RLME §4.1 is single-pass); "
+                            "lower run.total_steps to 116 or raise data.epochs")
+    T.check_single_pass(cfg_with("run.total_steps=117", "data.epochs=2"), 7473)   # 7,488 <= 14,946
+    T.check_single_pass(cfg_with("run.total_steps=10000", "data.epochs=0"), 7473)  # 0 = no limit
+    T.check_single_pass(cfg_with("task=rm_nlhf", "run.total_steps=10000"), 10)     # RM-NLHF: not limited
+
+
+def test_single_pass_stops_the_run_before_a_model_loads(tmp_path):
+    p = tmp_path / "train.jsonl"
+    p.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(5)))
+    with pytest.raises(SystemExit, match=r"3 x 2 = 6 prompts, more than 1 pass\(es\) over the 5 training items"):
+        T.main([f"data.train={p}", "run.total_steps=3", "rollout.prompts_per_step=2", "model.policy=/nonexistent",
+                f"run.out_dir={tmp_path / 'out'}", "train.device=cpu", "train.parallel=ddp"])
+
+
+# ---- prompts: {context}, {answer}, the wrong answer of the counterfactual test ------------------------
+
+def test_prompt_placeholders_and_the_injected_answer():
+    item = {"question": "2+2?", "context": "Sums.", "answer_text": "4"}
+    t = "{context}|{question}|{answer}"
+    assert rollout.policy_prompt_ids(None, item, False, t, text_only=True) == "Sums.|2+2?|4"
+    assert rollout.policy_prompt_ids(None, item, False, t, text_only=True, answer="5") == "Sums.|2+2?|5"
+    # a number's wrong answer is label + 1; a text label takes the next item's answer
+    val = [{"label": "18", "answer_text": "18"}, {"label": ["Paris", "paris"], "answer_text": "Paris"},
+           {"label": "Lyon", "answer_text": "Lyon"}, {"label": "Lyon", "answer_text": "Lyon"}]
+    assert T.wrong_answer(val, 0) == "19"
+    assert T.wrong_answer(val, 1) == "Lyon"
+    assert T.wrong_answer(val, 2) == "none"   # the next answer is the same one
+    assert T.wrong_answer(val, 3) == "18"     # wraps around to item 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.answer_field=null", "data.prompt_template='{question} {answer}'"],
+     "config key data.prompt_template: uses {answer} but data.answer_field is null"),
+    (["data.prompt_template='{question} {ctx}'"], "unknown placeholder(s) ['ctx']"),
+    (["data.prompt_template='{context} {question}'"], "uses {context} but data.context_field is null"),
+    (["data.context_field=passages"], "data.prompt_template has no {context}"),
+    (["reward.kind=rlvr_plus"], "config key reward.kind: 'rlvr_plus' is not one of ['rlme', 'rlvr', 'hybrid']"),
+    (["run.eval_every=5"], "config key run.eval_every=5: needs held-out problems: set data.val"),
+    (["data.val=holdout"], "config key data.val='holdout': is read only by run.eval_every > 0"),
+    (["run.eval_every=5", "data.val=holdout", "run.early_stop_patience=2"], "the early-stop rule needs both"),
+    (["reward.kind=rlvr", "reward.transform=prob"], "config key reward.transform=prob: acts on the RLME terms"),
+    (["reward.rlvr_weight=2.0"], "config key reward.rlvr_weight=2.0: is read only by reward.kind=hybrid"),
+    (["task=rm_nlhf", "run.eval_every=5", "data.val=holdout"], "config key run.eval_every: is RLME's in-run validation"),
+    (["data.answer_field=null", "run.eval_every=5", "data.val=holdout"], "config key run.eval_every: validation accuracy needs labels"),
+])
+def test_experiment_settings_that_cannot_work_are_one_line_errors(overrides, message):
+    with pytest.raises(SystemExit) as e:
+        cfg_with(*overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- items: holdout, context QA, no labels ------------------------------------------------------------
+
+def test_holdout_is_a_fixed_draw_never_trained_on():
+    cfg = cfg_with(f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=30", "data.val=holdout",
+                   "data.val_size=5", "run.eval_every=1")
+    train_items, val = T.load_train_items(cfg), T.load_val_items(cfg)
+    assert len(train_items) == 25 and len(val) == 5
+    assert not {it["index"] for it in train_items} & {it["index"] for it in val}
+    assert [it["index"] for it in T.load_val_items(cfg)] == [it["index"] for it in val]  # seeded, fixed
+
+
+def test_context_qa_items_from_the_offline_set():
+    """QA-Feedback (ASQA): passages rendered into the context, cut at 4,000 characters; the gold
+    answer is a text label; the evaluator sees context + question."""
+    cfg = cfg_with(f"data.train={data_path('qa_feedback', 'dev_feedback.jsonl')}", "data.answer_field=gold",
+                   "data.label_format=text", "data.context_field=passages",
+                   "data.prompt_template='{context} Q: {question} A in \\boxed{{}}.'", "data.max_items=3")
+    items = T.load_train_items(cfg)
+    row = json.loads(open(data_path("qa_feedback", "dev_feedback.jsonl")).readline())
+    it = items[0]
+    assert it["label"] == row["gold"] and it["answer_text"] == row["gold"]
+    assert len(it["context"]) <= 4000 and it["context"].startswith(row["passages"][0][0])
+    assert it["problem"] == it["context"] + "\n\n" + row["question"]
+    text = rollout.policy_prompt_ids(None, it, False, cfg["data"]["prompt_template"], text_only=True)
+    assert text == f"{it['context']} Q: {row['question']} A in \\boxed{{}}."
+
+
+def test_no_labels_for_pure_rlme(tmp_path):
+    p = tmp_path / "train.jsonl"
+    p.write_text(json.dumps({"question": "Say hi."}) + "\n")
+    items = T.load_train_items(cfg_with(f"data.train={p}", "data.answer_field=null"))
+    assert items[0]["label"] is None and items[0]["answer_text"] is None
+
+
+# ---- the reward step: hybrid = RLVR + the RLME terms, both logged ------------------------------------
+
+def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
+    model, tok = rollout.load_model(tiny_model_path)
+    evs = [{"name": "self", "model": model, "tokenizer": tok, "chat": False, "weight": 1.0}]
+    items = [{"index": 0, "question": "2+2?", "problem": "2+2?", "label": "4", "answer_text": "4", "anchored": False}] * 2
+    ro = {"completions": ["so \\boxed{4}", "so \\boxed{5}"]}
+    out = {}
+    for kind in ("rlme", "rlvr", "hybrid"):
+        cfg = cfg_with(f"reward.kind={kind}", "train.device=cpu")
+        out[kind] = T.rlme_reward_step(items, ro, evs if kind != "rlvr" else [], cfg, world=1, device=torch.device("cpu"))
+    assert out["rlvr"]["reward"].tolist() == [1.0, 0.0]
+    # hybrid = 1 x RLVR + the RLME reward of the same completions (the live evaluator is deterministic)
+    assert torch.allclose(out["hybrid"]["reward"], out["rlvr"]["reward"] + out["rlme"]["reward"])
+    rec = out["hybrid"]["records"][0]
+    assert rec["rlvr_reward"] == 1.0 and rec["rlme_reward"] == pytest.approx(float(out["rlme"]["reward"][0]))
+    assert rec["correct"] is True and out["hybrid"]["records"][1]["correct"] is False
+    m = T.rlme_step_metrics(out["hybrid"]["records"], cfg)
+    assert m["rlvr_reward/mean"] == 0.5 and m["rlme_reward/mean"] == pytest.approx(out["rlme"]["reward"].mean().item())
+
+
+# ---- the early-stop rule and the monitor ------------------------------------------------------------
+
+@pytest.mark.parametrize("accs, drop, patience, stop", [
+    ([0.5, 1.0, 0.75, 0.5], 0.25, 2, False),   # best 1.0; 0.75 is not below 1.0 - 0.25 = 0.75 (exact in binary)
+    ([0.5, 1.0, 0.625, 0.5], 0.25, 2, True),   # 0.625 and 0.5 both are
+    ([0.5, 0.6, 0.54, 0.53], 0.05, 2, True),   # 0.54 and 0.53 both < 0.55
+    ([0.5, 0.6, 0.54, 0.53], 0.05, 3, False),  # 0.6 itself is one of the last three
+    ([0.5, 0.6, 0.4, 0.58, 0.4], 0.05, 2, False),  # 0.58 recovered in between
+    ([0.3], 0.05, 1, False),                   # the first evaluation is its own best
+])
+def test_early_stop_rule(accs, drop, patience, stop):
+    assert T.early_stop(accs, drop, patience) is stop
+
+
+class Bar:
+    def __init__(self):
+        self.lines, self.postfix = [], {}
+
+    def write(self, s):
+        self.lines.append(s)
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+
+def test_monitor_warns_when_reward_rises_while_accuracy_falls():
+    cfg = cfg_with("run.eval_every=1", "data.val=holdout", "run.early_stop_drop=0.1", "run.early_stop_patience=2")
+    state = {"val_history": [], "rewards_since_eval": [-2.0, -1.0], "pbar": Bar()}
+    assert not T.monitor(state, cfg, {"step": 2, "val/accuracy": 0.5}, {"reward/mean": -1.0})
+    # the mean training reward since the last evaluation: (-0.8 - 0.6) / 2 = -0.7 > -1.5, accuracy 0.5 -> 0.45
+    state["rewards_since_eval"] = [-0.8, -0.6]
+    assert not T.monitor(state, cfg, {"step": 4, "val/accuracy": 0.45}, {"reward/mean": -0.6})
+    assert state["pbar"].lines == ["[monitor] step 4: training reward rose (-1.500 -> -0.700) while held-out "
+                                   "accuracy fell (0.500 -> 0.450): reward hacking?"]
+    assert state["pbar"].postfix["warn"] == "hack?"
+    # 0.45 is not below 0.5 - 0.1; then 0.3 and 0.35 both are: stop after patience 2
+    state["rewards_since_eval"] = [-0.5]
+    assert not T.monitor(state, cfg, {"step": 6, "val/accuracy": 0.3}, {"reward/mean": -0.5})
+    state["rewards_since_eval"] = [-0.4]
+    assert T.monitor(state, cfg, {"step": 8, "val/accuracy": 0.35}, {"reward/mean": -0.4})
+
+
+# ---- a run: validation metrics, the counterfactual prompt, early stop and its rerun ------------------
+
+def run_args(tmp_path, model, *extra):
+    return [f"model.policy={model}", f"run.out_dir={tmp_path / 'run'}", f"data.train={data_path('gsm8k', 'train.jsonl')}",
+            "run.total_steps=4", "run.save_every=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=8", "train.device=cpu", "train.parallel=ddp", "model.dtype=float32",
+            f"data.val={data_path('gsm8k', 'test.jsonl')}", "data.val_size=3", *extra]
+
+
+def test_validation_metrics_and_the_injected_wrong_answer(tmp_path, tiny_model_path, monkeypatch):
+    seen = []
+    real = rollout.generate
+
+    def spy(model, tok, prompt_ids, group_size, *a, **kw):
+        if group_size == 1:
+            seen.extend(tok.decode(p) for p in prompt_ids)
+        return real(model, tok, prompt_ids, group_size, *a, **kw)
+    monkeypatch.setattr(rollout, "generate", spy)
+    T.main(run_args(tmp_path, tiny_model_path, "run.eval_every=2",
+                    "data.prompt_template='{question} The answer is {answer}. Box it: \\boxed{{}}'"))
+    ms = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert ["val/accuracy" in m for m in ms] == [False, True, False, True]
+    m = ms[1]
+    assert m["val/n"] == 3 and m["val/injected"] is True and m["val/seconds"] > 0
+    assert {"val/reward_mean", "val/canary/colon", "val/canary/step_by_step", "val/canary/claims_correct"} <= set(m)
+    assert "completion/chars_mean" in m
+    # the three test problems drawn (seeded), each shown a WRONG answer: label + 1
+    val = T.load_val_items(T.load_config([], run_args(tmp_path, tiny_model_path, "run.eval_every=2")))
+    for it in val:
+        assert any(it["question"] in s and f"The answer is {int(it['label']) + 1}." in s for s in seen)
+
+
+def test_early_stop_writes_its_file_and_a_rerun_stops_at_start(tmp_path, tiny_model_path, monkeypatch, capsys):
+    accs = iter([0.5, 0.2, 0.1, 0.0])
+
+    def scripted(state, cfg, step, records):  # held-out accuracy 0.5, 0.2, 0.1: falls 0.3 and 0.4 below 0.5
+        return {"step": step, "val/accuracy": next(accs)}
+    monkeypatch.setattr(T, "validation_step", scripted)
+    args = run_args(tmp_path, tiny_model_path, "run.eval_every=1", "run.early_stop_drop=0.25",
+                    "run.early_stop_patience=2")
+    T.main(args)
+    out = tmp_path / "run"
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3]
+    info = json.load(open(out / "early_stop.json"))
+    assert (info["step"], info["accuracy"], info["best_accuracy"], info["best_step"]) == (3, 0.1, 0.5, 1)
+    assert os.path.isdir(out / "checkpoints" / "step_000003")
+    capsys.readouterr()
+    T.main(args)  # the same command again: refuses to train on, says why
+    assert "stopped early at step 3" in capsys.readouterr().out
+    assert len(open(out / "metrics.jsonl").readlines()) == 3
