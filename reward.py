@@ -3,11 +3,14 @@
 What is computed (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose):
 
 * RLVR, the RLME paper's baseline (RLME §4.1): r = 1 if the last \\boxed{} answer equals the
-  GSM8K label as a number, else 0.
+  GSM8K label as a number, else 0. For string answers (open-domain QA, RLME §4 Tables 1-2) the
+  box is scored against the gold answers by SQuAD's normalised exact match or token F1
+  (answer_reward).
 * RLME (RLME §3.1): evaluator j's teacher-forced probability of the whole target string a_k
   (e.g. "Yes") for meta-question q_k, p_{j,k} = pi_phi_j(a_k | x, y, q_k) (Eq. 2), and the reward
   r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (Eq. 3). Optional and off by default (not the
-  paper's reward): renormalise over {target, negative}, log p(a_k) - log(p(a_k) + p(neg_k)).
+  paper's reward): renormalise over {target, negative}, log p(a_k) - log(p(a_k) + p(neg_k)); sum
+  p_{j,k} instead of log p_{j,k} (transform "prob"); add an RLVR part (hybrid_reward).
 * RM-NLHF (RM-NLHF §3.1-3.2): the GRM writes a critique c and a verdict. On D_H (items with a
   human critique h): R_process = 1 if S(h, c) >= threshold else 0 (Eq. 4; see process_reward) and
   R = -1 invalid format, 0 wrong verdict, 1 + lam * R_process right verdict (Eq. 5, outcome
@@ -22,6 +25,7 @@ Every function works on plain strings, lists and tensors so a reader can recompu
 reward by hand from samples.jsonl. Sections: RLVR, RLME, RM-NLHF, the judge; the pairwise data
 loaders are plumbing at the end.
 """
+import collections
 import concurrent.futures
 import glob
 import json
@@ -29,6 +33,7 @@ import math
 import os
 import random
 import re
+import string
 import time
 
 import torch
@@ -122,6 +127,123 @@ def numeric_equal(pred, label):
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
 
 
+# String answers (open-domain QA, RLME §4 Tables 1-2): the rule of the SQuAD v1.1 evaluation
+# script, so our EM / F1 are comparable with published QA numbers. Our own code.
+_ARTICLES = re.compile(r"\b(?:a|an|the)\b")
+_DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(s):
+    """SQuAD answer normalisation: lower case, drop ASCII punctuation, drop the articles a / an /
+    the (whole words only), collapse white space.
+
+    The steps run in that order, so a word joined by punctuation is joined for good:
+    "The A-Team!" -> "ateam" (the hyphen goes first, then "ateam" is no article).
+
+    Args:
+        s: str.
+    Returns:
+        str, the normalised answer ("" when nothing is left).
+    """
+    s = s.lower().translate(_DROP_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def _gold_list(golds):
+    """golds as a non-empty list of str (a single str -> [str]); ValueError otherwise."""
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    if not golds or not all(isinstance(g, str) for g in golds):
+        raise ValueError(f"gold answers must be a str or a non-empty list of str, got {golds!r}")
+    return golds
+
+
+def qa_exact_match(prediction, golds):
+    """SQuAD exact match: EM = max_g 1[norm(prediction) == norm(g)]  (RLME §4 Tables 1-2).
+
+    Args:
+        prediction: str, or None (no answer extracted).
+        golds: str or non-empty list of str, the accepted answers.
+    Returns:
+        float, 1.0 or 0.0 (prediction None -> 0.0).
+    Raises:
+        ValueError: golds empty or not str.
+    """
+    golds = _gold_list(golds)
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction)
+    return 1.0 if any(pred == normalize_answer(g) for g in golds) else 0.0
+
+
+def qa_f1(prediction, golds):
+    """SQuAD token F1, the best over the gold answers (RLME §4 Tables 1-2):
+
+        common = |P ∩ G| (multiset: a token counts min(#in P, #in G) times)
+        precision = common / |P|,  recall = common / |G|,  F1 = 2 precision recall / (precision + recall)
+
+    with P, G the tokens of the normalised prediction and gold (normalize_answer, split on
+    white space). An empty side gives 0.0, unless both are empty: 1.0 (as SQuAD).
+
+    Args:
+        prediction: str, or None (no answer extracted).
+        golds: str or non-empty list of str.
+    Returns:
+        float in [0, 1] (prediction None -> 0.0).
+    Raises:
+        ValueError: golds empty or not str.
+    """
+    golds = _gold_list(golds)
+    if prediction is None:
+        return 0.0
+    pred = normalize_answer(prediction).split()
+    best = 0.0
+    for g in golds:
+        gold = normalize_answer(g).split()
+        if not pred or not gold:
+            best = max(best, float(pred == gold))
+            continue
+        common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
+        if common == 0:
+            continue
+        precision, recall = common / len(pred), common / len(gold)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+LABEL_FORMATS = ("gsm8k", "plain", "text")
+QA_METRICS = ("em", "f1")
+
+
+def answer_reward(completion, label, label_format, qa_metric="em"):
+    """RLVR reward for any label (RLME §4.1 for numbers; RLME §4 Tables 1-2 for string answers):
+
+        gsm8k / plain: 1.0 if the last \\boxed{} answer equals the label as a number, else 0.0
+                       (rlvr_reward; the label is already cleaned: clean_gsm8k_label / clean_number)
+        text:          EM or F1 (qa_metric) of the last \\boxed{} content against the gold answers
+
+    No box -> 0.0. Text labels are never passed through clean_number: it deletes spaces and
+    commas, which are part of a string answer ("New York, USA").
+
+    Args:
+        completion: str, the policy's answer.
+        label: str (gsm8k / plain); str or list of str (text).
+        label_format: "gsm8k" | "plain" | "text" (config data.label_format).
+        qa_metric: "em" (qa_exact_match) | "f1" (qa_f1); read for text labels only.
+    Returns:
+        float in [0, 1].
+    Raises:
+        ValueError: unknown label_format or qa_metric.
+    """
+    if label_format not in LABEL_FORMATS:
+        raise ValueError(f"label_format {label_format!r}: expected one of {', '.join(LABEL_FORMATS)}")
+    if qa_metric not in QA_METRICS:
+        raise ValueError(f"qa_metric {qa_metric!r}: expected one of {', '.join(QA_METRICS)}")
+    if label_format != "text":
+        return rlvr_reward(completion, label)
+    score = qa_exact_match if qa_metric == "em" else qa_f1
+    return score(extract_boxed(completion), label)  # extract_boxed None (no box) -> 0.0
+
+
 # ----------------------------------------------------------------------------------------------
 # RLME meta-evaluation reward (RLME §3.1, Eq. 2-3; docs/method.md §4.2)
 
@@ -139,6 +261,62 @@ DEFAULT_EVALUATOR_TEMPLATE = (
 )
 REFERENCE_LINE = "Reference answer (from the answer key): {answer}\n\n"
 SOLUTION_DELIMITERS = ("<<<BEGIN SOLUTION>>>", "<<<END SOLUTION>>>")
+
+# Context QA (reading comprehension, RLME §4 Tables 1-2): {problem} is the rendered context
+# (render_context) followed by the question; the paper's meta-question for it is "Is the answer
+# supported by the context, regardless of whether it seems right or wrong?". Same placeholders as
+# DEFAULT_EVALUATOR_TEMPLATE, and the same delimiter strings: build_evaluator_text cuts exactly
+# these out of the answer, which is what keeps an injected meta-question or fake delimiter out.
+QA_EVALUATOR_TEMPLATE = (
+    "Below is a context (one or more passages), a question about it, and a proposed answer to the "
+    "question.\n\n"
+    "Context and question:\n{problem}\n\n"
+    "{reference}"
+    "Proposed answer:\n<<<BEGIN SOLUTION>>>\n{solution}\n<<<END SOLUTION>>>\n\n"
+    "Final answer extracted from the proposed answer: {extracted}\n\n"
+    "Question about the proposed answer above: {question}\n"
+    "Reply with Yes or No."
+)
+
+
+def render_context(value, max_chars):
+    """A QA context field as the text the policy and the evaluator read (RLME §4: contexts cut at
+    4,000 characters).
+
+        str                                  -> as is
+        list of str                          -> joined by blank lines
+        list of [title, sentence, ...] lists -> "title: sentence sentence ..." per passage,
+                                                passages joined by blank lines (QA-Feedback's
+                                                `passages`, ../shared/data/qa_feedback/SOURCE.md)
+
+    then cut to the first max_chars characters.
+
+    Args:
+        value: the row's context field.
+        max_chars: int >= 0; 0 = no cut.
+    Returns:
+        str.
+    Raises:
+        ValueError: any other type (one line naming it), or max_chars < 0.
+    """
+    if max_chars < 0:
+        raise ValueError(f"max_chars must be >= 0 (0 = no cut), got {max_chars}")
+    expected = "expected a str, a list of str, or a list of [title, sentence, ...] passages"
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        text = "\n\n".join(value)
+    elif isinstance(value, list) and all(isinstance(x, list) and x and all(isinstance(t, str) for t in x)
+                                         for x in value):
+        text = "\n\n".join(f"{title}: {' '.join(sentences)}" if sentences else title
+                            for title, *sentences in value)
+    else:
+        found = type(value).__name__
+        if isinstance(value, list):  # it holds something that is not a str (else the 2nd branch took it)
+            bad = next(x for x in value if not isinstance(x, str))
+            found = f"a list holding {type(bad).__name__} {bad!r:.40}"
+        raise ValueError(f"context: {expected}; got {found}")
+    return text[:max_chars] if max_chars else text
 
 
 def check_evaluator_template(template):
@@ -366,11 +544,14 @@ def _right_pad(rows, pad_id, device):
 
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, answer_stub="\nAnswer:", renormalize=False,
-                micro_batch_size=8, nonfinite_logp=-50.0, fast=True):
+                micro_batch_size=8, nonfinite_logp=-50.0, fast=True, transform="log"):
     """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3; docs/method.md §4.2).
 
     p_{j,k} = pi_phi_j(a_k | x, y, q_k) is evaluator j's probability of the whole target string
     a_k after the evaluator prompt for meta-question q_k. The reward is <= 0; 0 means certainty.
+    With transform "prob" it is r = sum_j v_j sum_k w_k p_{j,k} instead (the abstract's wording,
+    "probability"; in [0, sum v w] for positive weights: a near-0 p costs at most v w, not an
+    unbounded log).
 
     Args:
         evaluators: list of dicts {"name", "model", "tokenizer", "chat": bool, "weight": v_j}.
@@ -384,10 +565,16 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
         nonfinite_logp: a log p that is NaN/inf (a broken evaluator) is replaced by this value
             and counted, so the update never sees NaN.
         fast: passed to score_targets (False: its plain twin; config `train.fast_paths`).
+        transform: "log" (RLME Eq. 3) | "prob" (sum of p); config `reward.transform`.
     Returns:
-        dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (after renormalising),
-        "nonfinite" int count of replaced values.
+        dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (log p whatever the
+        transform, after renormalising and the nonfinite replacement), "nonfinite" int count of
+        replaced values.
+    Raises:
+        ValueError: unknown transform.
     """
+    if transform not in ("log", "prob"):
+        raise ValueError(f"transform {transform!r}: expected log or prob")
     n = len(solutions)
     anchored = anchored or [False] * n
     questions = [m["question"] for m in meta_questions]
@@ -420,7 +607,9 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
         logp[:, j] = lp
     bad = ~torch.isfinite(logp)
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
-    reward = weighted_reward(logp, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
+    # after the replacement, so "prob" sees exp(nonfinite_logp) ~ 0, never NaN
+    terms = logp if transform == "log" else logp.exp()
+    reward = weighted_reward(terms, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
     return {"reward": reward, "logp": logp, "nonfinite": int(bad.sum())}
 
 
@@ -435,6 +624,31 @@ def weighted_reward(logp, v, w):
     v = torch.as_tensor(v, dtype=logp.dtype)
     w = torch.as_tensor(w, dtype=logp.dtype)
     return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
+
+
+def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
+    """r = rlvr_weight * r_RLVR + r_RLME: the verifiable reward plus the weighted meta-evaluation
+    terms (RLME §4 Tables 1-2, "RLVR + RLME").
+
+    The paper's rule for combining the two is not in the text we have: this additive form is our
+    choice. The caller logs both parts separately (samples.jsonl rlvr_reward / rlme_reward), so
+    either can be recomputed from the log.
+
+    Args:
+        rlvr: FloatTensor [N] (or N floats), answer_reward per sample.
+        rlme: FloatTensor [N] (or N floats), rlme_reward's "reward".
+        rlvr_weight: float, the RLVR part's weight (config `reward.rlvr_weight`).
+    Returns:
+        FloatTensor [N], float32.
+    Raises:
+        ValueError: the two parts differ in shape.
+    """
+    rlvr = torch.as_tensor(rlvr, dtype=torch.float32)
+    rlme = torch.as_tensor(rlme, dtype=torch.float32)
+    if rlvr.shape != rlme.shape:
+        raise ValueError(f"hybrid_reward: RLVR part {tuple(rlvr.shape)} and RLME part {tuple(rlme.shape)} "
+                         f"differ in shape")
+    return rlvr_weight * rlvr + rlme
 
 
 # ----------------------------------------------------------------------------------------------
