@@ -419,7 +419,8 @@ def validation_step(state, cfg, step, records):
       val/accuracy        greedy answers against the true labels. When data.prompt_template shows
                           {answer} (NoCheat), each prompt shows a seeded WRONG answer instead, so
                           this is the counterfactual accuracy (val/injected = true)
-      val/reward_mean     the training reward of those greedy answers
+      val/reward_mean     the training reward of those greedy answers; val/boxed_frac and
+                          val/chars_mean say what they look like (a reward can rise through format)
       val/canary/<name>   the training reward of a non-answer (evaluate.CANARIES) to the first
                           problems: an evaluator that rewards ":" as much as a solution is hacked
       val/auroc           this step's training samples: AUROC of their reward against correctness
@@ -444,7 +445,10 @@ def validation_step(state, cfg, step, records):
     n = all_sum(len(items), world)
     out = {"val/n": n, "val/injected": inject,
            "val/accuracy": all_sum(sum(bool(r["correct"]) for r in rew["records"]), world) / n,
-           "val/reward_mean": all_sum(float(rew["reward"].sum()), world) / n}
+           "val/reward_mean": all_sum(float(rew["reward"].sum()), world) / n,
+           # what the answers look like: a reward can rise through format alone (boxes, length)
+           "val/boxed_frac": all_sum(sum(r["extracted"] is not None for r in rew["records"]), world) / n,
+           "val/chars_mean": all_sum(sum(len(c) for c in greedy["completions"]), world) / n}
     canary_items = items[:max(1, 8 // world)]
     for name, text in evaluate.CANARIES.items():
         c = rlme_reward_step(canary_items, {"completions": [text] * len(canary_items)}, state["evaluators"], cfg,
