@@ -5,7 +5,8 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
 * math: GSM8K / MATH-500 accuracy of a checkpoint, greedy and sampled pass@1 (the RLME paper's
   accuracy, RLME §4.1; answers graded as in RLVR: last \\boxed{}, docs/method.md §4.3).
 * pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
-  (RM-NLHF §4.2, Table 2; benchmarks App. G.1).
+  (RM-NLHF §4.2, Table 2; benchmarks and their contamination rule App. G.1, Table 7; RewardBench 2
+  scored best-of-4; Overall = unweighted mean over benchmarks).
 * bon: Best-of-N with the GRM as judge in a knockout or double-elimination tournament
   (RM-NLHF §4.4).
 * evaluator-check: how well an evaluator's P(target | meta-question), RLME Eq. 2, separates right
@@ -19,7 +20,7 @@ Every subcommand writes its results as JSON (summary) and JSONL (one record per 
 under --out and prints a readable table:
 
     python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
-    python evaluate.py pairwise --model GRM [BENCHMARK.jsonl ...]     (default: every file below)
+    python evaluate.py pairwise --model GRM [--benchmarks NAME,...] [BENCHMARK.jsonl ...]  (default: BENCHMARK_REGISTRY's, App. G.1 rule)
     python evaluate.py bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
     python evaluate.py evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
     python evaluate.py judge-check --data ANNOTATED.jsonl --base-url http://127.0.0.1:8000/v1 --model M
@@ -36,6 +37,7 @@ import math
 import os
 import random
 import re
+import sys
 
 import torch
 
@@ -50,10 +52,6 @@ SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "share
 # below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
 # measures a different task.
 PROMPT_TEMPLATE = "{question}\nReason step by step, and put your final answer within \\boxed{{}}."
-
-# Pairwise benchmark files in ../shared/data (see its README): folder -> benchmark name.
-BENCHMARKS = {"judgebench": "JudgeBench", "rm_bench": "RM-Bench", "llmbar": "LLMBar",
-              "pandalm_testset": "PandaLM", "hh_rlhf_harmless_base": "HH-RLHF"}
 
 # Answers that fool weak judges (they contain no solution at all), shown next to a known-wrong one.
 CANARIES = {"colon": ":", "step_by_step": "Let's solve this step by step.",
@@ -238,29 +236,218 @@ def cmd_math(a):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pairwise GRM accuracy (RM-NLHF §4.2, Table 2; docs/method.md §5.2, §6)
+# Pairwise GRM accuracy (RM-NLHF §4.2, Table 2; benchmarks and contamination rule App. G.1, Table 7;
+# docs/method.md §5.2, §6)
+
+# Pairwise benchmarks: name (what --benchmarks and --source take) -> how to read it.
+#   title: the name in tables and JSON.  release: "YYYY-MM", as in RM-NLHF Table 7 (local-only
+#   benchmarks: their paper's first arXiv month).  paper: "used" (Table 2's seven), "excluded"
+#   (Table 7, too old for the paper's 2025-01 base models) or None (not in Table 7).
+#   supported: whether this code can read it from its source.  local: folder under --data-root
+#   (every .jsonl in it, schema detected per file), or None.  hub: {"id", "config", "split",
+#   "schema"} for datasets.load_dataset, or None.  note: why it is not supported / what it holds.
+# Order: Table 2's columns, then the rest of Table 7, then our local-only files.
+NOT_AVAILABLE = "its data format is not available to us, so reward.py has no reader for it"
+NOT_SET_UP = "no source set up here (the paper excludes it anyway)"
+BENCHMARK_REGISTRY = {
+    "helpsteer3": {"title": "HelpSteer3", "release": "2025-05", "paper": "used", "supported": True, "local": None,
+                   "hub": {"id": "nvidia/HelpSteer3", "config": "preference", "split": "validation",
+                           "schema": "helpsteer3"}, "note": "ties (overall_preference 0) dropped"},
+    "reward_bench_2": {"title": "RewardBench 2", "release": "2025-06", "paper": "used", "supported": True,
+                       "local": None, "hub": {"id": "allenai/reward-bench-2", "config": None, "split": "test",
+                                              "schema": "reward_bench_2"},
+                       "note": "best-of-4 per row, mean over subsets; Ties excluded"},
+    "scan_hpd": {"title": "SCAN-HPD", "release": "2025-05", "paper": "used", "supported": False, "local": None,
+                 "hub": None, "note": NOT_AVAILABLE},
+    "href": {"title": "HREF", "release": "2024-12", "paper": "used", "supported": False, "local": None,
+             "hub": None, "note": NOT_AVAILABLE},
+    "litbench": {"title": "LitBench", "release": "2025-07", "paper": "used", "supported": False, "local": None,
+                 "hub": None, "note": NOT_AVAILABLE},
+    "wq_arena": {"title": "WQ-Arena", "release": "2025-04", "paper": "used", "supported": False, "local": None,
+                 "hub": None, "note": NOT_AVAILABLE},
+    "wpb": {"title": "WPB", "release": "2025-10", "paper": "used", "supported": False, "local": None,
+            "hub": None, "note": NOT_AVAILABLE},
+    "mt_bench": {"title": "MT-Bench", "release": "2023-06", "paper": "excluded", "supported": False, "local": None,
+                 "hub": None, "note": NOT_SET_UP},
+    "reward_bench": {"title": "RewardBench", "release": "2024-03", "paper": "excluded", "supported": False,
+                     "local": None, "hub": None, "note": NOT_SET_UP},
+    "rm_bench": {"title": "RM-Bench", "release": "2024-10", "paper": "excluded", "supported": True,
+                 "local": "rm_bench", "hub": None, "note": "3x3 style grid per row, easy/normal/hard reported"},
+    "ppe": {"title": "PPE", "release": "2024-10", "paper": "excluded", "supported": False, "local": None,
+            "hub": None, "note": NOT_SET_UP},
+    "judgebench": {"title": "JudgeBench", "release": "2024-10", "paper": "excluded", "supported": True,
+                   "local": "judgebench", "hub": None, "note": ""},
+    "rmb": {"title": "RMB", "release": "2024-10", "paper": "excluded", "supported": False, "local": None,
+            "hub": None, "note": NOT_SET_UP},
+    "llmbar": {"title": "LLMBar", "release": "2023-10", "paper": None, "supported": True, "local": "llmbar",
+               "hub": None, "note": "with FairEval, LLMEval2 and MT-Bench human subsets"},
+    "pandalm_testset": {"title": "PandaLM", "release": "2023-06", "paper": None, "supported": True,
+                        "local": "pandalm_testset", "hub": None, "note": ""},
+    "hh_rlhf_harmless_base": {"title": "HH-RLHF", "release": "2022-04", "paper": None, "supported": True,
+                              "local": "hh_rlhf_harmless_base", "hub": None, "note": "harmless-base test split"},
+}
+# local folder -> title, to name explicitly passed files by their folder
+BENCHMARKS = {b["local"]: b["title"] for b in BENCHMARK_REGISTRY.values() if b["local"]}
+# The paper's base models (DeepSeek-R1-Distill-Qwen-7B/32B, -Llama-8B) were released 2025-01 (Table 7).
+DEFAULT_BASE_RELEASE = "2025-01"
 
 
-def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", max_prompt_tokens=None):
+def month_index(s, what):
+    """'YYYY-MM' -> months since year 0 (int), so that one month before is index - 1.
+    Raises SystemExit naming `what` (e.g. '--base-release') when `s` is not YYYY-MM."""
+    m = re.fullmatch(r"(\d{4})-(\d{2})", str(s))
+    if not m or not 1 <= int(m.group(2)) <= 12:
+        raise SystemExit(f"{what} {s!r}: expected a month as YYYY-MM, e.g. 2025-01")
+    return int(m.group(1)) * 12 + int(m.group(2)) - 1
+
+
+def passes_contamination_rule(release, base_release):
+    """RM-NLHF App. G.1: a benchmark counts only if released no earlier than one month before the
+    base model (release >= base - 1 month). With 2025-01 bases, HREF (2024-12) is in and
+    JudgeBench (2024-10) is out, as Table 7's marks say; Table 7's caption words it the other way
+    round ("released within 1 month before ... are excluded"), but the text and the marks agree
+    with this rule, so we follow them. Args: 'YYYY-MM' strings. Returns: bool."""
+    return month_index(release, "release") >= month_index(base_release, "--base-release") - 1
+
+
+def earliest_allowed(base_release):
+    """The earliest release month that passes the rule for `base_release` ('YYYY-MM')."""
+    k = month_index(base_release, "--base-release") - 1
+    return f"{k // 12:04d}-{k % 12 + 1:02d}"
+
+
+def parse_sources(specs):
+    """--source NAME=PATH (repeatable) -> {name: path}. Raises SystemExit for a spec without '=',
+    an unknown NAME or a PATH that does not exist."""
+    out = {}
+    for s in specs or []:
+        name, sep, path = s.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--source {s!r}: expected NAME=PATH")
+        if name not in BENCHMARK_REGISTRY:
+            raise SystemExit(f"--source {s}: unknown benchmark {name!r}; known: {', '.join(BENCHMARK_REGISTRY)}")
+        if not os.path.exists(path):
+            raise SystemExit(f"--source {s}: {path} does not exist")
+        out[name] = path
+    return out
+
+
+def select_benchmarks(names=None, files=(), base_release=DEFAULT_BASE_RELEASE, sources=None):
+    """Which benchmarks `pairwise` evaluates (RM-NLHF App. G.1, Table 7).
+
+    Default (no names, no files): every registry benchmark we can read (supported, or given a
+    --source) that passes the contamination rule for `base_release`. Explicit names / files are
+    taken as asked; one failing the rule gets a warning line, not a refusal.
+    Args:
+        names: list of registry names (--benchmarks) or None. files: explicit file paths.
+        base_release: 'YYYY-MM' of the base model. sources: {name: local path} (--source).
+    Returns:
+        {"mode": "default"|"explicit", "rule": str, "chosen": [registry names], "files": [paths],
+         "left_out": {name: why} (default mode), "warnings": [one-line str], "notes": [one-line str]}
+    Raises:
+        SystemExit (one line): an unknown or unsupported name, or nothing left by the rule.
+    """
+    sources = sources or {}
+    floor = earliest_allowed(base_release)
+    rule = f"released {floor} or later (one month before --base-release {base_release})"
+    sel = {"mode": "explicit" if names is not None or files else "default", "rule": rule, "chosen": [],
+           "files": list(files), "left_out": {}, "warnings": [], "notes": []}
+
+    def warn(title, release):
+        sel["warnings"].append(f"warning: {title} (released {release}) fails the contamination rule: not {rule}; "
+                               f"evaluated because you asked for it (RM-NLHF App. G.1)")
+    if sel["mode"] == "default":
+        for name, b in BENCHMARK_REGISTRY.items():
+            if not (b["supported"] or name in sources):
+                sel["left_out"][name] = f"not supported here: {b['note']}"
+            elif not passes_contamination_rule(b["release"], base_release):
+                sel["left_out"][name] = f"not {rule}"
+            else:
+                sel["chosen"].append(name)
+        if not sel["chosen"]:
+            raise SystemExit(f"no benchmark left: none we can read is {rule}; pass --benchmarks NAME or files "
+                             f"to evaluate older ones anyway")
+        return sel
+    for name in names or []:
+        b = BENCHMARK_REGISTRY.get(name)
+        if b is None:
+            raise SystemExit(f"--benchmarks {name}: unknown; known: {', '.join(BENCHMARK_REGISTRY)}")
+        if not (b["supported"] or name in sources):
+            raise SystemExit(f"--benchmarks {name}: {b['title']} is not supported here ({b['note']}); "
+                             f"--source {name}=PATH reads a copy converted to a reward.PAIR_SCHEMAS schema")
+        if not passes_contamination_rule(b["release"], base_release):
+            warn(b["title"], b["release"])
+        sel["chosen"].append(name)
+    for path in files:
+        entry = registry_entry_of_file(path)
+        if entry is None:
+            sel["notes"].append(f"note: {path}: release month unknown, contamination rule not checked")
+        elif not passes_contamination_rule(entry["release"], base_release):
+            warn(f"{entry['title']} file {path}", entry["release"])
+    return sel
+
+
+def registry_entry_of_file(path):
+    """The registry entry whose local folder holds `path` (matched by folder name), or None."""
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return next((b for b in BENCHMARK_REGISTRY.values() if b["local"] == folder), None)
+
+
+def benchmark_units(name, data_root=SHARED_DATA, sources=None):
+    """Where registry benchmark `name` is read from, as units (one file or one hub split each).
+
+    --source NAME=PATH wins (a file, or every .jsonl of a folder; read with the registry's hub
+    schema when it has one, else schema auto); then the local folder under `data_root`; then the hub.
+    Returns:
+        list of {"name", "benchmark" (title), "file" (short tag), "path" (file or hub id),
+                 "schema", "split", "config", "hub": bool}.
+    Raises:
+        SystemExit: a local folder with no .jsonl files.
+    """
+    b = BENCHMARK_REGISTRY[name]
+    src = (sources or {}).get(name)
+    base = {"name": name, "benchmark": b["title"], "split": "train", "config": None, "hub": False}
+    if src or b["local"]:
+        where = src or os.path.join(data_root, b["local"])
+        files = (sorted(os.path.join(where, f) for f in os.listdir(where) if f.endswith(".jsonl"))
+                 if os.path.isdir(where) else [where] if src else [])
+        if not files:
+            raise SystemExit(f"benchmark {name}: no .jsonl files in {where} "
+                             f"({'--source' if src else '--data-root'})")
+        schema = b["hub"]["schema"] if src and b["hub"] else "auto"
+        return [dict(base, file=os.path.splitext(os.path.basename(f))[0], path=f, schema=schema) for f in files]
+    hub = b["hub"]
+    return [dict(base, file=hub["split"], path=hub["id"], schema=hub["schema"], split=hub["split"],
+                 config=hub["config"], hub=True)]
+
+
+def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", max_prompt_tokens=None,
+                   style="ours"):
     """A judge function backed by a generative reward model (greedy decoding).
 
-    The returned judge(queries) takes a list of (context, response_a, response_b) and returns,
-    per query, reward.parse_grm_output(text) plus {"text": the raw output}. A prompt longer than
-    `max_prompt_tokens` (default: model context - max_new_tokens) is not generated; it counts as a
-    format failure with why="prompt too long", so the accuracy denominator never shrinks silently.
+    The returned judge(queries) takes a list of (context, response_a, response_b[, turns]) and
+    returns, per query, reward.parse_grm_output(text, style=style) plus {"text": the raw output}.
+    The prompt is reward.build_grm_prompt(context, a, b, style=style, turns=turns): style "ours"
+    (the prompt we train with) or "authors" (the RM-NLHF release's, so a released checkpoint is
+    scored in its own format; it renders `turns`, a list of {role, content}, when an item kept
+    them). A prompt longer than `max_prompt_tokens` (default: model context - max_new_tokens) is
+    not generated; it counts as a format failure with why="prompt too long", so the accuracy
+    denominator never shrinks silently.
     """
     chat = rollout.use_chat_template(tok, chat)
     limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
 
     def judge(queries):
-        ids = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(c, a, b), chat) for c, a, b in queries]
+        texts = [reward.build_grm_prompt(q[0], q[1], q[2], style=style, turns=q[3] if len(q) > 3 else None)
+                 for q in queries]
+        ids = [rollout.build_prompt_ids(tok, t, chat) for t in texts]
         ok = [i for i, x in enumerate(ids) if len(x) <= limit]
-        texts = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=0.0, max_new_tokens=max_new_tokens,
-                               batch_size=batch_size, desc="judge")
+        outs = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, desc="judge")
         out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
                for _ in queries]
-        for i, t in zip(ok, texts):
-            out[i] = {**reward.parse_grm_output(t[0]["completion"]), "text": t[0]["completion"]}
+        for i, t in zip(ok, outs):
+            out[i] = {**reward.parse_grm_output(t[0]["completion"], style=style), "text": t[0]["completion"]}
         return out
     return judge
 
@@ -272,16 +459,18 @@ def pairwise_accuracy(items, judge):
     the right choice flips. A format failure (no parsable choice) counts as wrong in the
     accuracy and is also reported as its own rate.
     Args:
-        items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", ...}.
-        judge: list[(context, a, b)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}].
+        items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", "meta"?}.
+        judge: list[(context, a, b, turns|None)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}];
+            the first n queries are order ab, the next n order ba; turns = item meta "turns".
     Returns:
         (summary, records): summary = {"n", "acc_ab", "acc_ba", "acc" (mean of both orders),
         "format_fail" (share of the 2n judgements), "both_right" (share of items right in both
         orders), "pick_a" (share of valid judgements choosing A: 0.5 = no position bias)};
         records = one dict per item with both judgements.
     """
-    queries = [(it["context"], it["response_a"], it["response_b"]) for it in items]
-    queries += [(it["context"], it["response_b"], it["response_a"]) for it in items]
+    turns = [(it.get("meta") or {}).get("turns") for it in items]
+    queries = [(it["context"], it["response_a"], it["response_b"], t) for it, t in zip(items, turns)]
+    queries += [(it["context"], it["response_b"], it["response_a"], t) for it, t in zip(items, turns)]
     res = judge(queries)
     n = len(items)
     flip = {"A": "B", "B": "A"}
@@ -303,22 +492,71 @@ def pairwise_accuracy(items, judge):
     return summary, records
 
 
-def load_benchmark(path, n, seed):
-    """Up to `n` pairwise items of one file via reward.load_pairwise (which randomises the A/B
-    order per item with `seed`, detects the schema and fails with one line naming the file and
-    the fields found). A subset is a seeded random sample in file order, not the first n items:
-    RM-Bench gives 9 style pairs per row and JudgeBench is sorted by source, so a prefix would
-    cover one row or one category. n = 0 or None: all items.
-    Raises SystemExit for a missing/empty file or an unknown schema."""
+def load_benchmark(path, n, seed, schema="auto", split="train", config_name=None):
+    """Up to `n` pairwise items of one file or hub split via reward.load_pairwise (which
+    randomises the A/B order per item with `seed`, detects the schema and fails with one line
+    naming the file and the fields found, or the hub id when it cannot be loaded).
+
+    A subset is a seeded random sample in file order, not the first n items: RM-Bench gives 9
+    style pairs per row and JudgeBench is sorted by source, so a prefix would cover one row or
+    one category. Items that belong to a group (meta "group": RewardBench 2 gives 3 pairs per
+    row, scored together by best_of_group_accuracy) are sampled by whole groups, and `n` counts
+    groups. n = 0 or None: all items.
+    Returns: list of reward.load_pairwise items.
+    Raises SystemExit for a missing/empty file, an unknown schema or an unreachable hub dataset.
+    """
     if path.endswith(".jsonl"):
         read_jsonl(path)  # one-line errors for a missing or empty file
-    items = reward.load_pairwise(path, schema="auto", seed=seed)
+    items = reward.load_pairwise(path, schema=schema, seed=seed, split=split, config_name=config_name)
     if not items:
         raise SystemExit(f"{path}: no usable pairwise items (ties only?)")
-    if n and n < len(items):
-        keep = sorted(random.Random(f"{seed}:{path}").sample(range(len(items)), n))
-        items = [items[i] for i in keep]
+    grouped = all("group" in (it.get("meta") or {}) for it in items)
+    units = list(dict.fromkeys(it["meta"]["group"] for it in items)) if grouped else list(range(len(items)))
+    if n and n < len(units):
+        keep = sorted(random.Random(f"{seed}:{path}").sample(range(len(units)), n))
+        if grouped:
+            kept = {units[i] for i in keep}
+            items = [it for it in items if it["meta"]["group"] in kept]
+        else:
+            items = [items[i] for i in keep]
     return items
+
+
+def best_of_group_accuracy(records):
+    """RewardBench 2's best-of-4 accuracy (Malik et al. 2025; RM-NLHF Table 2's RewardBench V2).
+
+    A group (one RewardBench 2 row: 1 chosen vs its 3 rejected responses, meta "group") is right
+    in an order only if ALL its pairs are right in that order; a subset's accuracy per order is
+    the share of its groups right; the benchmark's accuracy is the unweighted mean over subsets
+    (meta "subset": Factuality, Precise IF, Math, Safety, Focus). Ties rows never get here
+    (reward.load_pairwise drops them; they need their own rule).
+    Args:
+        records: pairwise_accuracy records with meta {"group", "subset"}.
+    Returns:
+        {"n" (groups), "acc_ab", "acc_ba", "acc" (mean of both orders), "subsets":
+         {subset: {"n", "acc_ab", "acc_ba", "acc"}}}, subsets in first-seen order.
+    """
+    groups = {}
+    for r in records:
+        g = groups.setdefault(r["meta"]["group"], {"subset": r["meta"].get("subset"), "ab": True, "ba": True,
+                                                   "pairs": 0, "size": r["meta"].get("group_size")})
+        g["ab"] = g["ab"] and r["ab"]["right"]
+        g["ba"] = g["ba"] and r["ba"]["right"]
+        g["pairs"] += 1
+    for key, g in groups.items():  # a row missing a pair would be scored too leniently
+        if g["size"] is not None and g["pairs"] != g["size"]:
+            raise SystemExit(f"RewardBench 2 row {key}: {g['pairs']} of its {g['size']} pairs were judged; "
+                             f"a row is scored whole")
+    subsets = {}
+    for g in groups.values():
+        subsets.setdefault(g["subset"], []).append(g)
+    per = {}
+    for name, gs in subsets.items():
+        ab, ba = sum(g["ab"] for g in gs) / len(gs), sum(g["ba"] for g in gs) / len(gs)
+        per[name] = {"n": len(gs), "acc_ab": ab, "acc_ba": ba, "acc": (ab + ba) / 2}
+    acc_ab = sum(s["acc_ab"] for s in per.values()) / len(per)
+    acc_ba = sum(s["acc_ba"] for s in per.values()) / len(per)
+    return {"n": len(groups), "acc_ab": acc_ab, "acc_ba": acc_ba, "acc": (acc_ab + acc_ba) / 2, "subsets": per}
 
 
 def rm_bench_grid(records):
@@ -332,46 +570,117 @@ def rm_bench_grid(records):
     return out
 
 
+def score_unit(items, judge):
+    """pairwise_accuracy of one file / hub split, with its benchmark's own rule: grouped items
+    (RewardBench 2) -> best-of-4 accuracy over subsets (n = groups; the plain per-pair numbers
+    kept as pair_acc, n_pairs), RM-Bench -> plus its easy / normal / hard grid.
+    Returns (summary, records) as pairwise_accuracy."""
+    summary, records = pairwise_accuracy(items, judge)
+    if all("group" in r["meta"] for r in records):
+        bo = best_of_group_accuracy(records)
+        summary = {"n": bo["n"], "n_pairs": summary["n"], "acc_ab": bo["acc_ab"], "acc_ba": bo["acc_ba"],
+                   "acc": bo["acc"], "pair_acc": summary["acc"], "format_fail": summary["format_fail"],
+                   "pick_a": summary["pick_a"], "scoring": "best-of-4 per row, mean over subsets (Ties excluded)",
+                   "subsets": bo["subsets"]}
+    elif all("chosen_style" in r["meta"] for r in records):
+        summary.update(rm_bench_grid(records))
+    return summary, records
+
+
 def aggregate_pairwise(rows):
-    """Per-benchmark rows (item-weighted over its files) and the overall row (macro mean over
-    benchmarks, like the RM-NLHF paper's Table 2 average column)."""
+    """Per-benchmark rows (item-weighted over its files) and the Overall row.
+
+    Overall = the unweighted mean over benchmarks of each benchmark's numbers, as RM-NLHF
+    Table 2's Overall column (e.g. gpt-5: the mean of its 7 benchmark accuracies, 0.7456); it
+    equals the paper's only when the same benchmarks are evaluated.
+    Args: rows: list of {"benchmark", "n", "acc_ab", "acc_ba", "acc", "format_fail", ...}.
+    Returns: {"benchmarks": [rows], "overall": {"n", "n_benchmarks", "acc_ab", "acc_ba", "acc",
+        "format_fail", "definition"}}.
+    """
     keys = ["acc_ab", "acc_ba", "acc", "format_fail"]
     benches = []
     for name in dict.fromkeys(r["benchmark"] for r in rows):
         members = [r for r in rows if r["benchmark"] == name]
         n = sum(r["n"] for r in members)
         benches.append({"benchmark": name, "n": n, **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
-    overall = {"n": sum(b["n"] for b in benches), **{k: sum(b[k] for b in benches) / len(benches) for k in keys}}
+    overall = {"n": sum(b["n"] for b in benches), "n_benchmarks": len(benches),
+               **{k: sum(b[k] for b in benches) / len(benches) for k in keys},
+               "definition": "unweighted mean over benchmarks of each benchmark's accuracy (RM-NLHF Table 2 Overall)"}
     return {"benchmarks": benches, "overall": overall}
 
 
+def print_selection(sel):
+    """The benchmarks chosen and, grouped by reason, those left out (stdout); notes and warnings
+    (stderr), one line each."""
+    def named(n):
+        return f"{BENCHMARK_REGISTRY[n]['title']} ({BENCHMARK_REGISTRY[n]['release']})"
+    how = (f"default: every one we can read that was {sel['rule']}, RM-NLHF App. G.1" if sel["mode"] == "default"
+           else "as asked by --benchmarks / files")
+    print(f"benchmarks ({how}): {', '.join([named(n) for n in sel['chosen']] + sel['files'])}")
+    for why in dict.fromkeys(sel["left_out"].values()):
+        print(f"  left out, {why}: {', '.join(named(n) for n, w in sel['left_out'].items() if w == why)}")
+    for line in sel["notes"] + sel["warnings"]:
+        print(line, file=sys.stderr)
+
+
 def cmd_pairwise(a):
-    files = a.files or default_benchmark_files(a.data_root)
-    data = [(f, load_benchmark(f, a.n, a.seed)) for f in files]  # fail on bad input before loading a model
+    sources = parse_sources(a.source)
+    names = [s.strip() for s in a.benchmarks.split(",") if s.strip()] if a.benchmarks is not None else None
+    if names == []:
+        raise SystemExit("--benchmarks: no names given")
+    sel = select_benchmarks(names, a.files, a.base_release, sources)
+    print_selection(sel)
+    units = [u for name in sel["chosen"] for u in benchmark_units(name, a.data_root, sources)]
+    for f in a.files:
+        bench, sub = benchmark_name(f)
+        units.append({"name": None, "benchmark": bench, "file": sub, "path": f, "schema": "auto",
+                      "split": "train", "config": None, "hub": False})
+    data = []  # fail on bad input (and on an unreachable hub) before loading a model
+    for u in units:
+        try:
+            data.append((u, load_benchmark(u["path"], a.n, a.seed, schema=u["schema"], split=u["split"],
+                                           config_name=u["config"])))
+        except SystemExit as e:
+            if not u["hub"]:
+                raise
+            raise SystemExit(f"{e.code} [benchmark {u['name']}; offline? --source {u['name']}=PATH reads a local copy]")
     model, tok = rollout.load_model(a.model, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                           chat=parse_chat(a.chat_template), max_prompt_tokens=a.max_prompt_tokens or None)
+                           chat=parse_chat(a.chat_template), max_prompt_tokens=a.max_prompt_tokens or None,
+                           style=a.grm_prompt)
     rows, all_records = [], []
-    for path, items in data:
-        bench, sub = benchmark_name(path)
-        summary, records = pairwise_accuracy(items, judge)
-        if all("chosen_style" in r["meta"] for r in records):
-            summary.update(rm_bench_grid(records))
-        rows.append({"benchmark": bench, "file": sub, "path": path, **summary})
-        all_records += [{"benchmark": bench, "file": sub, **r} for r in records]
+    for u, items in data:
+        summary, records = score_unit(items, judge)
+        rows.append({"benchmark": u["benchmark"], "file": u["file"], "path": u["path"], **summary})
+        all_records += [{"benchmark": u["benchmark"], "file": u["file"], **r} for r in records]
         # long runs (JudgeBench prompts are ~2k tokens): show each file as it finishes
-        print(f"{bench}/{sub}: n={summary['n']} acc={summary['acc']:.3f} format_fail={summary['format_fail']:.3f}",
-              flush=True)
+        print(f"{u['benchmark']}/{u['file']}: n={summary['n']} acc={summary['acc']:.3f} "
+              f"format_fail={summary['format_fail']:.3f}", flush=True)
     groups = aggregate_pairwise(rows)
+    releases = {b["title"]: b["release"] for b in BENCHMARK_REGISTRY.values()}
+    for b in groups["benchmarks"]:
+        b["release"] = releases.get(b["benchmark"])
+    paper = [b["title"] for b in BENCHMARK_REGISTRY.values() if b["paper"] == "used"]
+    groups["overall"]["paper_benchmarks"] = [t for t in paper if t in {b["benchmark"] for b in groups["benchmarks"]}]
     result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
-              "max_prompt_tokens": a.max_prompt_tokens,
-              "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
+              "max_prompt_tokens": a.max_prompt_tokens, "grm_prompt": a.grm_prompt, "base_release": a.base_release,
+              "selection": sel, "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
     write_results(a.out, "pairwise", result, all_records)
     cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
-    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols, title=f"pairwise accuracy: {a.model}")
+    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols,
+                title=f"pairwise accuracy: {a.model} (--grm-prompt {a.grm_prompt})")
+    for r in rows:
+        if "subsets" in r:
+            print()
+            print_table([{**s, "file": name} for name, s in r["subsets"].items()], cols[:-2],
+                        title=f"{r['benchmark']}/{r['file']}: {r['scoring']}; n = rows")
     print()
+    k = groups["overall"]["n_benchmarks"]
     print_table([{**r, "file": r["benchmark"]} for r in groups["benchmarks"]] +
-                [{**groups["overall"], "file": "overall (macro)"}], cols[:-1])
+                [{**groups["overall"], "file": f"Overall (mean of {k})", "release": None}], ["file", "release"] + cols[1:-1])
+    m = len(groups["overall"]["paper_benchmarks"])
+    print(f"Overall = unweighted mean of the {k} benchmarks' acc, as RM-NLHF Table 2's Overall column, which "
+          f"averages the paper's 7 benchmarks; {m} of those 7 are here" + (" (so not comparable)." if m < 7 else "."))
     return result
 
 
@@ -915,19 +1224,9 @@ def write_results(out_dir, name, summary, items=None):
                 f.write(json.dumps(it) + "\n")
 
 
-def default_benchmark_files(root=SHARED_DATA):
-    """Every pairwise benchmark JSONL in ../shared/data (folders in BENCHMARKS), sorted."""
-    files = []
-    for folder in BENCHMARKS:
-        d = os.path.join(root, folder)
-        if os.path.isdir(d):
-            files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
-    if not files:
-        raise SystemExit(f"no benchmark files found under {root}; pass files explicitly")
-    return files
-
-
 def benchmark_name(path):
+    """(benchmark title, file tag) of an explicitly passed file: its folder's registry title
+    (BENCHMARKS) or the folder name, and the file name without extension."""
     folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
     return BENCHMARKS.get(folder, folder), os.path.splitext(os.path.basename(path))[0]
 
@@ -1039,11 +1338,25 @@ def build_parser():
 
     p = subcommand("pairwise", "pairwise GRM accuracy per benchmark, both A/B orders")
     common(p)
-    p.add_argument("files", nargs="*", help="pairwise JSONL files (default: every benchmark in ../shared/data)")
+    p.add_argument("files", nargs="*", help="pairwise JSONL files, named by their folder (default: the registry "
+                                            "benchmarks that pass the contamination rule)")
     p.add_argument("--model", required=True, help="the generative reward model")
-    p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all)")
+    p.add_argument("--benchmarks", default=None,
+                   help=f"comma-separated registry names, evaluated even when too old (a warning says so); "
+                        f"known: {', '.join(BENCHMARK_REGISTRY)}")
+    p.add_argument("--base-release", default=DEFAULT_BASE_RELEASE,
+                   help="YYYY-MM release of the GRM's base model: the default set is the benchmarks released "
+                        "one month before it or later (RM-NLHF App. G.1)")
+    p.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                   help="read registry benchmark NAME from a local file or folder instead of its hub id / "
+                        "folder (e.g. a downloaded HelpSteer3 split); repeatable")
+    p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
+                   help="GRM prompt and output parser: ours, or authors (the RM-NLHF release's, to score a "
+                        "released checkpoint in its own format)")
+    p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all); "
+                                                    "RewardBench 2: N rows of 3 pairs each")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest GRM output (critique + choice), in tokens")
-    p.add_argument("--data-root", default=SHARED_DATA, help="folder searched for the benchmark files")
+    p.add_argument("--data-root", default=SHARED_DATA, help="folder holding the registry's local benchmark folders")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
                         "0 = model context - max new tokens")

@@ -17,9 +17,9 @@ HAS_PAIRWISE = all(hasattr(reward, f) for f in ("load_pairwise", "build_grm_prom
 needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="reward.load_pairwise & co. not merged yet (nlhf)")
 
 
-def run_cli(*args, timeout=600):
-    """Run `python evaluate.py ARGS` as a user would; returns CompletedProcess."""
-    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+def run_cli(*args, timeout=600, **env_vars):
+    """Run `python evaluate.py ARGS` as a user would (env_vars: extra environment); returns CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", **env_vars)
     return subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
@@ -154,7 +154,7 @@ def test_double_elimination_reset_and_counts():
 def fake_judge(queries):
     """Picks the response containing 'good' (A when neither); 'bad' shown as A -> format failure."""
     out = []
-    for _, a, b in queries:
+    for _, a, b, _turns in queries:
         if "bad" in a:
             out.append({"choice": None, "valid": False, "why": "no_choice"})
         else:
@@ -198,8 +198,14 @@ def test_pairwise_aggregate_macro_over_benchmarks():
     g = evaluate.aggregate_pairwise(rows)
     assert g["benchmarks"][0]["acc"] == pytest.approx(0.875)        # (2*0.5 + 6*1.0) / 8
     assert g["benchmarks"][0]["format_fail"] == pytest.approx(0.375)
-    assert g["overall"]["acc"] == pytest.approx((0.875 + 0.25) / 2)  # macro over benchmarks
-    assert g["overall"]["n"] == 12
+    assert g["overall"]["acc"] == pytest.approx((0.875 + 0.25) / 2)  # unweighted over benchmarks, not 0.708 by items
+    assert g["overall"]["n"] == 12 and g["overall"]["n_benchmarks"] == 2
+    assert "Table 2" in g["overall"]["definition"]
+    # RM-NLHF Table 2, gpt-5: Overall 0.7456 = the unweighted mean of its seven benchmark accuracies
+    gpt5 = [0.8245, 0.8344, 0.8147, 0.7595, 0.7617, 0.6304, 0.5939]
+    rows = [{"benchmark": str(k), "n": 10 * (k + 1), "acc_ab": a, "acc_ba": a, "acc": a, "format_fail": 0.0}
+            for k, a in enumerate(gpt5)]
+    assert round(evaluate.aggregate_pairwise(rows)["overall"]["acc"], 4) == 0.7456
 
 
 def test_rm_bench_grid():
@@ -225,6 +231,225 @@ def test_load_benchmark_subset_and_helpsteer3(tmp_path):
     assert len(items) == 2
     s, _ = evaluate.pairwise_accuracy(items, fake_judge)
     assert s["acc_ab"] + s["acc_ba"] >= 0.5  # item 2's 'good' response is found in both orders
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark registry, contamination rule, RewardBench 2 best-of-4, Overall (RM-NLHF App. G.1,
+# Table 7, Table 2). Fixtures: tests/fixtures/ (hand-written; markers explained in its README).
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+HS3_FIXTURE = os.path.join(FIXTURES, "helpsteer3_sample.jsonl")
+RB2_FIXTURE = os.path.join(FIXTURES, "reward_bench_2_sample.jsonl")
+FIXTURE_SOURCES = ["--source", f"helpsteer3={HS3_FIXTURE}", "--source", f"reward_bench_2={RB2_FIXTURE}"]
+
+
+def marker_judge(queries):
+    """A fake judge reading the fixtures' markers. pairwise_accuracy sends order ab as the first
+    half of the queries and order ba as the second. It picks the response saying 'CHOSEN', unless
+    the other one says 'wrong:<this order>' or 'wrong:both' (then it picks that one);
+    'format:<this order>' on either response -> a format failure."""
+    half = len(queries) // 2
+    out = []
+    for k, (_, a, b, _turns) in enumerate(queries):
+        order = "ab" if k < half else "ba"
+        if f"format:{order}" in a + b:
+            out.append({"choice": None, "valid": False, "why": "no_choice"})
+            continue
+        good, other = ("A", b) if "CHOSEN" in a else ("B", a)
+        wrong = f"wrong:{order}" in other or "wrong:both" in other
+        out.append({"choice": {"A": "B", "B": "A"}[good] if wrong else good, "valid": True, "why": ""})
+    return out
+
+
+def test_registry_is_table_7():
+    """Release months and usage marks typed from RM-NLHF Table 7; the seven used ones in Table 2's
+    column order; only HelpSteer3 and RewardBench 2 of them are readable here (hub)."""
+    table_7 = {"mt_bench": ("2023-06", "excluded"), "reward_bench": ("2024-03", "excluded"),
+               "rm_bench": ("2024-10", "excluded"), "ppe": ("2024-10", "excluded"),
+               "judgebench": ("2024-10", "excluded"), "rmb": ("2024-10", "excluded"),
+               "href": ("2024-12", "used"), "wq_arena": ("2025-04", "used"), "scan_hpd": ("2025-05", "used"),
+               "helpsteer3": ("2025-05", "used"), "reward_bench_2": ("2025-06", "used"),
+               "litbench": ("2025-07", "used"), "wpb": ("2025-10", "used")}
+    reg = evaluate.BENCHMARK_REGISTRY
+    assert {k: (reg[k]["release"], reg[k]["paper"]) for k in table_7} == table_7
+    used = [b["title"] for b in reg.values() if b["paper"] == "used"]
+    assert used == ["HelpSteer3", "RewardBench 2", "SCAN-HPD", "HREF", "LitBench", "WQ-Arena", "WPB"]
+    assert [k for k, b in reg.items() if b["paper"] == "used" and b["supported"]] == ["helpsteer3", "reward_bench_2"]
+    assert reg["helpsteer3"]["hub"] == {"id": "nvidia/HelpSteer3", "config": "preference", "split": "validation",
+                                        "schema": "helpsteer3"}
+    assert reg["reward_bench_2"]["hub"]["id"] == "allenai/reward-bench-2" and reg["reward_bench_2"]["hub"]["split"] == "test"
+    local = {k: (b["local"], b["release"]) for k, b in reg.items() if b["local"]}
+    assert local == {"rm_bench": ("rm_bench", "2024-10"), "judgebench": ("judgebench", "2024-10"),
+                     "llmbar": ("llmbar", "2023-10"), "pandalm_testset": ("pandalm_testset", "2023-06"),
+                     "hh_rlhf_harmless_base": ("hh_rlhf_harmless_base", "2022-04")}
+    for b in reg.values():
+        assert b["supported"] == bool(b["local"] or b["hub"]) and (b["supported"] or b["note"])
+
+
+def test_contamination_rule_default_sets():
+    """Released no earlier than one month before the base model (App. G.1): base 2025-01 -> 2024-12
+    or later, so Table 7's seven pass (HREF 2024-12 just), the 2024-10 ones do not."""
+    reg = evaluate.BENCHMARK_REGISTRY
+    passing = {k for k, b in reg.items() if evaluate.passes_contamination_rule(b["release"], "2025-01")}
+    assert passing == {"helpsteer3", "reward_bench_2", "scan_hpd", "href", "litbench", "wq_arena", "wpb"}
+    assert evaluate.earliest_allowed("2025-01") == "2024-12"  # across the year boundary
+    assert not evaluate.passes_contamination_rule("2024-12", "2025-02")
+    sel = evaluate.select_benchmarks(None, (), "2025-01")
+    assert sel["chosen"] == ["helpsteer3", "reward_bench_2"] and sel["mode"] == "default" and not sel["warnings"]
+    assert sel["left_out"]["href"].startswith("not supported here")
+    assert sel["left_out"]["judgebench"].startswith("not released 2024-12 or later")
+    assert set(sel["left_out"]) == set(reg) - {"helpsteer3", "reward_bench_2"}
+    # a base model of 2024-10: the 2024-10 benchmarks we can read join (RM-Bench, JudgeBench); PPE, RMB cannot
+    passing = {k for k, b in reg.items() if evaluate.passes_contamination_rule(b["release"], "2024-10")}
+    assert passing == {"helpsteer3", "reward_bench_2", "scan_hpd", "href", "litbench", "wq_arena", "wpb",
+                       "rm_bench", "ppe", "judgebench", "rmb"}
+    assert evaluate.select_benchmarks(None, (), "2024-10")["chosen"] == ["helpsteer3", "reward_bench_2", "rm_bench",
+                                                                        "judgebench"]
+    with pytest.raises(SystemExit, match=r"^--base-release '2025/01': expected a month as YYYY-MM"):
+        evaluate.select_benchmarks(None, (), "2025/01")
+
+
+def test_nothing_left_and_bad_names_are_one_line_errors(tmp_path):
+    cases = [(["--base-release", "2026-01"], r"^no benchmark left: none we can read is released 2025-12 or later"),
+             (["--benchmarks", "nope"], r"^--benchmarks nope: unknown; known: helpsteer3, "),
+             (["--benchmarks", "href"], r"^--benchmarks href: HREF is not supported here"),
+             (["--benchmarks", ","], r"^--benchmarks: no names given"),
+             (["--source", "helpsteer3"], r"^--source 'helpsteer3': expected NAME=PATH"),
+             (["--source", f"helpsteer3={tmp_path}/none.jsonl"], r"^--source helpsteer3=.*none.jsonl does not exist")]
+    for args, msg in cases:
+        with pytest.raises(SystemExit, match=msg) as e:  # before any model is loaded ('x' is no model)
+            evaluate.main(["pairwise", "--model", "x", "--out", str(tmp_path), *args])
+        assert "\n" not in str(e.value.code)
+
+
+def test_hub_unreachable_is_one_line():
+    """The default set reads HelpSteer3 from the hub; offline, the run stops with one line naming
+    the hub id and the --source way out, before loading a model."""
+    p = run_cli("pairwise", "--model", "not-a-model", "--n", 1, timeout=120, HF_HUB_OFFLINE="1")
+    assert_one_line_error(p, "nvidia/HelpSteer3", "--source helpsteer3=PATH")
+
+
+@needs_pairwise
+def test_reward_bench_2_best_of_4_hand_computed():
+    """tests/fixtures/reward_bench_2_sample.jsonl with marker_judge; a row counts in an order only
+    if all 3 of its pairs are right in that order (the Ties row is dropped):
+      Factuality f1 all right        -> ab right, ba right
+                 f2 one wrong:ab     -> ab wrong, ba right
+                 f3 one wrong:both   -> ab wrong, ba wrong
+                 f4 wrong:ab + wrong:ba (4 of 6 judgements right) -> ab wrong, ba wrong
+                 -> acc_ab 1/4, acc_ba 2/4, acc 0.375
+      Focus      g1 all right        -> ab right, ba right
+                 g2 one format:ba    -> ab right, ba wrong
+                 -> acc_ab 1, acc_ba 1/2, acc 0.75
+    RewardBench 2 = mean over subsets: acc_ab (0.25 + 1) / 2 = 0.625, acc_ba (0.5 + 0.5) / 2 = 0.5,
+    acc 0.5625 (pooling the 6 rows instead would give 0.5; per pair, 30 of 36 judgements are right)."""
+    items = evaluate.load_benchmark(RB2_FIXTURE, 0, seed=0)
+    assert len(items) == 18 and {it["meta"]["subset"] for it in items} == {"Factuality", "Focus"}
+    s, records = evaluate.score_unit(items, marker_judge)
+    assert s["n"] == 6 and s["n_pairs"] == 18
+    assert s["acc_ab"] == pytest.approx(0.625) and s["acc_ba"] == pytest.approx(0.5)
+    assert s["acc"] == pytest.approx(0.5625)
+    assert s["pair_acc"] == pytest.approx(30 / 36) and s["format_fail"] == pytest.approx(1 / 36)
+    assert s["subsets"] == {"Factuality": {"n": 4, "acc_ab": 0.25, "acc_ba": 0.5, "acc": 0.375},
+                            "Focus": {"n": 2, "acc_ab": 1.0, "acc_ba": 0.5, "acc": 0.75}}
+    assert "Ties excluded" in s["scoring"]
+    assert len(records) == 18 and records[0]["id"] == "f1:0"
+    with pytest.raises(SystemExit, match="row f1: 2 of its 3 pairs were judged"):  # a split row is refused
+        evaluate.best_of_group_accuracy(records[1:])
+
+
+@needs_pairwise
+def test_subsample_keeps_reward_bench_2_rows_whole():
+    """--n counts RewardBench 2 rows: n=2 gives 2 rows x 3 pairs, never a split row."""
+    picks = set()
+    for seed in range(6):
+        items = evaluate.load_benchmark(RB2_FIXTURE, 2, seed=seed)
+        groups = [it["meta"]["group"] for it in items]
+        assert len(items) == 6 and len(set(groups)) == 2 and all(groups.count(g) == 3 for g in groups)
+        assert [it["id"] for it in items] == [it["id"] for it in evaluate.load_benchmark(RB2_FIXTURE, 2, seed=seed)]
+        picks.add(frozenset(groups))
+    assert len(picks) > 1  # a seeded random choice of rows, not the first two
+    assert len(evaluate.load_benchmark(RB2_FIXTURE, 99, seed=0)) == 18
+    assert len(evaluate.load_benchmark(HS3_FIXTURE, 2, seed=0)) == 2  # ungrouped: n counts items
+
+
+def fake_grm(monkeypatch, seen):
+    """Replace model loading and the GRM judge of cmd_pairwise by marker_judge; `seen` gets the
+    keyword arguments make_grm_judge was called with."""
+    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(evaluate, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
+
+
+@needs_pairwise
+def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, capsys):
+    """The default set (base 2025-01) = HelpSteer3 + RewardBench 2, read from the fixtures via
+    --source. HelpSteer3 (tie dropped): row 1 right in both orders, row 2 wrong:both, row 3
+    wrong:ab -> acc_ab 1/3, acc_ba 2/3, acc 0.5. RewardBench 2: 0.5625 (test above).
+    Overall = (0.5 + 0.5625) / 2 = 0.53125 (by items it would be (3*0.5 + 6*0.5625) / 9 = 0.5417)."""
+    seen = {}
+    fake_grm(monkeypatch, seen)
+    r = evaluate.main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--n", "0", "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    bench = {b["benchmark"]: b for b in r["benchmarks"]}
+    assert list(bench) == ["HelpSteer3", "RewardBench 2"]
+    assert bench["HelpSteer3"]["acc"] == pytest.approx(0.5) and bench["HelpSteer3"]["n"] == 3
+    assert bench["HelpSteer3"]["acc_ab"] == pytest.approx(1 / 3) and bench["HelpSteer3"]["release"] == "2025-05"
+    assert bench["RewardBench 2"]["acc"] == pytest.approx(0.5625) and bench["RewardBench 2"]["n"] == 6
+    assert r["overall"]["acc"] == pytest.approx(0.53125) and r["overall"]["n_benchmarks"] == 2
+    assert r["overall"]["paper_benchmarks"] == ["HelpSteer3", "RewardBench 2"]
+    assert r["grm_prompt"] == "ours" and seen["style"] == "ours" and r["base_release"] == "2025-01"
+    assert r["selection"]["chosen"] == ["helpsteer3", "reward_bench_2"] and "wpb" in r["selection"]["left_out"]
+    saved = json.load(open(tmp_path / "pairwise.json"))
+    assert saved["overall"]["acc"] == pytest.approx(0.53125) and saved["files"][1]["subsets"]["Focus"]["acc"] == 0.75
+    assert len(open(tmp_path / "pairwise.items.jsonl").readlines()) == 3 + 18
+    left = [ln for ln in out.out.splitlines() if ln.startswith("  left out")]
+    assert len(left) == 3  # one line per reason: not supported (2 notes), too old
+    assert "left out, not supported here: " in left[0] and "SCAN-HPD (2025-05), HREF (2024-12)" in left[0]
+    assert left[2].startswith("  left out, not released 2024-12 or later") and "JudgeBench (2024-10)" in left[2]
+    assert "Ties excluded" in out.out and "Overall (mean of 2)" in out.out and "warning" not in out.err
+    r = evaluate.main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--grm-prompt", "authors",
+                       "--out", str(tmp_path)])
+    assert r["grm_prompt"] == "authors" and seen["style"] == "authors"
+
+
+@needs_pairwise
+def test_cli_pairwise_explicit_old_benchmark_warns(tmp_path, monkeypatch, capsys):
+    """Asking for JudgeBench (2024-10) with a 2025-01 base: evaluated, one warning line naming it;
+    an explicit RM-Bench file: the same; HelpSteer3 (2025-05): no warning."""
+    fake_grm(monkeypatch, {})
+    rm_file = data_path("rm_bench", "chat_filtered.jsonl")
+    r = evaluate.main(["pairwise", "--model", "fake", "--benchmarks", "helpsteer3,judgebench", *FIXTURE_SOURCES,
+                       rm_file, "--n", "2", "--out", str(tmp_path)])
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 2
+    assert "JudgeBench (released 2024-10) fails the contamination rule" in warnings[0]
+    assert "RM-Bench file " in warnings[1] and "chat_filtered.jsonl (released 2024-10) fails" in warnings[1]
+    assert [b["benchmark"] for b in r["benchmarks"]] == ["HelpSteer3", "JudgeBench", "RM-Bench"]
+    assert r["selection"]["mode"] == "explicit" and r["selection"]["left_out"] == {}
+
+
+@needs_pairwise
+def test_grm_judge_authors_prompt_and_parser(monkeypatch):
+    """--grm-prompt authors: the judge builds the RM-NLHF authors' prompt (their 'role:\\ncontent'
+    rendering of the item's turns) and parses with their parser, which takes a bare 'A' in
+    <choice>; ours would not."""
+    import types
+    prompts = []
+    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat: False)
+    monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [1, 2])
+    monkeypatch.setattr(evaluate, "generate_texts", lambda model, tok, ids, **kw: [
+        [{"completion": "<critics>\nB adds wrongly.\n</critics>\n<choice>A</choice>", "truncated": False}] for _ in ids])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096))
+    item = [it for it in evaluate.load_benchmark(HS3_FIXTURE, 0, seed=0) if len(it["meta"]["turns"]) == 3][0]
+    turns = item["meta"]["turns"]
+    query = (item["context"], item["response_a"], item["response_b"], turns)
+    out = evaluate.make_grm_judge(model, None, style="authors")([query])
+    assert prompts[-1] == reward.build_grm_prompt(*query[:3], style="authors", turns=turns)
+    assert "[The Start of Chatbot A's Response]" in prompts[-1] and "user:\nAnd 2 + 3?\n" in prompts[-1]
+    assert out[0]["valid"] and out[0]["choice"] == "A"
+    out = evaluate.make_grm_judge(model, None)([query])  # default: ours
+    assert prompts[-1] == reward.build_grm_prompt(*query[:3]) and "Chatbot A" not in prompts[-1]
+    assert not out[0]["valid"] and out[0]["why"] == "no_choice"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,7 +735,8 @@ def test_cli_pairwise(tmp_path):
         assert r["acc"] <= 1.0 - r["format_fail"] + 1e-9  # format failures count as wrong
     recs = [json.loads(l) for l in open(tmp_path / "pairwise.items.jsonl")]
     assert len(recs) == 4 and all("text" in r["ab"] and "text" in r["ba"] for r in recs)
-    assert "overall (macro)" in p.stdout
+    assert "Overall (mean of 2)" in p.stdout
+    assert "fails the contamination rule" in p.stderr  # LLMBar 2023-10, HH-RLHF 2022-04: asked for, so warned
 
 
 @pytest.mark.slow
