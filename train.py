@@ -705,21 +705,10 @@ def setup(cfg):
     out_dir, is_main = run["out_dir"], rank == 0
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
     stopped = os.path.join(out_dir, "early_stop.json")
-    if ckpt and os.path.exists(stopped):
-        with open(stopped) as f:
-            info = json.load(f)
+    done = finished_run(out_dir, ckpt, run["total_steps"])
+    if done:  # nothing to train: say why and leave
         if is_main:
-            print(f"[train] {out_dir} stopped early at step {info['step']} (held-out accuracy {info['accuracy']:.3f}, "
-                  f"best {info['best_accuracy']:.3f} at step {info['best_step']}; {stopped}); delete that file to "
-                  f"train on from there", flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return None
-    if ckpt and checkpoint_step(ckpt) >= run["total_steps"]:
-        if is_main:
-            print(f"[train] {out_dir} is complete: its checkpoint is at step {checkpoint_step(ckpt)} and "
-                  f"run.total_steps={run['total_steps']}; to train further raise run.total_steps "
-                  f"(or set run.out_dir / run.resume=false for a new run)", flush=True)
+            print(done, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return None
@@ -816,6 +805,23 @@ def setup(cfg):
             state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
                                     for m in map(json.loads, f) if "val/accuracy" in m]
     return state
+
+
+def finished_run(out_dir, ckpt, total_steps):
+    """Why the run in out_dir must not train on, as the line to print, or None: it stopped early
+    (early_stop.json, write_early_stop) or its checkpoint already reached run.total_steps."""
+    stopped = os.path.join(out_dir, "early_stop.json")
+    if ckpt and os.path.exists(stopped):
+        with open(stopped) as f:
+            info = json.load(f)
+        return (f"[train] {out_dir} stopped early at step {info['step']} (held-out accuracy {info['accuracy']:.3f}, "
+                f"best {info['best_accuracy']:.3f} at step {info['best_step']}; {stopped}); delete that file to "
+                f"train on from there")
+    if ckpt and checkpoint_step(ckpt) >= total_steps:
+        return (f"[train] {out_dir} is complete: its checkpoint is at step {checkpoint_step(ckpt)} and "
+                f"run.total_steps={total_steps}; to train further raise run.total_steps "
+                f"(or set run.out_dir / run.resume=false for a new run)")
+    return None
 
 
 def write_early_stop(state, cfg, step):

@@ -276,6 +276,7 @@ def force_answers(monkeypatch):
     size 1) is left alone. Ids and masks are rebuilt from the text, as test_e2e_nlhf.force_verdicts."""
     import rollout
     import train
+    from test_e2e_nlhf import with_completions
     real_generate, real_load = rollout.generate, train.load_train_items
     seen = []
 
@@ -293,18 +294,7 @@ def force_answers(monkeypatch):
             text = tok.decode(ids)
             it = next(x for x in seen if x["question"][:200] in text)
             rows.append((g * group_size, f"The answer is \\boxed{{{it['answer_text']}}}."))
-        ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
-        width = max([out["completion_ids"].shape[1]] + [len(x) for x in ids])
-        cids = torch.full((out["completion_ids"].shape[0], width), tok.pad_token_id, dtype=torch.long)
-        cmask = torch.zeros(cids.shape)
-        cids[:, :out["completion_ids"].shape[1]] = out["completion_ids"]
-        cmask[:, :out["completion_ids"].shape[1]] = out["completion_mask"]
-        for (r, text), x in zip(rows, ids):
-            cids[r], cmask[r] = tok.pad_token_id, 0.0
-            cids[r, :len(x)], cmask[r, :len(x)] = torch.tensor(x), 1.0
-            out["completions"][r] = text
-            out["truncated"][r] = False
-        return dict(out, completion_ids=cids, completion_mask=cmask)
+        return with_completions(out, tok, rows)
     monkeypatch.setattr(train, "load_train_items", load)
     monkeypatch.setattr(rollout, "generate", generate)
 

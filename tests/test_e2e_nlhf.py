@@ -175,6 +175,25 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
 
 # ---- end to end: train.main in this process --------------------------------------------------------
 
+def with_completions(out, tok, rows):
+    """The rollout dict `out` with row r's completion replaced by `text` for each (r, text) in rows
+    (ids = the text's tokens + EOS, mask 1 on them, not truncated); the ids tensor is widened when
+    a text is longer than the sampled completions. Shared by force_verdicts and
+    test_configs.force_answers."""
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
+    width = max([out["completion_ids"].shape[1]] + [len(x) for x in ids])
+    cids = torch.full((out["completion_ids"].shape[0], width), tok.pad_token_id, dtype=torch.long)
+    cmask = torch.zeros(cids.shape)
+    cids[:, :out["completion_ids"].shape[1]] = out["completion_ids"]
+    cmask[:, :out["completion_ids"].shape[1]] = out["completion_mask"]
+    for (r, text), x in zip(rows, ids):
+        cids[r], cmask[r] = tok.pad_token_id, 0.0
+        cids[r, :len(x)], cmask[r, :len(x)] = torch.tensor(x), 1.0
+        out["completions"][r] = text
+        out["truncated"][r] = False
+    return dict(out, completion_ids=cids, completion_mask=cmask)
+
+
 def force_verdicts(monkeypatch, pairs):
     """Replace the FIRST completion of every group by a well-formed verdict for the human winner
     (D_H: the first line of the human critique; D_O: a one-line critique); the other completions
@@ -194,18 +213,7 @@ def force_verdicts(monkeypatch, pairs):
             it = find(text)
             crit = it["critique"].splitlines()[0] if it["critique"] else f"Response {it['winner']} is more helpful."
             rows.append((g * group_size, verdict(crit, it["winner"])))
-        ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in rows]
-        width = max([out["completion_ids"].shape[1]] + [len(x) for x in ids])
-        cids = torch.full((out["completion_ids"].shape[0], width), tok.pad_token_id, dtype=torch.long)
-        cmask = torch.zeros(cids.shape)
-        cids[:, :out["completion_ids"].shape[1]] = out["completion_ids"]
-        cmask[:, :out["completion_ids"].shape[1]] = out["completion_mask"]
-        for (r, t), x in zip(rows, ids):
-            cids[r], cmask[r] = tok.pad_token_id, 0.0
-            cids[r, :len(x)], cmask[r, :len(x)] = torch.tensor(x), 1.0
-            out["completions"][r] = t
-            out["truncated"][r] = False
-        return dict(out, completion_ids=cids, completion_mask=cmask)
+        return with_completions(out, tok, rows)
 
     monkeypatch.setattr(rollout, "generate", generate)
 
