@@ -1,14 +1,17 @@
-"""Evaluation: math accuracy, pairwise GRM accuracy, Best-of-N tournaments, evaluator check, plots.
+"""Evaluation: math and context-QA accuracy, pairwise GRM accuracy, Best-of-N tournaments, evaluator check, plots.
 
 What each subcommand measures (docs/method.md §6 says the same in prose):
 
 * math: GSM8K / MATH-500 accuracy of a checkpoint, greedy and sampled pass@1 (the RLME paper's
-  accuracy, RLME §4.1; answers graded as in RLVR: last \\boxed{}, docs/method.md §4.3).
+  accuracy, RLME §4.1; answers graded as in RLVR: last \\boxed{}, docs/method.md §4.3). With a
+  NoCheat template ({answer}), --inject wrong gives the counterfactual accuracy (RLME §4, Fig. 7).
+* qa: context-QA exact match and token F1 of the boxed answer (RLME §4, Tables 1-2), on a JSONL
+  file or hub id with configurable fields, or --preset faitheval (FaithEval-Counterfactual).
 * pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
   (RM-NLHF §4.2, Table 2; benchmarks and their contamination rule App. G.1, Table 7; RewardBench 2
   scored best-of-4; Overall = unweighted mean over benchmarks).
-* bon: Best-of-N with the GRM as judge in a knockout or double-elimination tournament
-  (RM-NLHF §4.4).
+* bon: Best-of-N with the GRM as judge (--grm-prompt as pairwise) in a knockout or
+  double-elimination tournament (RM-NLHF §4.4).
 * evaluator-check: how well an evaluator's P(target | meta-question), RLME Eq. 2, separates right
   from wrong answers (AUROC, calibration) before a run spends compute on it.
 * judge-check: the critique judge's agreement with human 0/1 labels of GRM critiques (RM-NLHF
@@ -20,6 +23,8 @@ Every subcommand writes its results as JSON (summary) and JSONL (one record per 
 under --out and prints a readable table:
 
     python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
+    python evaluate.py math --model PATH --config configs/paper/rlme/nocheat.yaml --inject wrong
+    python evaluate.py qa --model PATH --preset faitheval [--data LOCAL_COPY.jsonl]
     python evaluate.py pairwise --model GRM [--benchmarks NAME,...] [BENCHMARK.jsonl ...]  (default: BENCHMARK_REGISTRY's, App. G.1 rule)
     python evaluate.py bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
     python evaluate.py evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
@@ -28,7 +33,8 @@ under --out and prints a readable table:
 
 The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
 graded answers (or sample their own with --policy), so one sampling pass serves all three.
-Bad input (not a model, unknown benchmark schema, empty file, N > samples) ends with one line.
+Bad input (not a model, unknown benchmark schema or field, empty file, unreachable hub id,
+N > samples) ends with one line, before a model loads where the data is at fault.
 Sections follow the subcommands; file reading, tables and the command line are plumbing at the end.
 """
 import argparse
@@ -69,32 +75,26 @@ def load_math_problems(path, n=None, split="test", hub_config=None):
         path: a local JSONL file, or a hub id read with `datasets` (e.g. openai/gsm8k with
             hub_config='main').
     Returns:
-        list of {"id", "question", "label", "kind": "gsm8k"|"math", "reference"}: GSM8K rows
-        ({question, answer with '#### n'}) get the cleaned numeric label; MATH rows
-        ({problem, answer}) keep the answer string.
+        list of {"id", "question", "label", "answer_text", "kind": "gsm8k"|"math", "reference"}:
+        GSM8K rows ({question, answer with '#### n'}) get the cleaned numeric label; MATH rows
+        ({problem, answer}) keep the answer string. answer_text = the label, the reference answer a
+        template's {answer} shows (as train.py's items).
     Raises:
         SystemExit: unknown schema (names the fields found), an empty file, or n larger than
             the number of problems.
     """
-    if os.path.isfile(path) or not (path.count("/") == 1 and not path.startswith((".", "/", "~"))):
-        rows = read_jsonl(path)
-    else:
-        import datasets
-        try:
-            rows = list(datasets.load_dataset(path, hub_config, split=split))
-        except Exception as e:  # no hub access, or no such dataset: one line, not a traceback
-            raise SystemExit(f"--data {path}: no such file, and it could not be loaded as a hub dataset "
-                             f"({type(e).__name__})")
+    rows = load_rows(path, split, hub_config)
     if n and n > len(rows):
         raise SystemExit(f"--n-problems {n}: {path} has only {len(rows)} problems")
     out = []
     for i, r in enumerate(rows[:n] if n else rows):
         if "question" in r and "answer" in r and "####" in str(r["answer"]):
-            out.append({"id": i, "question": r["question"], "label": reward.clean_gsm8k_label(r["answer"]),
+            label = reward.clean_gsm8k_label(r["answer"])
+            out.append({"id": i, "question": r["question"], "label": label, "answer_text": label,
                         "kind": "gsm8k", "reference": r["answer"]})
         elif "problem" in r and "answer" in r:
             out.append({"id": r.get("unique_id", i), "question": r["problem"], "label": str(r["answer"]),
-                        "kind": "math", "reference": r.get("solution", "")})
+                        "answer_text": str(r["answer"]), "kind": "math", "reference": r.get("solution", "")})
         else:
             raise SystemExit(f"{path}: row {i + 1} has neither the GSM8K schema (question, answer with "
                              f"'####') nor the MATH schema (problem, answer); fields found: {sorted(r)}")
@@ -161,20 +161,89 @@ def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=
     return out
 
 
+# NoCheat (RLME §4, Fig. 7; docs/method.md §4.6): training prompts show the reference answer
+# through the template's {answer}; the test shows a WRONG one there and grades against the truth.
+INJECT_CHOICES = ("none", "reference", "wrong")
+
+
+def wrong_answer(items, k):
+    """The seeded wrong answer shown in place of item k's reference answer: NoCheat's
+    counterfactual test (RLME §4, Fig. 7). The one rule for training validation
+    (train.wrong_answer calls it) and `evaluate.py math --inject wrong`.
+
+        label a number (a str that reward.to_number reads) -> known_wrong_answer: label + 1
+        otherwise (text labels, MATH expressions)          -> the next item's answer_text
+                                                              (wrapping round), "none" when equal
+
+    Deterministic given the items and their order, so "seeded" by whatever fixed their order.
+    Args:
+        items: list of dicts with "label" (str, list of str or None) and "answer_text" (str or
+            None): train.py's items or load_math_problems'. k: int index into items.
+    Returns:
+        str (or the next item's answer_text as is).
+    """
+    it = items[k]
+    if isinstance(it["label"], str) and reward.to_number(it["label"]) is not None:
+        return known_wrong_answer(it["label"])
+    other = items[(k + 1) % len(items)]["answer_text"]
+    return other if other != it["answer_text"] else "none"
+
+
+def check_inject(template, inject):
+    """Which answer `math` shows through the template's {answer} (RLME §4, Fig. 7).
+
+    A template with {answer} needs --inject reference (the true answer, as in training) or wrong
+    (wrong_answer: the counterfactual accuracy); one without takes only none (or no flag).
+    Args: template: str. inject: None | "none" | "reference" | "wrong" (the --inject flag).
+    Returns: "none" | "reference" | "wrong".
+    Raises: SystemExit (one line naming --inject) for the other combinations.
+    """
+    shows = "answer" in template_fields(template)
+    if shows and inject not in ("reference", "wrong"):
+        given = f" {inject}" if inject else ""
+        raise SystemExit(f"--inject{given}: the prompt template shows {{answer}} (NoCheat, RLME §4 Fig. 7); "
+                         f"choose --inject wrong (counterfactual accuracy) or --inject reference")
+    if not shows and inject not in (None, "none"):
+        raise SystemExit(f"--inject {inject}: the prompt template has no {{answer}} to fill "
+                         f"(give a NoCheat template with --prompt-template or --config)")
+    return inject or "none"
+
+
+def shown_answers(problems, inject):
+    """What {answer} shows per problem: None (inject "none"), the true answer_text ("reference"),
+    or wrong_answer ("wrong"). Returns list[str] or None."""
+    if inject == "none":
+        return None
+    if inject == "reference":
+        return [p["answer_text"] for p in problems]
+    return [wrong_answer(problems, k) for k in range(len(problems))]
+
+
 def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_tokens, seed, batch_size,
-                     template=PROMPT_TEMPLATE, chat="auto", greedy=True):
+                     template=PROMPT_TEMPLATE, chat="auto", greedy=True, shown=None, grader=None):
     """Generate (greedy and/or n sampled) answers for `problems` and grade them.
 
+    Prompts are rollout.policy_prompt_ids (the training prompt: {question}, {context}, {answer}).
     A progress bar on stderr (tqdm) counts the answers, problems x (1 greedy + n_samples),
     advancing as each generation batch finishes; it is closed before the caller prints results.
+    Args:
+        shown: list[str] per problem, what the template's {answer} shows (shown_answers), or None.
+            Grading is always against the problem's own label.
+        grader: (problem, completion) -> dict of fields for the graded answer, at least "pred"
+            and "correct"; default: grade (math).
     Returns:
-        list of item dicts: the problem fields plus "greedy" (one graded answer or None) and
-        "samples" (list of n graded answers); a graded answer is
-        {"completion", "truncated", "pred", "correct"}.
+        list of item dicts: the problem fields plus "greedy" (one graded answer or None),
+        "samples" (list of n graded answers) and, with `shown`, "shown_answer"; a graded answer is
+        {"completion", "truncated", "pred", "correct", ...grader's other fields}.
     """
     from tqdm import tqdm
+    if grader is None:
+        def grader(p, completion):
+            pred, correct = grade(p, completion)
+            return {"pred": pred, "correct": correct}
     chat = rollout.use_chat_template(tok, chat)
-    ids = [rollout.build_prompt_ids(tok, template.format(question=p["question"]), chat) for p in problems]
+    shown_list = shown or [None] * len(problems)
+    ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=a) for p, a in zip(problems, shown_list)]
     with tqdm(total=len(problems) * (int(greedy) + n_samples), desc="generate", unit="answer") as bar:
         greedy_out = [None] * len(problems)
         if greedy:
@@ -186,10 +255,10 @@ def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_token
                                      max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
                                      desc="sample", progress=bar)
     items = []
-    for p, g, s in zip(problems, greedy_out, sampled):
+    for p, g, s, a in zip(problems, greedy_out, sampled, shown_list):
         for ans in (g or []) + s:
-            ans["pred"], ans["correct"] = grade(p, ans["completion"])
-        items.append({**p, "greedy": g[0] if g else None, "samples": s})
+            ans.update(grader(p, ans["completion"]))
+        items.append({**p, **({"shown_answer": a} if shown else {}), "greedy": g[0] if g else None, "samples": s})
     return items
 
 
@@ -217,21 +286,225 @@ def math_summary(items):
 
 def cmd_math(a):
     a.prompt_template = prompt_template(a)
+    inject = check_inject(a.prompt_template, a.inject)
     problems = load_math_problems(a.data, a.n_problems, a.split, a.hub_config)
+    shown = shown_answers(problems, inject)
     model, tok = rollout.load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, problems, n_samples=a.n_samples, temperature=a.temperature,
                              max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
-                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy)
-    name = a.name or data_name(a.data)
+                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy,
+                             shown=shown)
+    name = a.name or data_name(a.data) + ("" if inject == "none" else f"_inject-{inject}")
     summary = {"model": a.model, "data": a.data, "kind": problems[0]["kind"], "seed": a.seed,
                "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
-               "prompt_template": a.prompt_template, **math_summary(items)}
+               "prompt_template": a.prompt_template, "inject": inject, **math_summary(items)}
+    if inject == "wrong":  # every prompt showed a wrong answer, graded against the truth (RLME Fig. 7)
+        summary["counterfactual_acc"] = summary.get("greedy_acc")
+        summary["counterfactual_pass1_mean"] = summary.get("sampled_pass1_mean")
     write_results(a.out, f"math_{name}", summary, items)
     row = {**summary, "data": name}
+    acc, pass1 = ("counterfactual_acc", "counterfactual pass@1") if inject == "wrong" else ("greedy_acc", "sampled pass@1")
     if "sampled_pass1_mean" in summary:
-        row["sampled pass@1"] = f"{summary['sampled_pass1_mean']:.3f} ± {summary['sampled_pass1_std']:.3f}"
-    print_table([row], ["data", "n_problems", "greedy_acc", "sampled pass@1", "n_samples",
-                        "sampled_pass_at_n", "greedy_no_box", "greedy_truncated"], title=f"math accuracy: {a.model}")
+        row[pass1] = f"{summary['sampled_pass1_mean']:.3f} ± {summary['sampled_pass1_std']:.3f}"
+    title = {"none": f"math accuracy: {a.model}",
+             "reference": f"math accuracy with the reference answer shown (--inject reference): {a.model}",
+             "wrong": f"COUNTERFACTUAL accuracy (NoCheat, RLME §4 Fig. 7): each prompt shows a wrong answer, "
+                      f"graded against the true label: {a.model}"}[inject]
+    print_table([row], ["data", "n_problems", acc, pass1, "n_samples",
+                        "sampled_pass_at_n", "greedy_no_box", "greedy_truncated"], title=title)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Context QA: exact match and token F1 (RLME §4, Tables 1-2; FaithEval-Counterfactual out of
+# domain; docs/method.md §4.3, §6)
+
+# The QA prompt of configs/paper/rlme/qa_rlvr.yaml (data.prompt_template; a test keeps the two
+# equal): a checkpoint is scored on the task it was trained on. --config reads a run's own.
+QA_PROMPT_TEMPLATE = ("{context}\n\nQuestion: {question}\nAnswer the question using the passages above, "
+                      "and put your final answer within \\boxed{{}}.")
+
+# Field defaults of `qa` (a flag, then --preset, then these).
+QA_DEFAULTS = {"split": "test", "hub_config": None, "question_field": "question", "context_field": "context",
+               "answer_field": "answer", "choices_field": None}
+# --preset NAME: the data and fields of a known set. FaithEval-Counterfactual (Ming et al. 2024,
+# arXiv 2410.03727; the RLME paper's out-of-domain QA test): 1,000 multiple-choice questions whose
+# context states a counterfactual "fact"; the gold (answerKey) is the option the context supports.
+# Rows: id, question, context, choices {"label": [...], "text": [...]}, answerKey, answer.
+QA_PRESETS = {
+    "faitheval": {"data": "Salesforce/FaithEval-counterfactual-v1.0", "split": "test", "hub_config": None,
+                  "question_field": "question", "context_field": "context", "answer_field": "answerKey",
+                  "choices_field": "choices"},
+}
+
+
+def parse_choices(value, where):
+    """A multiple-choice field -> list of (label, text): the hub's {"label": [...], "text": [...]}
+    (FaithEval, ARC) or a plain list of str (labelled A, B, C, ...).
+    Raises SystemExit (one line naming `where`) for anything else."""
+    if isinstance(value, dict) and isinstance(value.get("label"), list) and isinstance(value.get("text"), list) \
+            and len(value["label"]) == len(value["text"]) and value["text"]:
+        return [(str(lab), str(t)) for lab, t in zip(value["label"], value["text"])]
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return [(chr(ord("A") + k), t) for k, t in enumerate(value)]
+    raise SystemExit(f"{where}: expected {{'label': [...], 'text': [...]}} or a list of option texts, "
+                     f"got {type(value).__name__} {value!r:.60}")
+
+
+def gold_choice(choices, key, where):
+    """Index of the gold option for answer key `key`: the option labelled `key`; else, when `key`
+    is a capital letter and the labels are something else (ARC rows labelled 1-4 with key 'A'),
+    its position (A = 0). Raises SystemExit naming `where` when neither exists."""
+    labels = [lab for lab, _ in choices]
+    if key in labels:
+        return labels.index(key)
+    if len(key) == 1 and "A" <= key <= "Z" and ord(key) - ord("A") < len(labels):
+        return ord(key) - ord("A")
+    raise SystemExit(f"{where}: answer key {key!r} is not one of the option labels {labels}")
+
+
+def qa_golds(value, where):
+    """An answer field -> non-empty list of str: a str, a list of str, or SQuAD's {"text": [...]}.
+    Raises SystemExit naming `where` otherwise."""
+    golds = value.get("text") if isinstance(value, dict) else value
+    golds = [golds] if isinstance(golds, str) else golds
+    if not isinstance(golds, list) or not golds or not all(isinstance(g, (str, int, float)) for g in golds):
+        raise SystemExit(f"{where}: expected an answer string, a list of them or {{'text': [...]}}, got {value!r:.60}")
+    return [str(g) for g in golds]
+
+
+def load_qa_items(path, n=None, split="test", hub_config=None, question_field="question", context_field="context",
+                  answer_field="answer", choices_field=None, context_max_chars=4000):
+    """Context-QA items of a local JSONL file or a hub split, the first `n` in order.
+
+    The context is reward.render_context(row[context_field], context_max_chars) (a str, a list of
+    str, or QA-Feedback's [title, sentence, ...] passages; RLME §4 cuts at 4,000 characters). The
+    golds are the answer field (qa_golds). With `choices_field` (multiple choice, FaithEval) the
+    answer field is the answer key: the options are listed under the question ("A) text" lines,
+    so the model can name one), the gold is the key's option text and the accepted letters are its
+    label and the key (gold_choice).
+    Args: the --data / --split / --hub-config / --*-field / --context-max-chars flags.
+    Returns:
+        list of {"id", "question" (with the options when multiple choice), "context", "label"
+        (list of gold str), "answer_text" (the first gold), "kind": "qa", "choice_letters"
+        (list of str; multiple choice only)}.
+    Raises:
+        SystemExit (one line naming the row and flag): a missing field (the fields found listed),
+        an unreadable context / answer / options field, n larger than the rows, no rows.
+    """
+    rows = load_rows(path, split, hub_config)
+    if n and n > len(rows):
+        raise SystemExit(f"--n-problems {n}: {path} has only {len(rows)} rows")
+    fields = {"--question-field": question_field, "--context-field": context_field, "--answer-field": answer_field,
+              "--choices-field": choices_field}
+    items = []
+    for i, r in enumerate(rows[:n] if n else rows):
+        where = f"{path} row {i + 1}"
+        for flag, f in fields.items():
+            if f is not None and f not in r:
+                raise SystemExit(f"{where}: no field {f!r} ({flag}); fields found: {sorted(r)}")
+        try:
+            context = reward.render_context(r[context_field], context_max_chars)
+        except ValueError as e:
+            raise SystemExit(f"{where}: field {context_field!r} (--context-field): {e}")
+        question = str(r[question_field])
+        item = {"id": r.get("id", i), "question": question, "context": context, "kind": "qa"}
+        if choices_field is None:
+            item["label"] = qa_golds(r[answer_field], f"{where}: field {answer_field!r} (--answer-field)")
+        else:
+            choices = parse_choices(r[choices_field], f"{where}: field {choices_field!r} (--choices-field)")
+            key = str(r[answer_field]).strip()
+            k = gold_choice(choices, key, f"{where}: field {answer_field!r} (--answer-field)")
+            item["question"] = question + "\nOptions:\n" + "\n".join(f"{lab}) {t}" for lab, t in choices)
+            item["label"] = [choices[k][1]]
+            item["choice_letters"] = list(dict.fromkeys([choices[k][0], key]))
+        item["answer_text"] = item["label"][0]
+        items.append(item)
+    return items
+
+
+def choice_letter_match(pred, letters):
+    """Whether a boxed answer names one of the gold option `letters`: 'B', 'b', '(B)', 'B)', 'B.'.
+    A separate rule, not a gold string for answer_reward: SQuAD normalisation drops the article
+    'a', so the letter A would normalise to "" and match an empty or article-only box."""
+    if pred is None:
+        return False
+    core = pred.strip().strip("().:").strip()
+    return bool(core) and core.upper() in {x.upper() for x in letters}
+
+
+def grade_qa(problem, completion):
+    """EM and token F1 of one answer (RLME §4 Tables 1-2; docs/method.md §4.3): the last
+    \\boxed{} content against the golds with reward.answer_reward(label_format="text"), SQuAD-
+    normalised, best over the golds; a multiple-choice item also accepts its letter
+    (choice_letter_match: EM = F1 = 1). No box -> 0.
+    Returns: {"pred": str|None, "em": float, "f1": float, "correct": em == 1}."""
+    pred = reward.extract_boxed(completion)
+    em = reward.answer_reward(completion, problem["label"], "text", "em")
+    f1 = reward.answer_reward(completion, problem["label"], "text", "f1")
+    if problem.get("choice_letters") and choice_letter_match(pred, problem["choice_letters"]):
+        em = f1 = 1.0
+    return {"pred": pred, "em": em, "f1": f1, "correct": em == 1.0}
+
+
+def qa_summary(items):
+    """Means of graded QA items: greedy_em, greedy_f1 (and greedy_no_box, greedy_truncated);
+    with samples, per sample index j the mean EM / F1 over problems, then mean ± population std
+    over j (sampled_em_*, sampled_f1_*; as math_summary's pass@1)."""
+    s = {"n_problems": len(items)}
+    if items and items[0]["greedy"] is not None:
+        for k in ("em", "f1"):
+            s[f"greedy_{k}"] = sum(it["greedy"][k] for it in items) / len(items)
+        s["greedy_no_box"] = sum(it["greedy"]["pred"] is None for it in items) / len(items)
+        s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
+    n = len(items[0]["samples"]) if items else 0
+    if n:
+        s["n_samples"] = n
+        for k in ("em", "f1"):
+            per_j = [sum(it["samples"][j][k] for it in items) / len(items) for j in range(n)]
+            s[f"sampled_{k}_mean"], s[f"sampled_{k}_std"] = mean_std(per_j)
+    return s
+
+
+def qa_settings(a):
+    """The data source and fields of `qa`: a flag given wins, then --preset's value, then
+    QA_DEFAULTS. Returns dict data, split, hub_config, *_field. SystemExit without --data or --preset."""
+    preset = QA_PRESETS[a.preset] if a.preset else {}
+    out = {k: getattr(a, k) if getattr(a, k) is not None else preset.get(k, v) for k, v in QA_DEFAULTS.items()}
+    out["data"] = a.data or preset.get("data")
+    if not out["data"]:
+        raise SystemExit(f"qa: give --data FILE_OR_HUB_ID or --preset {'|'.join(QA_PRESETS)}")
+    return out
+
+
+def cmd_qa(a):
+    if a.context_max_chars < 0:
+        raise SystemExit(f"--context-max-chars {a.context_max_chars}: must be >= 0 (0 = no cut)")
+    a.prompt_template = prompt_template(a, default=QA_PROMPT_TEMPLATE, allowed=("context", "question"),
+                                        required=("context", "question"))
+    st = qa_settings(a)
+    items = load_qa_items(st["data"], a.n_problems, split=st["split"], hub_config=st["hub_config"],
+                          question_field=st["question_field"], context_field=st["context_field"],
+                          answer_field=st["answer_field"], choices_field=st["choices_field"],
+                          context_max_chars=a.context_max_chars)
+    model, tok = rollout.load_model(a.model, a.dtype)
+    items = sample_and_grade(model, tok, items, n_samples=a.n_samples, temperature=a.temperature,
+                             max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
+                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy,
+                             grader=grade_qa)
+    name = a.name or data_name(st["data"])
+    summary = {"model": a.model, **st, "preset": a.preset, "multiple_choice": st["choices_field"] is not None,
+               "context_max_chars": a.context_max_chars, "seed": a.seed, "temperature": a.temperature,
+               "max_new_tokens": a.max_new_tokens, "prompt_template": a.prompt_template, **qa_summary(items)}
+    write_results(a.out, f"qa_{name}", summary, items)
+    row = {**summary, "data": name}
+    for k in ("em", "f1"):
+        if f"sampled_{k}_mean" in summary:
+            row[f"sampled {k.upper()}"] = f"{summary[f'sampled_{k}_mean']:.3f} ± {summary[f'sampled_{k}_std']:.3f}"
+    print_table([row], ["data", "n_problems", "greedy_em", "greedy_f1", "sampled EM", "sampled F1", "n_samples",
+                        "greedy_no_box", "greedy_truncated"],
+                title=f"context QA: {a.model} (last \\boxed{{}} vs gold, SQuAD-normalised exact match and token F1"
+                      f"{'; the gold option text or its letter' if summary['multiple_choice'] else ''})")
     return summary
 
 
@@ -842,7 +1115,7 @@ def cmd_bon(a):
     items = load_or_sample(a, ns[-1])
     model, tok = rollout.load_model(a.judge, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.judge_max_new_tokens, batch_size=a.batch_size,
-                           chat=parse_chat(a.chat_template))
+                           chat=parse_chat(a.chat_template), style=a.grm_prompt)
     rng = random.Random(a.seed)
     rows, records = [], []
     for n in ns:
@@ -856,13 +1129,13 @@ def cmd_bon(a):
             row[f"{method}_invalid"] = sum(r["invalid"] for r in res)
             records += [{"id": it["id"], "N": n, "method": method, **r} for it, r in zip(items, res)]
         rows.append(row)
-    result = {"judge": a.judge, "samples": a.samples or a.policy, "n_problems": len(items), "seed": a.seed,
-              "methods": a.methods.split(","), "rows": rows}
+    result = {"judge": a.judge, "grm_prompt": a.grm_prompt, "samples": a.samples or a.policy,
+              "n_problems": len(items), "seed": a.seed, "methods": a.methods.split(","), "rows": rows}
     write_results(a.out, "bon", result, records)
     cols = ["N", "mean_sample_acc", "majority_acc", "oracle_pass_at_n"]
     for m in a.methods.split(","):
         cols += [f"{m}_acc", f"{m}_calls", f"{m}_invalid"]
-    print_table(rows, cols, title=f"Best-of-N on {len(items)} problems, judge {a.judge}")
+    print_table(rows, cols, title=f"Best-of-N on {len(items)} problems, judge {a.judge} (--grm-prompt {a.grm_prompt})")
     return result
 
 
@@ -1213,6 +1486,33 @@ def read_jsonl(path):
     return rows
 
 
+def looks_like_hub_id(path):
+    """'owner/name' (one slash, not a relative or absolute path) -> True."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+def load_rows(path, split="test", hub_config=None, flag="--data"):
+    """The rows of a local JSONL file, or of a hub dataset split read with `datasets`.
+
+    A path that is a file, or does not look like 'owner/name', is read as JSONL (read_jsonl's
+    one-line errors). Returns list[dict].
+    Raises:
+        SystemExit (one line naming `flag` and the id): the hub dataset could not be loaded (no
+            network, no such id or split), with the way out: a local JSONL copy.
+    """
+    if os.path.isfile(path) or not looks_like_hub_id(path):
+        return read_jsonl(path)
+    import datasets  # here, not at the top: slow to import and only hub ids need it
+    try:
+        rows = list(datasets.load_dataset(path, hub_config, split=split))
+    except Exception as e:  # no hub access, or no such dataset: one line, not a traceback
+        raise SystemExit(f"{flag} {path}: no such file, and it could not be loaded as a hub dataset "
+                         f"({type(e).__name__}; split {split!r}); offline? pass a local JSONL copy: {flag} FILE.jsonl")
+    if not rows:
+        raise SystemExit(f"{flag} {path}: split {split!r} is empty")
+    return rows
+
+
 def write_results(out_dir, name, summary, items=None):
     """Write `<out_dir>/<name>.json` (summary) and `<out_dir>/<name>.items.jsonl` (per item)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -1262,8 +1562,23 @@ def print_table(rows, cols, title=None):
 # CLI
 
 
-def prompt_template(a):
-    """--prompt-template, else data.prompt_template of --config, else PROMPT_TEMPLATE."""
+def template_fields(template):
+    """The placeholder names of a prompt template ({question} -> "question"; '{{' is a brace).
+    Raises SystemExit (one line) when it is not a valid format string."""
+    import string
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise SystemExit(f"the prompt template is not a valid format string ({e}); write a literal brace as {{{{ or }}}}")
+
+
+def prompt_template(a, default=PROMPT_TEMPLATE, allowed=("question", "answer"), required=("question",)):
+    """--prompt-template, else data.prompt_template of --config, else `default`.
+
+    Args: a: the parsed flags (prompt_template, config). allowed / required: placeholder names.
+    Returns: str. Raises: SystemExit (one line) for a missing --config file or key, a required
+    placeholder missing, or one not allowed here ({context} belongs to `qa`, {answer} to `math`).
+    """
     template = a.prompt_template
     if template is None and a.config:
         import yaml
@@ -1273,9 +1588,15 @@ def prompt_template(a):
             template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
         if template is None:
             raise SystemExit(f"--config {a.config}: no data.prompt_template key")
-    template = template or PROMPT_TEMPLATE
-    if "{question}" not in template:
-        raise SystemExit("the prompt template must contain {question}")
+    template = template or default
+    fields = template_fields(template)
+    for name in required:
+        if name not in fields:
+            raise SystemExit(f"the prompt template must contain {{{name}}}")
+    unknown = sorted(fields - set(allowed))
+    if unknown:
+        raise SystemExit(f"the prompt template has placeholder(s) {unknown} this subcommand cannot fill; "
+                         f"allowed: {', '.join('{' + n + '}' for n in allowed)}")
     return template
 
 
@@ -1332,9 +1653,45 @@ def build_parser():
     p.add_argument("--prompt-template", default=None,
                    help="format string with {question} (default: --config's data.prompt_template, else PROMPT_TEMPLATE)")
     p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
+    p.add_argument("--inject", default=None, choices=list(INJECT_CHOICES),
+                   help="what a template's {answer} shows (NoCheat, RLME §4 Fig. 7): wrong = a seeded wrong answer "
+                        "(wrong_answer), graded against the true label = counterfactual accuracy; reference = the "
+                        "true answer; required when the template has {answer}, else only none")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    p.add_argument("--name", default=None, help="results file tag (default: from --data, plus _inject-<kind>)")
+    p.set_defaults(fn=cmd_math)
+
+    p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2; FaithEval)")
+    common(p)
+    p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
+    p.add_argument("--data", default=None, help="QA JSONL file or hub id (default: --preset's hub id)")
+    p.add_argument("--preset", default=None, choices=list(QA_PRESETS),
+                   help="a known set's hub id, split and fields (faitheval: Salesforce/FaithEval-counterfactual-v1.0, "
+                        "test, multiple choice); flags given win, --data FILE reads a local copy")
+    p.add_argument("--split", default=None, help=f"split for a hub id (default: {QA_DEFAULTS['split']})")
+    p.add_argument("--hub-config", default=None, help="dataset config for a hub id")
+    p.add_argument("--question-field", default=None, help=f"default: {QA_DEFAULTS['question_field']}")
+    p.add_argument("--context-field", default=None, help=f"str, list of str or [title, sentence, ...] passages "
+                                                         f"(default: {QA_DEFAULTS['context_field']})")
+    p.add_argument("--answer-field", default=None, help=f"gold: str, list of str or {{'text': [...]}}; with "
+                                                        f"--choices-field the answer key (default: "
+                                                        f"{QA_DEFAULTS['answer_field']})")
+    p.add_argument("--choices-field", default=None,
+                   help="multiple choice: options {'label': [...], 'text': [...]} or a list; the gold option's text "
+                        "or its letter counts as right")
+    p.add_argument("--context-max-chars", type=int, default=4000, help="contexts cut to this many characters "
+                                                                       "(RLME §4); 0 = no cut")
+    p.add_argument("--n-problems", type=int, default=0, help="first N rows (0 = all)")
+    p.add_argument("--n-samples", type=int, default=0, help="sampled answers per question, next to the greedy one")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled answers")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens")
+    p.add_argument("--prompt-template", default=None,
+                   help="format string with {context} and {question} (default: --config's data.prompt_template, "
+                        "else QA_PROMPT_TEMPLATE, configs/paper/rlme/qa_rlvr.yaml's)")
+    p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--name", default=None, help="results file tag (default: from --data)")
-    p.set_defaults(fn=cmd_math)
+    p.set_defaults(fn=cmd_qa)
 
     p = subcommand("pairwise", "pairwise GRM accuracy per benchmark, both A/B orders")
     common(p)
@@ -1370,6 +1727,8 @@ def build_parser():
     p.add_argument("--ns", default="1,2,4,8", help="comma-separated N values")
     p.add_argument("--methods", default="knockout,double_elimination", help="comma-separated tournament kinds")
     p.add_argument("--judge-max-new-tokens", type=int, default=256, help="longest GRM output per match, in tokens")
+    p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
+                   help="GRM prompt and output parser of the judge: ours, or authors (the RM-NLHF release's)")
     p.set_defaults(fn=cmd_bon)
 
     p = subcommand("evaluator-check", "AUROC / calibration of P(target) for a meta-question")

@@ -464,13 +464,9 @@ def validation_step(state, cfg, step, records):
 
 def wrong_answer(val, k):
     """The seeded wrong answer shown in place of item k's reference (NoCheat's counterfactual
-    test): a number's label + 1 (evaluate.known_wrong_answer); a text label: the next item's
-    answer (or "none" when it is the same)."""
-    it = val[k]
-    if isinstance(it["label"], str) and R.to_number(it["label"]) is not None:
-        return evaluate.known_wrong_answer(it["label"])
-    other = val[(k + 1) % len(val)]["answer_text"]
-    return other if other != it["answer_text"] else "none"
+    test, RLME §4 Fig. 7): evaluate.wrong_answer, the one rule `evaluate.py math --inject wrong`
+    uses too (a number's label + 1; a text label: the next item's answer, "none" when equal)."""
+    return evaluate.wrong_answer(val, k)
 
 
 def early_stop(accuracies, drop, patience):

@@ -647,6 +647,293 @@ def test_bad_benchmark_schema_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# Fake generation: prompts recorded, answers chosen per prompt (no model is loaded)
+
+
+def fake_generation(monkeypatch, answer_for):
+    """Replace model loading and generation: a prompt's 'ids' are its text; answer_for(prompt,
+    temperature) gives the completion. Returns the list the prompts are appended to."""
+    prompts = []
+    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat: False)
+    monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [text])
+
+    def generate(model, tok, ids, n=1, temperature=0.0, **kw):
+        return [[{"completion": answer_for(p[0], temperature), "truncated": False} for _ in range(n)] for p in ids]
+    monkeypatch.setattr(evaluate, "generate_texts", generate)
+    return prompts
+
+
+def read_items(folder, prefix):
+    names = [f for f in os.listdir(folder) if f.startswith(prefix) and f.endswith(".items.jsonl")]
+    assert len(names) == 1, names
+    return [json.loads(ln) for ln in open(os.path.join(folder, names[0]))]
+
+
+# ----------------------------------------------------------------------------------------------
+# NoCheat's counterfactual accuracy: `math --inject` (RLME §4, Fig. 7)
+
+NOCHEAT = "{question}\nThe answer is {answer}.\nReason step by step, and put your final answer within \\boxed{{}}."
+
+
+def copy_shown_except(truths):
+    """A policy that copies the answer its prompt shows, except for questions in `truths`
+    ({question: completion})."""
+    import re
+
+    def answer(prompt, temperature):
+        for q, text in truths.items():
+            if prompt.startswith(q + "\n"):
+                return text
+        return "\\boxed{%s}" % re.search(r"The answer is (.*)\.\n", prompt).group(1)
+    return answer
+
+
+def test_math_inject_wrong_shows_a_wrong_answer_and_grades_against_the_truth(tmp_path, monkeypatch, capsys):
+    """GSM8K labels 18, 3, 70. --inject wrong shows 19, 4, 71 (label + 1), never the truth; the
+    policy copies what it is shown except on Q2 (solves it: 3). Graded against the truth:
+    counterfactual accuracy 1/3. --inject reference shows 18, 3, 70: copying gives 3/3."""
+    data = write_jsonl(tmp_path / "g.jsonl", [{"question": "Q1 eggs?", "answer": "16 - 3 = 13\n#### 18"},
+                                              {"question": "Q2 bolts?", "answer": "#### 3"},
+                                              {"question": "Q3 profit?", "answer": "#### 70"}])
+    prompts = fake_generation(monkeypatch, copy_shown_except({"Q2 bolts?": "so \\boxed{3}"}))
+    out = tmp_path / "out"
+    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
+                       "--n-problems", "3", "--n-samples", "0", "--out", str(out)])
+    assert len(prompts) == 3
+    for p, truth, shown in zip(prompts, ("18", "3", "70"), ("19", "4", "71")):
+        assert f"The answer is {shown}." in p and f"The answer is {truth}." not in p
+    assert r["inject"] == "wrong" and r["counterfactual_acc"] == pytest.approx(1 / 3) == r["greedy_acc"]
+    items = read_items(out, "math_")
+    assert [it["shown_answer"] for it in items] == ["19", "4", "71"]
+    assert [it["greedy"]["pred"] for it in items] == ["19", "3", "71"]
+    assert [it["greedy"]["correct"] for it in items] == [False, True, False]
+    assert json.load(open(next(out.glob("math_*_inject-wrong.json"))))["counterfactual_acc"] == pytest.approx(1 / 3)
+    printed = capsys.readouterr().out
+    assert "COUNTERFACTUAL accuracy" in printed and "counterfactual_acc" in printed
+    prompts.clear()
+    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject",
+                       "reference", "--n-problems", "3", "--n-samples", "0", "--out", str(out)])
+    assert [f"The answer is {t}." in p for p, t in zip(prompts, ("18", "3", "70"))] == [True, True, True]
+    assert r["greedy_acc"] == 1.0 and "counterfactual_acc" not in r and r["inject"] == "reference"
+    assert "COUNTERFACTUAL" not in capsys.readouterr().out
+
+
+def test_math_inject_text_labels_take_the_next_answer(tmp_path, monkeypatch):
+    """MATH answers that are not numbers: the next problem's answer is shown, "none" when it is the
+    same, wrapping round; a policy copying it is wrong on all three."""
+    data = write_jsonl(tmp_path / "m.jsonl", [{"problem": "P1", "answer": "(1,2)"}, {"problem": "P2", "answer": "(3,4)"},
+                                              {"problem": "P3", "answer": "(3,4)"}])
+    prompts = fake_generation(monkeypatch, copy_shown_except({}))
+    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
+                       "--n-problems", "3", "--n-samples", "0", "--out", str(tmp_path)])
+    assert ["The answer is (3,4)." in prompts[0], "The answer is none." in prompts[1],
+            "The answer is (1,2)." in prompts[2]] == [True, True, True]
+    assert "(1,2)" not in prompts[0] and r["counterfactual_acc"] == 0.0
+
+
+def old_train_wrong_answer(val, k):
+    """train.wrong_answer as it was before the rule moved to evaluate.wrong_answer (a copy)."""
+    it = val[k]
+    if isinstance(it["label"], str) and reward.to_number(it["label"]) is not None:
+        return evaluate.known_wrong_answer(it["label"])
+    other = val[(k + 1) % len(val)]["answer_text"]
+    return other if other != it["answer_text"] else "none"
+
+
+def test_wrong_answer_is_the_training_rule():
+    import train
+    lists = [
+        [{"label": "18", "answer_text": "18"}, {"label": ["Paris", "paris"], "answer_text": "Paris"},
+         {"label": "Lyon", "answer_text": "Lyon"}, {"label": "Lyon", "answer_text": "Lyon"}],
+        [{"label": "1,234", "answer_text": "1,234"}, {"label": "\\frac{1}{2}", "answer_text": "\\frac{1}{2}"},
+         {"label": ["7"], "answer_text": "7"}, {"label": "(1,2)", "answer_text": "(1,2)"}],
+        [{"label": None, "answer_text": None}, {"label": None, "answer_text": None}],
+        [{"label": "x", "answer_text": "x"}],
+    ]
+    for val in lists:
+        for k in range(len(val)):
+            assert evaluate.wrong_answer(val, k) == old_train_wrong_answer(val, k) == train.wrong_answer(val, k)
+    assert [evaluate.wrong_answer(lists[1], k) for k in range(4)] == ["1235", "1.5", "(1,2)", "1,234"]
+    assert evaluate.wrong_answer(lists[2], 0) == "none" and evaluate.wrong_answer(lists[3], 0) == "none"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-template", NOCHEAT], "--inject: the prompt template shows {answer} (NoCheat, RLME §4 Fig. 7); "
+                                     "choose --inject wrong"),
+    (["--prompt-template", NOCHEAT, "--inject", "none"], "--inject none: the prompt template shows {answer}"),
+    (["--inject", "wrong"], "--inject wrong: the prompt template has no {answer} to fill"),
+    (["--inject", "reference"], "--inject reference: the prompt template has no {answer} to fill"),
+    (["--prompt-template", "{context} {question}"], "placeholder(s) ['context'] this subcommand cannot fill"),
+    (["--prompt-template", "{question} {}"], "placeholder(s) [''] this subcommand cannot fill"),
+    (["--prompt-template", "{question"], "the prompt template is not a valid format string"),
+])
+def test_math_inject_errors_are_one_line_before_the_model(tmp_path, args, message):
+    data = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(SystemExit) as e:  # 'x' is no model: these stop before loading one
+        evaluate.main(["math", "--model", "x", "--data", data, "--out", str(tmp_path), *args])
+    assert message in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_math_inject_from_a_run_config(tmp_path):
+    """The template of a NoCheat run (configs/paper/rlme/nocheat.yaml) needs --inject; the CLI says so in one line."""
+    p = run_cli("math", "--model", "x", "--config", os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml"),
+                "--out", tmp_path, timeout=120)
+    assert_one_line_error(p, "--inject: the prompt template shows {answer}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Context QA: `qa` (RLME §4 Tables 1-2; FaithEval-Counterfactual)
+
+FE_FIXTURE = os.path.join(FIXTURES, "faitheval_counterfactual_sample.jsonl")
+FE_FIELDS = {k: v for k, v in evaluate.QA_PRESETS["faitheval"].items() if k.endswith("_field")}
+
+
+def test_qa_prompt_template_is_the_qa_rlvr_one():
+    import yaml
+    cfg = yaml.safe_load(open(os.path.join(REPO, "configs", "paper", "rlme", "qa_rlvr.yaml")))
+    assert evaluate.QA_PROMPT_TEMPLATE == cfg["data"]["prompt_template"]
+    assert evaluate.QA_PRESETS["faitheval"]["data"] == "Salesforce/FaithEval-counterfactual-v1.0"
+    assert evaluate.QA_PRESETS["faitheval"]["split"] == "test"
+
+
+def test_load_qa_items_faitheval_schema():
+    """Options listed under the question; gold = the key's option text; letters = its label and
+    the key (row 3 is labelled 1-4 with key 'A', as some ARC-derived rows: the first option)."""
+    items = evaluate.load_qa_items(FE_FIXTURE, **FE_FIELDS)
+    assert len(items) == 4 and items[0]["id"] == "cf_1" and items[0]["kind"] == "qa"
+    assert items[0]["question"] == ("Which planet is closest to the Sun?\nOptions:\nA) Mercury\nB) Venus\nC) Earth\n"
+                                    "D) Mars")
+    assert items[0]["context"].startswith("Recent observations established that Venus")
+    assert [it["label"] for it in items] == [["Venus"], ["100 degrees Celsius"], ["It decreases."], ["green"]]
+    assert [it["choice_letters"] for it in items] == [["B"], ["C"], ["1", "A"], ["B"]]
+    assert evaluate.load_qa_items(FE_FIXTURE, n=2, **FE_FIELDS)[1]["answer_text"] == "100 degrees Celsius"
+
+
+def test_grade_qa_letters_text_and_the_article_trap():
+    """The letter A normalises to "" under SQuAD rules (an article), so it would match an empty or
+    article-only box if it were a gold string; the letter rule takes only a letter."""
+    p = {"label": ["It decreases."], "choice_letters": ["1", "A"]}
+    g = evaluate.grade_qa
+    assert g(p, "\\boxed{A}")["em"] == 1.0 and g(p, "\\boxed{(1)}")["f1"] == 1.0 and g(p, "\\boxed{a.}")["correct"]
+    assert g(p, "\\boxed{it decreases}") == {"pred": "it decreases", "em": 1.0, "f1": 1.0, "correct": True}
+    # F1 by hand: pred [it, decreases, slowly], gold [it, decreases]: P 2/3, R 1 -> 0.8
+    assert g(p, "\\boxed{It decreases slowly}") == {"pred": "It decreases slowly", "em": 0.0,
+                                                     "f1": pytest.approx(0.8), "correct": False}
+    for wrong in ("\\boxed{the}", "\\boxed{}", "\\boxed{B}", "\\boxed{2}", "A", "\\boxed{A) It increases.}"):
+        assert g(p, wrong)["em"] == 0.0 and not g(p, wrong)["correct"], wrong
+    assert reward.qa_exact_match("the", ["It decreases.", "A"]) == 1.0  # why the letter is not a gold string
+    assert g({"label": ["x y"]}, "\\boxed{x}")["f1"] == pytest.approx(2 / 3)  # free-form: no letters
+
+
+def test_cli_qa_faitheval_preset_on_the_fixture_hand_computed(tmp_path, monkeypatch, capsys):
+    """--preset faitheval with --data the local fixture, 1 greedy + 1 sampled answer each:
+      greedy  cf_1 Venus (1, 1); cf_2 C = the gold letter (1, 1); cf_3 'It decreases slowly'
+              (0, 0.8); cf_4 blue (0, 0)                      -> EM 2/4 = 0.5, F1 2.8/4 = 0.7
+      sampled cf_1 'B)' (1, 1); cf_2 '100 degrees' vs '100 degrees celsius': P 1, R 2/3 (0, 0.8);
+              cf_3 'the' (0, 0); cf_4 no box (0, 0)           -> EM 0.25, F1 0.45 (std 0: one sample)"""
+    answers = {("closest", 0): "\\boxed{Venus}", ("freeze", 0): "So \\boxed{C}.",
+               ("speed", 0): "\\boxed{It decreases slowly}", ("color", 0): "\\boxed{blue}",
+               ("closest", 1): "\\boxed{B)}", ("freeze", 1): "\\boxed{100 degrees}", ("speed", 1): "\\boxed{the}",
+               ("color", 1): "green, I think"}
+
+    def answer_for(prompt, temperature):
+        return next(a for (word, t), a in answers.items() if word in prompt and t == (temperature > 0))
+    prompts = fake_generation(monkeypatch, answer_for)
+    r = evaluate.main(["qa", "--model", "fake", "--preset", "faitheval", "--data", FE_FIXTURE, "--n-samples", "1",
+                       "--out", str(tmp_path)])
+    assert r["greedy_em"] == 0.5 and r["greedy_f1"] == pytest.approx(0.7) and r["greedy_no_box"] == 0.0
+    assert r["sampled_em_mean"] == 0.25 and r["sampled_f1_mean"] == pytest.approx(0.45) and r["sampled_em_std"] == 0.0
+    assert r["multiple_choice"] and r["split"] == "test" and r["answer_field"] == "answerKey" and r["preset"] == "faitheval"
+    assert prompts[0] == evaluate.QA_PROMPT_TEMPLATE.format(
+        context="Recent observations established that Venus, not Mercury, is the planet closest to the Sun.",
+        question="Which planet is closest to the Sun?\nOptions:\nA) Mercury\nB) Venus\nC) Earth\nD) Mars")
+    items = read_items(tmp_path, "qa_")
+    assert [it["greedy"]["f1"] for it in items] == [1.0, 1.0, pytest.approx(0.8), 0.0]
+    assert [it["samples"][0]["em"] for it in items] == [1.0, 0.0, 0.0, 0.0] and items[3]["samples"][0]["pred"] is None
+    assert "greedy_em" in capsys.readouterr().out
+
+
+def test_cli_qa_generic_fields_on_qa_feedback(tmp_path, monkeypatch):
+    """QA-Feedback (question, passages, gold), contexts cut at 300 characters. Row 1 answers its
+    gold: EM 1, F1 1. Row 2 answers 'Tarzana, California': its gold has 48 tokens after
+    normalisation (articles dropped), holding tarzana once and california twice -> common 2,
+    P 1, R 2/48, F1 = 2 (2/48) / (1 + 2/48) = 4/50 = 0.08. Means: EM 0.5, F1 0.54."""
+    path = data_path("qa_feedback", "dev_feedback.jsonl")
+    rows = [json.loads(ln) for ln in open(path)][:2]
+    prompts = fake_generation(monkeypatch, lambda prompt, t: "\\boxed{%s}" % (
+        rows[0]["gold"] if "bloom by troye" in prompt else "Tarzana, California"))
+    r = evaluate.main(["qa", "--model", "fake", "--data", path, "--context-field", "passages", "--answer-field", "gold",
+                       "--context-max-chars", "300", "--n-problems", "2", "--out", str(tmp_path)])
+    assert r["greedy_em"] == 0.5 and r["greedy_f1"] == pytest.approx(0.54) and not r["multiple_choice"]
+    ctx = reward.render_context(rows[0]["passages"], 300)
+    assert len(ctx) == 300 and ctx.startswith("Bloom (Troye Sivan album): Bloom (Troye Sivan album)\n\nBloom is")
+    assert prompts[0] == evaluate.QA_PROMPT_TEMPLATE.format(context=ctx, question=rows[0]["question"])
+    assert [it["greedy"]["f1"] for it in read_items(tmp_path, "qa_")] == [1.0, pytest.approx(0.08)]
+
+
+def test_cli_qa_real_generation_on_the_tiny_model(tiny_model_path, tmp_path):
+    """The whole path with a real (random) model: 2 FaithEval fixture rows, greedy + 1 sample."""
+    r = evaluate.main(["qa", "--model", tiny_model_path, "--preset", "faitheval", "--data", FE_FIXTURE,
+                       "--n-problems", "2", "--n-samples", "1", "--max-new-tokens", "4", "--out", str(tmp_path)])
+    assert r["n_problems"] == 2 and r["n_samples"] == 1 and 0.0 <= r["greedy_f1"] <= 1.0
+    items = read_items(tmp_path, "qa_fixtures-faitheval_counterfactual_sample")
+    assert len(items) == 2 and all(isinstance(it["greedy"]["completion"], str) for it in items)
+
+
+@pytest.mark.parametrize("rows, args, message", [
+    (None, [], "qa: give --data FILE_OR_HUB_ID or --preset faitheval"),
+    ([{"question": "q", "passages": "p", "answer": "a"}], [], "row 1: no field 'context' (--context-field); "
+                                                              "fields found: ['answer', 'passages', 'question']"),
+    ([{"question": "q", "context": 5, "answer": "a"}], [], "row 1: field 'context' (--context-field): context: expected"),
+    ([{"question": "q", "context": "c", "answer": []}], [], "row 1: field 'answer' (--answer-field): expected"),
+    ([{"question": "q", "context": "c", "choices": {"label": ["A", "B"], "text": ["x", "y"]}, "answerKey": "E"}],
+     ["--preset", "faitheval"], "row 1: field 'answerKey' (--answer-field): answer key 'E' is not one of the option "
+                                "labels ['A', 'B']"),
+    ([{"question": "q", "context": "c", "choices": "x y", "answerKey": "A"}], ["--preset", "faitheval"],
+     "row 1: field 'choices' (--choices-field): expected"),
+    ([{"question": "q", "context": "c", "answer": "a"}], ["--prompt-template", "{question}"],
+     "the prompt template must contain {context}"),
+    ([{"question": "q", "context": "c", "answer": "a"}], ["--prompt-template", "{context}{question}{answer}"],
+     "placeholder(s) ['answer'] this subcommand cannot fill"),
+    ([{"question": "q", "context": "c", "answer": "a"}], ["--context-max-chars", "-1"], "--context-max-chars -1"),
+    ([{"question": "q", "context": "c", "answer": "a"}], ["--n-problems", "2"], "--n-problems 2: "),
+])
+def test_qa_bad_input_is_one_line_before_the_model(tmp_path, rows, args, message):
+    data = ["--data", write_jsonl(tmp_path / "d.jsonl", rows)] if rows is not None else []
+    with pytest.raises(SystemExit) as e:  # 'x' is no model: these stop before loading one
+        evaluate.main(["qa", "--model", "x", *data, "--out", str(tmp_path), *args])
+    assert message in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_qa_faitheval_hub_unreachable_is_one_line(tmp_path):
+    p = run_cli("qa", "--model", "not-a-model", "--preset", "faitheval", "--out", tmp_path, timeout=180,
+                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    assert_one_line_error(p, "--data Salesforce/FaithEval-counterfactual-v1.0: ", "could not be loaded as a hub dataset",
+                          "pass a local JSONL copy: --data FILE.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------
+# bon --grm-prompt (as pairwise's)
+
+
+def test_bon_passes_the_grm_prompt_style(tmp_path, monkeypatch):
+    seen = {}
+
+    def text_judge(queries):  # picks the answer saying 'right'
+        return [{"choice": "B" if b == "right" else "A", "valid": True} for _, a, b in queries]
+    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(evaluate, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or text_judge)
+    samples = write_jsonl(tmp_path / "items.jsonl", [bon_item(1, 2), bon_item(0, 2)])
+    r = evaluate.main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--out", str(tmp_path)])
+    assert seen["style"] == "ours" and r["grm_prompt"] == "ours" and r["rows"][0]["knockout_acc"] == 1.0
+    r = evaluate.main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--grm-prompt", "authors",
+                       "--out", str(tmp_path)])
+    assert seen["style"] == "authors" and r["grm_prompt"] == "authors"
+    assert json.load(open(tmp_path / "bon.json"))["grm_prompt"] == "authors"
+
+
+# ----------------------------------------------------------------------------------------------
 # End to end on the real SmolLM2 model (slow)
 
 
