@@ -22,9 +22,14 @@ What is computed (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose):
   server; proxy_f1 is an offline lexical stand-in for tests.
 
 Every function works on plain strings, lists and tensors so a reader can recompute any logged
-reward by hand from samples.jsonl. Sections: RLVR, RLME, RM-NLHF, the judge; the pairwise data
-loaders are plumbing at the end.
+reward by hand from samples.jsonl. Sections: RLVR, RLME, the RLME reward outside our trainer (a
+TRL reward function, a verl compute_score, load_evaluator), RM-NLHF, the judge; the pairwise data
+loaders and the command line are plumbing at the end.
+
+Run alone (JSONL rows with problem and completion in, the same rows with logp and reward out):
+    python reward.py --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
+import argparse
 import collections
 import concurrent.futures
 import glob
@@ -652,6 +657,270 @@ def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
 
 
 # ----------------------------------------------------------------------------------------------
+# The RLME reward outside our trainer: a TRL reward function, a verl compute_score, an evaluator
+# loader (RLME Eq. 2-3; `python reward.py` scores a JSONL file, see main)
+#
+# The factories below close over already-loaded evaluators and return the callable each trainer
+# expects; every score is reward.rlme_reward on the same (problem, completion) pairs, so a reward
+# logged by TRL or verl can be recomputed with this file alone. Only FROZEN evaluators: a reward
+# function gets texts, not the trainer's current weights, so train.py's `kind: live` (the policy
+# scoring its own answers) is not possible from outside a trainer (scripts/bench_vs_trl.py shows
+# a TRL-internal workaround for benchmarking only).
+#
+#   import reward
+#   ev = reward.load_evaluator("HuggingFaceTB/SmolLM2-135M-Instruct")
+#   fn = reward.trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
+#   GRPOTrainer(model=..., reward_funcs=fn, ...)        # TRL: one call per generation batch
+#   compute_score = reward.verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
+
+
+def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dtype="float32", device="cpu"):
+    """A frozen evaluator j as the dict rlme_reward reads (what train.load_evaluators builds for
+    `kind: frozen`), so no train.py or config is needed.
+
+    Args:
+        path: str, an HF folder, hub id or GGUF file (rollout.resolve_model_path).
+        name: str, the evaluator's name in logp dicts and metric names.
+        weight: float, v_j of RLME Eq. 3.
+        chat_template: "auto" (= whether the tokenizer has one) | True | False: wrap the
+            evaluator prompt in the chat template, else plain text + answer stub.
+        dtype: "float32" | "bfloat16" | "float16".
+        device: str or torch.device the model is moved to.
+    Returns:
+        dict {"name", "model" (eval mode, no grad), "tokenizer", "chat": bool, "weight": float}.
+    Raises:
+        ValueError: unknown dtype.
+        SystemExit (one line): the path is not a causal LM, or chat_template True without a template.
+    """
+    if dtype not in rollout.DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(rollout.DTYPES)}")
+    model, tok = rollout.load_model(path, dtype=dtype, device=device)
+    model.eval().requires_grad_(False)  # frozen: scored without grad, never trained
+    return {"name": name, "model": model, "tokenizer": tok, "chat": rollout.use_chat_template(tok, chat_template),
+            "weight": float(weight)}
+
+
+def meta_question_dicts(meta_questions, target="Yes"):
+    """Meta-questions k as the dicts rlme_reward reads (RLME Eq. 2-3: q_k, a_k, w_k).
+
+    Args:
+        meta_questions: list of str (target `target`, weight 1.0) or dicts {"question", optional
+            "weight", "target", "negative"} (config.yaml's reward.meta_questions form).
+        target: str, a_k for questions given as plain strings.
+    Returns:
+        list of dicts {"question", "weight": float, "target", "negative"}.
+    Raises:
+        ValueError: empty list, a question that is not a non-empty str, or the same question twice
+            (the logp dicts are keyed by question).
+    """
+    out = []
+    for m in meta_questions:
+        m = {"question": m} if isinstance(m, str) else dict(m)
+        if not isinstance(m.get("question"), str) or not m["question"]:
+            raise ValueError(f"meta-question {m!r}: needs a non-empty str 'question'")
+        out.append({"question": m["question"], "weight": float(m.get("weight", 1.0)),
+                    "target": m.get("target", target), "negative": m.get("negative", "No")})
+    questions = [m["question"] for m in out]
+    if not out or len(set(questions)) != len(questions):
+        raise ValueError(f"meta_questions must be a non-empty list of distinct questions, got {questions}")
+    return out
+
+
+def checked_template(template):
+    """The evaluator template to use: None -> DEFAULT_EVALUATOR_TEMPLATE; any other is checked now
+    (check_evaluator_template, then one trial fill) so that a bad one fails before the models load
+    or the first batch, not inside it.
+
+    Raises:
+        SystemExit (one line): {problem} / {solution} / {question} missing, repeated or out of
+            order, or an unknown {placeholder}.
+    """
+    template = template or DEFAULT_EVALUATOR_TEMPLATE
+    check_evaluator_template(template)
+    try:
+        build_evaluator_text(template, "problem", "solution", "question")
+    except (KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"evaluator template: cannot be filled ({type(e).__name__}: {e}); allowed "
+                         f"placeholders: {{problem}} {{solution}} {{extracted}} {{reference}} {{question}}")
+    return template
+
+
+def _checked_setup(evaluators, meta_questions, template, transform):
+    """The factories' start-up checks (one place, so TRL and verl fail alike, before any batch is
+    scored). Returns (meta-question dicts, template)."""
+    if transform not in ("log", "prob"):
+        raise ValueError(f"transform {transform!r}: expected log or prob")
+    keys = {"name", "model", "tokenizer", "chat", "weight"}
+    if not evaluators:
+        raise ValueError("evaluators: need at least one (reward.load_evaluator builds one)")
+    for i, ev in enumerate(evaluators):
+        if not isinstance(ev, dict) or not keys <= set(ev):
+            raise ValueError(f"evaluators[{i}]: expected a dict with keys {sorted(keys)} (reward.load_evaluator)")
+    return meta_question_dicts(meta_questions), checked_template(template)
+
+
+def logp_metric_name(evaluator, question):
+    """The metric name of one evaluator's mean log p for one meta-question: the name train.py
+    writes to metrics.jsonl (train.rlme_step_metrics), so TRL's logs read the same."""
+    return f"rlme/{evaluator}/{question}/logp"
+
+
+def _message_text(content):
+    """A chat message's content as text: a str as is, a list of content blocks
+    ([{"type": "text", "text": ...}, ...], TRL's multimodal form) -> its text blocks joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+
+
+def problem_text(prompt):
+    """The problem the evaluator reads, from a TRL prompt (or a dataset column holding one).
+
+    Args:
+        prompt: str (standard dataset), or a list of {"role", "content"} messages
+            (conversational dataset): the LAST user message is the problem (a system message or
+            earlier turns are not shown to the evaluator).
+    Returns:
+        str.
+    Raises:
+        ValueError: a message list without a user message, or another type.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users:
+            return _message_text(users[-1].get("content", ""))
+        raise ValueError(f"conversational prompt has no user message: roles {[m.get('role') for m in prompt]}")
+    raise ValueError(f"prompt: expected a str or a list of messages, got {type(prompt).__name__}")
+
+
+def solution_text(completion):
+    """The solution y the evaluator judges, from a TRL completion.
+
+    Args:
+        completion: str (standard dataset), or a list of {"role", "content"} messages
+            (conversational): the contents of all assistant messages joined by blank lines (one
+            message in single-turn generation; tool results between turns are not included).
+    Returns:
+        str ("" for a message list without assistant content).
+    """
+    if isinstance(completion, str):
+        return completion
+    return "\n\n".join(_message_text(m.get("content") or "") for m in completion
+                       if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stub="\nAnswer:", micro_batch_size=8,
+                        transform="log", problem_key="prompt", name="rlme_reward"):
+    """A TRL reward function (GRPOTrainer's reward_funcs) returning the RLME reward
+    r(x, y) = sum_j v_j sum_k w_k log p_{j,k}, p_{j,k} = pi_phi_j(a_k | x, y, q_k) (RLME Eq. 2-3):
+    reward.rlme_reward on the batch, so the values are exactly those of rlme_reward on the same
+    (problem, completion) pairs.
+
+    The returned `fn(prompts, completions, **kwargs) -> list[float]` has TRL's custom reward
+    signature (trl 1.16 GRPOTrainer._calculate_rewards): prompts / completions are str or lists
+    of {"role", "content"} messages (problem_text, solution_text); dataset columns other than
+    "prompt" arrive as keyword lists; TRL also passes `log_metric(name, value)`, through which the
+    batch mean of every evaluator's log p per meta-question is logged as
+    "rlme/<evaluator>/<question>/logp" (logp_metric_name), plus "rlme/nonfinite" (log p values
+    replaced because they were NaN/inf). The rest of TRL's keywords (trainer_state, log_extra,
+    completion_ids, ...) are accepted and ignored. Never returns None: every sample is scored.
+    fn.__name__ is `name`: TRL logs the reward as "rewards/<name>/mean".
+
+    Evaluators must be frozen models loaded beforehand (load_evaluator): a reward function sees
+    texts, not the trainer's current weights, so a live evaluator (the policy itself) is not
+    possible here. The samples of one prompt are adjacent in TRL's batch, so their shared
+    evaluator prefix runs once (score_targets).
+
+    Args:
+        evaluators: list of dicts {"name", "model", "tokenizer", "chat", "weight": v_j}.
+        meta_questions: list of str or dicts (meta_question_dicts).
+        template: evaluator prompt template; None = DEFAULT_EVALUATOR_TEMPLATE (math), or
+            QA_EVALUATOR_TEMPLATE, or your own with the same placeholders.
+        answer_stub: appended to plain-text (non-chat) evaluator prompts.
+        micro_batch_size: samples per scoring forward.
+        transform: "log" (RLME Eq. 3) | "prob" (sum of p instead).
+        problem_key: "prompt" = the problem is the prompt itself (its last user message), which
+            includes any instructions the prompt template adds; any other value names a dataset
+            column holding the bare problem (e.g. "question").
+        name: str, fn.__name__.
+    Returns:
+        callable fn(prompts, completions, **kwargs) -> list[float], one reward per completion.
+    Raises:
+        ValueError (at once): unknown transform, malformed evaluators or meta-questions.
+        SystemExit (at once): a template without {problem}/{solution}/{question} in order, or
+            with an unknown placeholder.
+        ValueError (when called): the dataset has no column `problem_key`.
+    """
+    mqs, template = _checked_setup(evaluators, meta_questions, template, transform)
+
+    def fn(prompts, completions, **kwargs):
+        if problem_key == "prompt":
+            problems = [problem_text(p) for p in prompts]
+        elif problem_key in kwargs:
+            problems = [problem_text(p) for p in kwargs[problem_key]]
+        else:
+            columns = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric"))
+            raise ValueError(f"reward function {name!r}: problem_key {problem_key!r} is not a dataset column "
+                             f"(columns passed: {columns}); use problem_key='prompt' to read the prompt")
+        out = rlme_reward(evaluators, mqs, problems, [solution_text(c) for c in completions], template=template,
+                          answer_stub=answer_stub, micro_batch_size=micro_batch_size, transform=transform)
+        log_metric = kwargs.get("log_metric")
+        if log_metric is not None:  # TRL averages these over the logging step
+            means = out["logp"].mean(0)  # [J, K]
+            for j, ev in enumerate(evaluators):
+                for k, mq in enumerate(mqs):
+                    log_metric(logp_metric_name(ev["name"], mq["question"]), means[j, k].item())
+            log_metric("rlme/nonfinite", float(out["nonfinite"]))
+        return out["reward"].tolist()
+
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub="\nAnswer:", transform="log",
+                       problem_key="question"):
+    """A verl custom reward function returning the RLME reward of one sample (RLME Eq. 2-3):
+    reward.rlme_reward on the single (problem, solution) pair.
+
+    The returned `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float`
+    has the signature of verl's documented custom reward function (custom_reward_function.path /
+    .name; verl's reward managers call it with these keywords, one sample per call). So every call
+    is a batch of one: no batching across samples and no shared group prefix, which makes it slow
+    (about N forward passes of the evaluator per step instead of N / micro-batch); for large runs
+    a batched verl reward manager calling rlme_reward is the fast route.
+    The problem is read from extra_info[problem_key]: verl's own data preprocessing scripts (e.g.
+    examples/data_preprocess/gsm8k.py) store the bare question as extra_info["question"].
+    data_source and ground_truth are not read: the RLME reward needs no labels.
+    Evaluators must be frozen models (load_evaluator); a live evaluator is not possible from outside
+    the trainer. The module that builds compute_score is imported by each verl reward worker, so
+    every worker loads its own evaluator copy.
+
+    Args:
+        evaluators, meta_questions, template, answer_stub, transform: as trl_reward_function.
+        problem_key: the extra_info key holding the problem.
+    Returns:
+        callable compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float.
+    Raises:
+        ValueError / SystemExit (at once): as trl_reward_function.
+        ValueError (when called): extra_info is not a dict holding problem_key.
+    """
+    mqs, template = _checked_setup(evaluators, meta_questions, template, transform)
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if not isinstance(extra_info, dict) or not isinstance(extra_info.get(problem_key), str):
+            found = sorted(extra_info) if isinstance(extra_info, dict) else type(extra_info).__name__
+            raise ValueError(f"verl compute_score: extra_info[{problem_key!r}] must hold the problem text "
+                             f"(found {found}); add it in your data preprocessing")
+        out = rlme_reward(evaluators, mqs, [extra_info[problem_key]], [solution_str], template=template,
+                          answer_stub=answer_stub, micro_batch_size=1, transform=transform)
+        return float(out["reward"][0])
+
+    return compute_score
+
+
+# ----------------------------------------------------------------------------------------------
 # RM-NLHF rewards (RM-NLHF §3.1-3.2, Eq. 4, 5, 8; docs/method.md §5.2-5.4): GRM prompt and
 # parsing, the D_H and D_O rewards, the step metrics
 #
@@ -1159,7 +1428,8 @@ def judge_scores(judge, pairs, sleep=time.sleep, rand=random.random):
 
 
 # ==============================================================================================
-# PLUMBING: skip on first read (pairwise data loading; the judge's client with retries; the proxy judge)
+# PLUMBING: skip on first read (pairwise data loading; the judge's client with retries; the proxy judge;
+# the command line)
 # ==============================================================================================
 
 
@@ -1752,3 +2022,119 @@ def proxy_f1(human, model, match=0.4, repeat=0.8):
     p, r = (m / len(mp) if mp else 0.0), m / len(hp)
     f1 = 2 * p * r / (p + r) if m else 0.0
     return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI: JSONL (problem, completion[, reference]) in, the same rows with the RLME reward out
+
+
+def read_scoring_rows(path, problem_field="problem", completion_field="completion", reference_field="reference"):
+    """The rows `python reward.py` scores, checked before any model loads.
+
+    Args:
+        path: str, a JSONL file (our samples.jsonl has the fields problem and completion).
+        problem_field, completion_field: str fields that every row must hold.
+        reference_field: optional field; a row where it holds a str or number is scored with the
+            reference answer shown to the evaluator (anchored, docs/method.md §4.2).
+    Returns:
+        (rows list[dict], problems list[str], completions list[str], references list[str | None]).
+    Raises:
+        SystemExit (one line naming file and line): no file, invalid JSON, no rows, a missing or
+            non-string problem / completion, a reference that is not a str or number.
+    """
+    rows = read_jsonl(path)
+    if not rows:
+        raise SystemExit(f"{path}: no rows (the file is empty)")
+    problems, completions, references = [], [], []
+    for n, row in rows:
+        for field, out in ((problem_field, problems), (completion_field, completions)):
+            if field not in row:
+                raise SystemExit(f"{path}:{n}: missing field {field!r} (fields found: {sorted(row)})")
+            if not isinstance(row[field], str):
+                raise SystemExit(f"{path}:{n}: field {field!r} must be a string, got {type(row[field]).__name__}")
+            out.append(row[field])
+        ref = row.get(reference_field)
+        if ref is not None and (isinstance(ref, bool) or not isinstance(ref, (str, int, float))):
+            raise SystemExit(f"{path}:{n}: field {reference_field!r} must be a string or number, "
+                             f"got {type(ref).__name__}")
+        references.append(None if ref is None else str(ref))
+    return [row for _, row in rows], problems, completions, references
+
+
+def main(argv=None):
+    """`python reward.py`: score a JSONL file with one frozen evaluator (RLME Eq. 2-3) and write
+    each row back with "logp" {evaluator: {question: log p}} and "reward" added. Existing "logp" /
+    "reward" fields (as in samples.jsonl) are replaced. Input errors end in one line before the
+    model loads."""
+    # defaults shown as "(default: ...)" in --help, written out: argparse's own formatter also
+    # prints "(default: None)" for the required and the unset options
+    ap = argparse.ArgumentParser(
+        description="Score JSONL rows (problem, completion[, reference]) with the RLME reward "
+                    "r = sum_k w_k log p(target | problem, completion, question_k) of one evaluator (RLME Eq. 2-3).")
+    ap.add_argument("--evaluator", required=True, help="evaluator model: HF folder, hub id or GGUF file")
+    ap.add_argument("--in", dest="inp", required=True, help="JSONL input, one row per line")
+    ap.add_argument("--out", required=True, help="JSONL output: the input rows plus logp and reward")
+    ap.add_argument("--question", action="append", default=None,
+                    help="meta-question, weight 1; repeat for several (default: 'Is the answer correct?')")
+    ap.add_argument("--target", default="Yes", help="target answer a_k of every question (default: %(default)s)")
+    ap.add_argument("--template-file", default=None,
+                    help="evaluator template file with {problem} {solution} {extracted} {reference} {question} "
+                         "(default: reward.DEFAULT_EVALUATOR_TEMPLATE)")
+    ap.add_argument("--answer-stub", default="\nAnswer:",
+                    help="appended to plain-text (non-chat) evaluator prompts; a newline in bash: $'\\nAnswer:' "
+                         "(default: %(default)r)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="samples per scoring forward (default: %(default)s)")
+    ap.add_argument("--transform", default="log", choices=["log", "prob"],
+                    help="log: sum of log p (RLME Eq. 3) | prob: sum of p (default: %(default)s)")
+    ap.add_argument("--problem-field", default="problem", help="input field holding the problem (default: %(default)s)")
+    ap.add_argument("--completion-field", default="completion",
+                    help="input field holding the answer to score (default: %(default)s)")
+    ap.add_argument("--reference-field", default="reference",
+                    help="optional input field; a row that has it is scored with this reference answer shown "
+                         "to the evaluator (default: %(default)s)")
+    ap.add_argument("--evaluator-name", default="evaluator",
+                    help="the evaluator's key in the output logp dicts (default: %(default)s)")
+    ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
+                    help="wrap the evaluator prompt in the tokenizer's chat template (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="(default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: %(default)s)")
+    a = ap.parse_args(argv)
+    if a.micro_batch_size < 1:
+        raise SystemExit(f"--micro-batch-size must be >= 1, got {a.micro_batch_size}")
+    try:
+        meta_questions = meta_question_dicts(a.question or ["Is the answer correct?"], target=a.target)
+    except ValueError as e:
+        raise SystemExit(f"--question: {e}")
+    template = DEFAULT_EVALUATOR_TEMPLATE
+    if a.template_file:
+        if not os.path.isfile(a.template_file):
+            raise SystemExit(f"{a.template_file}: file does not exist (--template-file)")
+        with open(a.template_file, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            template = checked_template(text)
+        except SystemExit as e:
+            raise SystemExit(f"{a.template_file}: {e}")
+    rows, problems, completions, references = read_scoring_rows(
+        a.inp, problem_field=a.problem_field, completion_field=a.completion_field, reference_field=a.reference_field)
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(out_dir):
+        raise SystemExit(f"--out {a.out}: folder {out_dir} does not exist")
+
+    chat = {"auto": "auto", "true": True, "false": False}[a.chat_template]
+    ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device)
+    out = rlme_reward([ev], meta_questions, problems, completions, references=references,
+                      anchored=[r is not None for r in references], template=template,
+                      answer_stub=a.answer_stub, micro_batch_size=a.micro_batch_size, transform=a.transform)
+    with open(a.out, "w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            logp = {ev["name"]: {mq["question"]: float(out["logp"][i, 0, k]) for k, mq in enumerate(meta_questions)}}
+            f.write(json.dumps(dict(row, logp=logp, reward=float(out["reward"][i]))) + "\n")
+    rewards = out["reward"]
+    print(f"{a.out}: {len(rows)} rows scored by {a.evaluator} ({len(meta_questions)} meta-question(s), transform "
+          f"{a.transform}); reward mean {rewards.mean().item():.4f}, min {rewards.min().item():.4f}, "
+          f"max {rewards.max().item():.4f}; {out['nonfinite']} non-finite log p replaced")
+
+
+if __name__ == "__main__":
+    main()

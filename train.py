@@ -375,7 +375,9 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
         rewards = R.hybrid_reward(rlvr, rlme, rlvr_weight=rw["rlvr_weight"])
     records = []
     for i, (it, c) in enumerate(zip(items, completions)):
-        rec = {"item": it["index"], "problem": it["question"], "extracted": R.extract_boxed(c), "label": it["label"],
+        # problem: what the evaluator was shown (context QA: the passages + the question), so
+        # `python reward.py` on samples.jsonl recomputes the reward
+        rec = {"item": it["index"], "problem": it["problem"], "extracted": R.extract_boxed(c), "label": it["label"],
                "correct": correct[i], "anchored": it["anchored"], "reward": float(rewards[i]),
                "rlvr_reward": float(rlvr[i])}
         if logp is not None:  # logp: [N, J evaluators, K meta-questions]
@@ -405,7 +407,7 @@ def rlme_step_metrics(records, cfg):
         for ev in cfg["reward"]["evaluators"]:
             for mq in cfg["reward"]["meta_questions"]:
                 vals = torch.tensor([r["logp"][ev["name"]][mq["question"]] for r in records])
-                out[f"rlme/{ev['name']}/{mq['question']}/logp"] = vals.mean().item()
+                out[R.logp_metric_name(ev["name"], mq["question"])] = vals.mean().item()
                 out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item()
     return out
 

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: the same RLME step in our train.py and in TRL's GRPOTrainer (issue 6).
 
-    pip install -r requirements-bench.txt       # trl==1.16.0: benchmark-only, not in requirements.txt
+    # trl==1.16.0 comes with requirements.txt (reward.trl_reward_function is tested inside TRL)
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
     python scripts/bench_vs_trl.py --check-loss                     # same loss and gradient on one batch
     python scripts/bench_vs_trl.py --check-loss model.gradient_checkpointing=selective   # ours checkpointed
@@ -322,7 +322,7 @@ def main(argv=None):
         try:
             import trl  # noqa: F401
         except ImportError:
-            raise SystemExit("TRL is a benchmark-only dependency: pip install -r requirements-bench.txt (or use --only ours)")
+            raise SystemExit("TRL is not installed: pip install -r requirements.txt (it pins trl==1.16.0), or use --only ours")
     if a.check_loss:
         raise SystemExit(0 if check_loss(a) else 1)
 
