@@ -1225,7 +1225,8 @@ def make_rollout_engine(cfg, model_path, policy, rank):
     llm = rollout.make_vllm_engine(rollout.resolve_model_path(model_path), cfg["model"]["dtype"],
                                    gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
                                    max_model_len=ro["vllm_max_model_len"], enforce_eager=ro["vllm_enforce_eager"],
-                                   seed=cfg["run"]["seed"] * 1_000_003 + rank)
+                                   # vLLM seeds numpy with it, which needs 0 <= seed < 2**32
+                                   seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2**32)
     return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
             "tied": bool(getattr(policy.config, "tie_word_embeddings", False))}
 
