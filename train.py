@@ -849,7 +849,7 @@ def finish(state):
 # Data and evaluators
 
 
-def load_dataset_rows(source, config_name=None, split="train"):
+def load_dataset_rows(source, config_name=None, split="train", key="data.train"):
     """Rows of a hub dataset id or local .jsonl/.json file, loaded through `datasets`.
     Returns a datasets.Dataset. SystemExit (one line) when the file is missing or malformed, or
     the hub cannot be reached (naming the data.* key to point at a local file)."""
@@ -857,7 +857,7 @@ def load_dataset_rows(source, config_name=None, split="train"):
     datasets.disable_progress_bars()
     if source.endswith((".jsonl", ".json")) or os.path.exists(source):
         if not os.path.isfile(source):
-            raise SystemExit(f"data file {source} does not exist")
+            raise SystemExit(f"data file {source} does not exist ({key})")
         with open(source) as f:
             if not f.read(4096).strip():
                 raise SystemExit(f"data file {source} is empty")
@@ -874,7 +874,7 @@ def load_dataset_rows(source, config_name=None, split="train"):
         return datasets.load_dataset(source, config_name, split=split)
     except Exception as e:
         raise SystemExit(f"dataset {source!r} could not be loaded from the hub ({type(e).__name__}); "
-                         f"set data.train to a local .jsonl file, e.g. data.train=../shared/data/gsm8k/train.jsonl")
+                         f"set {key} to a local .jsonl file, e.g. {key}=../shared/data/gsm8k/{'train' if key == 'data.train' else 'test'}.jsonl")
 
 
 def load_train_items(cfg):
@@ -889,6 +889,9 @@ def load_train_items(cfg):
     if d["max_items"]:
         items = items[:d["max_items"]]
     if d["val"] == "holdout":
+        if d["val_size"] >= len(items):
+            raise SystemExit(f"config key data.val_size={d['val_size']}: the holdout would take all {len(items)} "
+                             f"training items")
         held = set(val_draw(cfg, len(items)))
         items = [it for i, it in enumerate(items) if i not in held]
     g = torch.Generator().manual_seed(cfg["run"]["seed"])
@@ -910,7 +913,7 @@ def load_val_items(cfg):
         pool = items_from_rows(load_dataset_rows(d["train"], d["train_config"], d["train_split"]), cfg, d["train"])
         pool = pool[:d["max_items"]] if d["max_items"] else pool
     else:
-        pool = items_from_rows(load_dataset_rows(d["val"], d["val_config"], d["val_split"]), cfg, d["val"])
+        pool = items_from_rows(load_dataset_rows(d["val"], d["val_config"], d["val_split"], key="data.val"), cfg, d["val"])
     return [pool[i] for i in val_draw(cfg, len(pool))]
 
 
