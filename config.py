@@ -47,7 +47,8 @@ CHOICES = {
 # Keys allowed inside list items (the list itself replaces the default list).
 LIST_ITEM_KEYS = {
     "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": (str, type(None)),
-                          "chat_template": (str, bool)},
+                          "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
+                          "system_prompt": (str, type(None))},
     "reward.meta_questions": {"question": str, "weight": float, "target": str, "negative": str},
 }
 
@@ -58,6 +59,8 @@ def _check_type(key, value, default):
         if not any(type(value) is type(c) and value == c for c in CHOICES[key]):
             raise SystemExit(f"config key {key}: {value!r} is not one of {CHOICES[key]}")
         return
+    if default is None and key in NULL_DEFAULT_TYPES and value is not None:
+        default = NULL_DEFAULT_TYPES[key]()  # a null default says nothing about the type
     if default is None or value is None and key in NULLABLE:
         return
     ok = {bool: lambda v: isinstance(v, bool),
@@ -72,7 +75,13 @@ def _check_type(key, value, default):
 # Keys that no longer exist, and what replaced them (a one-line error instead of "unknown key").
 RENAMED = {"train.share_prompt": "train.fast_paths (true: the group's prompt runs once in the update)"}
 
-NULLABLE = {"data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
+# The type of keys whose default is null.
+NULL_DEFAULT_TYPES = {"model.system_prompt": str}
+
+# Keys whose value is a free mapping (replaced whole, its keys not checked against the schema).
+FREE_MAPPINGS = {"model.chat_template_kwargs"}
+
+NULLABLE = {"model.system_prompt", "data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
             "judge.api_key_env", "metarm.model", "metarm.path"}
 
 
@@ -93,7 +102,11 @@ def _merge(base, new, prefix=""):
             raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
         if k not in base:
             raise SystemExit(f"unknown config key {key} (known: {', '.join(sorted(base))})")
-        if isinstance(base[k], dict):
+        if key in FREE_MAPPINGS:
+            if not isinstance(v, dict) or not all(isinstance(name, str) for name in v):
+                raise SystemExit(f"config key {key}: expected a mapping of names to values, got {v!r}")
+            base[k] = v
+        elif isinstance(base[k], dict):
             _merge(base[k], v, key + ".")
         else:
             if isinstance(base[k], float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
@@ -201,6 +214,10 @@ def validate_config(cfg, world_size=1):
         ev.setdefault("weight", 1.0)
         ev.setdefault("path", None)
         ev.setdefault("chat_template", "auto")
+        ev.setdefault("chat_template_kwargs", None)  # None: the policy's, for live / frozen_self (train.load_evaluators)
+        ev.setdefault("system_prompt", None)
+        if ev["chat_template_kwargs"] is not None and not all(isinstance(k, str) for k in ev["chat_template_kwargs"]):
+            raise SystemExit(f"config key reward.evaluators[{i}].chat_template_kwargs: expected a mapping of names to values")
     names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
     if len(set(names)) != len(names):
         raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")

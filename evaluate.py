@@ -241,7 +241,7 @@ def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_token
         def grader(p, completion):
             pred, correct = grade(p, completion)
             return {"pred": pred, "correct": correct}
-    chat = rollout.use_chat_template(tok, chat)
+    chat = chat_format(tok, chat)
     shown_list = shown or [None] * len(problems)
     ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=a) for p, a in zip(problems, shown_list)]
     with tqdm(total=len(problems) * (int(greedy) + n_samples), desc="generate", unit="answer") as bar:
@@ -292,7 +292,7 @@ def cmd_math(a):
     model, tok = rollout.load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, problems, n_samples=a.n_samples, temperature=a.temperature,
                              max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
-                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy,
+                             template=a.prompt_template, chat=parse_chat(a, a.model), greedy=not a.no_greedy,
                              shown=shown)
     name = a.name or data_name(a.data) + ("" if inject == "none" else f"_inject-{inject}")
     summary = {"model": a.model, "data": a.data, "kind": problems[0]["kind"], "seed": a.seed,
@@ -490,7 +490,7 @@ def cmd_qa(a):
     model, tok = rollout.load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, items, n_samples=a.n_samples, temperature=a.temperature,
                              max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
-                             template=a.prompt_template, chat=parse_chat(a.chat_template), greedy=not a.no_greedy,
+                             template=a.prompt_template, chat=parse_chat(a, a.model), greedy=not a.no_greedy,
                              grader=grade_qa)
     name = a.name or data_name(st["data"])
     summary = {"model": a.model, **st, "preset": a.preset, "multiple_choice": st["choices_field"] is not None,
@@ -707,7 +707,7 @@ def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat="auto", ma
     not generated; it counts as a format failure with why="prompt too long", so the accuracy
     denominator never shrinks silently.
     """
-    chat = rollout.use_chat_template(tok, chat)
+    chat = chat_format(tok, chat)
     limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
 
     def judge(queries):
@@ -919,7 +919,7 @@ def cmd_pairwise(a):
             raise SystemExit(f"{e.code} [benchmark {u['name']}; offline? --source {u['name']}=PATH reads a local copy]")
     model, tok = rollout.load_model(a.model, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                           chat=parse_chat(a.chat_template), max_prompt_tokens=a.max_prompt_tokens or None,
+                           chat=parse_chat(a, a.model), max_prompt_tokens=a.max_prompt_tokens or None,
                            style=a.grm_prompt)
     rows, all_records = [], []
     for u, items in data:
@@ -1115,7 +1115,7 @@ def cmd_bon(a):
     items = load_or_sample(a, ns[-1])
     model, tok = rollout.load_model(a.judge, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.judge_max_new_tokens, batch_size=a.batch_size,
-                           chat=parse_chat(a.chat_template), style=a.grm_prompt)
+                           chat=parse_chat(a, a.judge), style=a.grm_prompt)
     rng = random.Random(a.seed)
     rows, records = [], []
     for n in ns:
@@ -1231,7 +1231,7 @@ def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", 
         list[float], log p(target) per solution (<= 0).
     """
     ev = {"name": "evaluator", "model": model, "tokenizer": tok, "weight": 1.0,
-          "chat": rollout.use_chat_template(tok, chat)}
+          "chat": chat_format(tok, chat)}
     mq = {"question": question, "target": target, "weight": 1.0}
     out = reward.rlme_reward([ev], [mq], problems, solutions, micro_batch_size=batch_size,
                              template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
@@ -1264,7 +1264,7 @@ def cmd_evaluator_check(a):
     if not answers:
         raise SystemExit(f"{a.samples or a.policy}: no graded answers to check")
     model, tok = rollout.load_model(a.evaluator, a.dtype)
-    chat = parse_chat(a.chat_template)
+    chat = parse_chat(a, a.evaluator)
     lps = evaluator_logprobs(model, tok, [it["question"] for it, _ in answers], [s["completion"] for _, s in answers],
                              question=a.question, target=a.target, chat=chat, batch_size=a.batch_size)
     labels = [bool(s["correct"]) for _, s in answers]
@@ -1600,8 +1600,19 @@ def prompt_template(a, default=PROMPT_TEMPLATE, allowed=("question", "answer"), 
     return template
 
 
-def parse_chat(s):
-    return {"auto": "auto", "true": True, "false": False}[s]
+def parse_chat(a, model_path):
+    """The prompt format from the common flags (--chat-template, --system-prompt,
+    --chat-template-kwargs) as the dict chat_format reads; model_path for "auto"'s base-model rule."""
+    return {"setting": {"auto": "auto", "true": True, "false": False}[a.chat_template], "model_path": model_path,
+            "system": a.system_prompt, "kwargs": rollout.parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")}
+
+
+def chat_format(tok, chat):
+    """rollout.use_chat_template for a `chat` argument that is a setting ("auto" | True | False)
+    or parse_chat's dict: False (plain text) or the chat options."""
+    c = chat if isinstance(chat, dict) else {"setting": chat}
+    return rollout.use_chat_template(tok, c["setting"], model_path=c.get("model_path"), system=c.get("system"),
+                                     template_kwargs=c.get("kwargs"), key=None)
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1628,7 +1639,10 @@ def build_parser():
             p.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="compute dtype of the models")
             p.add_argument("--batch-size", type=int, default=8, help="rows per generate/forward call")
             p.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
-                           help="auto = use the tokenizer's chat template when it has one")
+                           help="auto = use the tokenizer's chat template when it has one, plain text for a '-Base' model")
+            p.add_argument("--system-prompt", default=None, help="system message before each prompt (chat template only)")
+            p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                           help='extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
             p.add_argument("--seed", type=int, default=0, help="random seed (sampling, A/B orders, subsets)")
 
     def sampling(p, n_problems, n_samples=None):
@@ -1777,6 +1791,8 @@ def main(argv=None):
             raise SystemExit(f"--{k.replace('_', '-')} must be >= 0")
     if getattr(a, "n_problems", None) == 0:
         a.n_problems = None
+    if hasattr(a, "chat_template_kwargs"):  # a bad JSON object: one line before any model loads
+        rollout.parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")
     if hasattr(a, "seed"):
         torch.manual_seed(a.seed)
     return a.fn(a)

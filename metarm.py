@@ -376,7 +376,7 @@ def _batches(n, batch_size, seed):
 
 def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, nlhf=None, chat_template="auto",
-               seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32", fast=True):
+               system_prompt=None, chat_template_kwargs=None, seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32", fast=True):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     Args:
@@ -386,6 +386,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         dh_items: pairwise dicts with human critiques. judge: reward.make_judge(...) dict.
         nlhf: the config's `nlhf:` section (lam, threshold, gate_on_outcome, max_critique_lines,
             max_critique_chars); None = config.yaml's.
+        chat_template, system_prompt, chat_template_kwargs: the GRM's prompt format (model.*,
+            rollout.use_chat_template), as in training.
         compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
         fast: False samples with the plain twin (rollout.generate_plain, train.fast_paths).
     Returns:
@@ -396,7 +398,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     nl = nlhf if nlhf is not None else config.load_config([])["nlhf"]
     t0 = time.time()
     grm, tok = grm or rollout.load_model(grm_path)
-    chat = rollout.use_chat_template(tok, chat_template)
+    chat = rollout.use_chat_template(tok, chat_template, model_path=grm_path, system=system_prompt,
+                                     template_kwargs=chat_template_kwargs)
     prompts = [reward.grm_prompt_ids(tok, it, chat, nl) for it in dh_items]
     device = next(grm.parameters()).device
     with rollout.autocast(compute_dtype, device.type):
@@ -529,6 +532,7 @@ def cold_start_settings(cfg):
     return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
                 temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
                 weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat_template=cfg["model"]["chat_template"],
+                system_prompt=cfg["model"]["system_prompt"], chat_template_kwargs=cfg["model"]["chat_template_kwargs"],
                 seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"], fast=cfg["train"]["fast_paths"])
 
 

@@ -379,7 +379,8 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
     Args:
         text: evaluator user message (build_evaluator_text).
         target: answer string a_k, e.g. "Yes".
-        chat: bool, wrap `text` in the evaluator's chat template (then no answer stub).
+        chat: False, or True / the chat options of rollout.use_chat_template: wrap `text` in the
+            evaluator's chat template (then no answer stub).
     Returns:
         (prompt_ids list[int], target_ids list[int])
     Raises:
@@ -387,8 +388,7 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
             prompt ids are not a prefix (change the template's ending).
     """
     if chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = rollout.chat_prompt(tokenizer, text, chat, tokenize=False)
     else:
         prompt = text + answer_stub
     full = prompt + ("" if prompt[-1:].isspace() else " ") + target
@@ -674,7 +674,8 @@ def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
 #   compute_score = reward.verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
 
 
-def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dtype="float32", device="cpu"):
+def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dtype="float32", device="cpu",
+                   system_prompt=None, chat_template_kwargs=None):
     """A frozen evaluator j as the dict rlme_reward reads (what train.load_evaluators builds for
     `kind: frozen`), so no train.py or config is needed.
 
@@ -682,22 +683,28 @@ def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dty
         path: str, an HF folder, hub id or GGUF file (rollout.resolve_model_path).
         name: str, the evaluator's name in logp dicts and metric names.
         weight: float, v_j of RLME Eq. 3.
-        chat_template: "auto" (= whether the tokenizer has one) | True | False: wrap the
-            evaluator prompt in the chat template, else plain text + answer stub.
+        chat_template: "auto" (the template if the tokenizer has one, plain text for a "-Base"
+            model) | True | False: wrap the evaluator prompt in the chat template, else plain
+            text + answer stub (rollout.use_chat_template).
         dtype: "float32" | "bfloat16" | "float16".
         device: str or torch.device the model is moved to.
+        system_prompt: str or None, a system message before the evaluator prompt (chat only).
+        chat_template_kwargs: dict or None, extra template variables, e.g. {"enable_thinking": False}.
     Returns:
-        dict {"name", "model" (eval mode, no grad), "tokenizer", "chat": bool, "weight": float}.
+        dict {"name", "model" (eval mode, no grad), "tokenizer", "chat": False | options dict,
+        "weight": float}.
     Raises:
         ValueError: unknown dtype.
-        SystemExit (one line): the path is not a causal LM, or chat_template True without a template.
+        SystemExit (one line): the path is not a causal LM, chat_template True without a template,
+            or a system prompt / template kwarg that would do nothing (rollout.use_chat_template).
     """
     if dtype not in rollout.DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(rollout.DTYPES)}")
     model, tok = rollout.load_model(path, dtype=dtype, device=device)
     model.eval().requires_grad_(False)  # frozen: scored without grad, never trained
-    return {"name": name, "model": model, "tokenizer": tok, "chat": rollout.use_chat_template(tok, chat_template),
-            "weight": float(weight)}
+    chat = rollout.use_chat_template(tok, chat_template, model_path=path, system=system_prompt,
+                                     template_kwargs=chat_template_kwargs, key=None)
+    return {"name": name, "model": model, "tokenizer": tok, "chat": chat, "weight": float(weight)}
 
 
 def meta_question_dicts(meta_questions, target="Yes"):
@@ -2095,7 +2102,11 @@ def main(argv=None):
     ap.add_argument("--evaluator-name", default="evaluator",
                     help="the evaluator's key in the output logp dicts (default: %(default)s)")
     ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
-                    help="wrap the evaluator prompt in the tokenizer's chat template (default: %(default)s)")
+                    help="wrap the evaluator prompt in the tokenizer's chat template; auto: if it has one, "
+                         "except for a '-Base' model (default: %(default)s)")
+    ap.add_argument("--system-prompt", default=None, help="system message before the evaluator prompt (chat only)")
+    ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help='extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="(default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: %(default)s)")
     a = ap.parse_args(argv)
@@ -2121,8 +2132,10 @@ def main(argv=None):
     if not os.path.isdir(out_dir):
         raise SystemExit(f"--out {a.out}: folder {out_dir} does not exist")
 
+    template_kwargs = rollout.parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")
     chat = {"auto": "auto", "true": True, "false": False}[a.chat_template]
-    ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device)
+    ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device,
+                        system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs)
     out = rlme_reward([ev], meta_questions, problems, completions, references=references,
                       anchored=[r is not None for r in references], template=template,
                       answer_stub=a.answer_stub, micro_batch_size=a.micro_batch_size, transform=a.transform)

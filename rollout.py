@@ -38,6 +38,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -80,16 +81,12 @@ def build_prompt_ids(tokenizer, text, chat):
 
     Args:
         text: the user message (chat) or the whole plain-text prompt.
-        chat: bool, from use_chat_template.
+        chat: False (plain text), or True / the chat options dict from use_chat_template.
     Returns:
         list[int]
     """
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt(tokenizer, text, chat, tokenize=True)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
@@ -614,22 +611,105 @@ def read_only_cache(cache):
 # Prompt settings checked at start-up: the chat template or not, the prompt-length limit
 
 
-def use_chat_template(tokenizer, setting):
-    """docs/method.md §4.1: instruct models get their chat template, base models plain text.
-    setting: 'auto' (= whether the tokenizer has one), True or False."""
+def use_chat_template(tokenizer, setting, *, model_path=None, system=None, template_kwargs=None,
+                      key="model"):
+    """Whether prompts go through the chat template, and with which options (docs/method.md §4.1).
+
+    Instruct models get their chat template, base models plain text. `setting`: "auto" = plain
+    text for a base model (its name ends in "-Base", e.g. Qwen3-4B-Base, whose tokenizer ships
+    the instruct template all the same), else whether the tokenizer has a template; True; False.
+
+    Args:
+        model_path: the model's path or hub id (config, not a checkpoint folder), for "auto".
+        system: a system message put before the user message, or None (the template's default).
+        template_kwargs: dict of extra variables for the template, e.g. {"enable_thinking": False}
+            for Qwen3 (passed to every apply_chat_template call).
+        key: the config section named in errors ("model", "reward.evaluators[0]"); None names
+            command-line flags instead (--chat-template, --system-prompt, --chat-template-kwargs).
+    Returns:
+        False (plain text), or the chat options {"system": str | None, "kwargs": dict}, which is
+        truthy and is what build_prompt_ids / chat_prompt take as `chat`.
+    Raises:
+        SystemExit (one line, naming the key): chat_template true without a template; a system
+        prompt or template kwargs for a plain-text prompt (they would do nothing); a kwarg that
+        does not change the rendered prompt; a system prompt the template drops.
+    """
+    def name(field):
+        return f"config key {key}.{field}" if key else "--" + field.replace("_", "-")
+
+    template_kwargs = dict(template_kwargs or {})
     if setting == "auto":
-        return tokenizer.chat_template is not None
-    if setting and tokenizer.chat_template is None:
-        raise SystemExit("chat_template: true, but the tokenizer has no chat template")
-    return bool(setting)
+        base = model_path is not None and re.search(r"-base\b", os.path.basename(str(model_path).rstrip("/")), re.I)
+        chat = tokenizer.chat_template is not None and not base
+    else:
+        if setting and tokenizer.chat_template is None:
+            raise SystemExit(f"{name('chat_template')}: true, but the tokenizer has no chat template")
+        chat = bool(setting)
+    if not chat:
+        for field, value in (("system_prompt", system), ("chat_template_kwargs", template_kwargs)):
+            if value:
+                raise SystemExit(f"{name(field)}: the prompt is plain text ({name('chat_template')} {setting!r} "
+                                 f"for {model_path or 'this model'}), so it would do nothing")
+        return False
+    options = {"system": system, "kwargs": template_kwargs}
+    # A setting that renders the same prompt as without it would silently do nothing.
+    probe = "2 + 2 = ?"
+    for k in template_kwargs:
+        without = {"system": system, "kwargs": {j: v for j, v in template_kwargs.items() if j != k}}
+        if chat_prompt(tokenizer, probe, options, tokenize=False) == chat_prompt(tokenizer, probe, without, tokenize=False):
+            raise SystemExit(f"{name('chat_template_kwargs')}: {k}={template_kwargs[k]!r} renders the same prompt "
+                             f"as without it (the chat template does not read {k}, or this is its default)")
+    if system and system not in chat_prompt(tokenizer, probe, options, tokenize=False):
+        raise SystemExit(f"{name('system_prompt')}: the chat template drops system messages")
+    return options
+
+
+def policy_chat(tokenizer, model_cfg):
+    """use_chat_template for the policy (or GRM) from the config's `model:` section: chat_template,
+    system_prompt, chat_template_kwargs, and `policy` for auto's base-model rule."""
+    m = model_cfg
+    return use_chat_template(tokenizer, m["chat_template"], model_path=m["policy"], system=m["system_prompt"],
+                             template_kwargs=m["chat_template_kwargs"])
+
+
+def parse_json_object(text, flag):
+    """A command-line JSON object (--chat-template-kwargs '{"enable_thinking": false}') as a dict;
+    None stays None. SystemExit (one line, naming the flag) when it is not a JSON object."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: not valid JSON ({e.msg} at column {e.colno}): {text!r}")
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag}: expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
+    return value
+
+
+def chat_prompt(tokenizer, text, chat, tokenize):
+    """The user message `text` in the chat template, with the generation prompt.
+
+    Args:
+        chat: True (no options) or the options dict {"system", "kwargs"} from use_chat_template.
+        tokenize: True for token ids (list[int], straight from the template, so no second BOS),
+            False for the rendered string.
+    """
+    options = chat if isinstance(chat, dict) else {}
+    messages = [{"role": "user", "content": text}]
+    if options.get("system"):
+        messages.insert(0, {"role": "system", "content": options["system"]})
+    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,
+                                        **options.get("kwargs", {}))
+    if not tokenize:
+        return out
+    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
 
 
 def render_prompt(tokenizer, text, chat):
     """The prompt as a string (for text-level scoring, see reward.py); same content as build_prompt_ids."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return text
+    return chat_prompt(tokenizer, text, chat, tokenize=False) if chat else text
 
 
 def prompt_token_limit(setting, model, max_new_tokens, key):
@@ -1072,10 +1152,16 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
+                    help="auto: the tokenizer's template if it has one, plain text for a '-Base' model")
+    ap.add_argument("--system-prompt", default=None, help="system message before each prompt (chat only)")
+    ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help='extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
     a = ap.parse_args(argv)
+    template_kwargs = parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")
     model, tok = load_model(a.model)
-    chat = use_chat_template(tok, {"auto": "auto", "true": True, "false": False}[a.chat_template])
+    chat = use_chat_template(tok, {"auto": "auto", "true": True, "false": False}[a.chat_template], model_path=a.model,
+                             system=a.system_prompt, template_kwargs=template_kwargs, key=None)
     prompts = []
     with open(a.inp) as f:
         for n, line in enumerate(f, 1):

@@ -723,7 +723,7 @@ def setup(cfg):
 
     # the policy and its prompts; a prompt over the length limit is dropped and counted
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
-    chat = rollout.use_chat_template(tokenizer, cfg["model"]["chat_template"])
+    chat = rollout.policy_chat(tokenizer, cfg["model"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
         section, names = "nlhf", ("dh_items", "do_items")
@@ -965,21 +965,27 @@ def items_from_rows(ds, cfg, source):
 def load_evaluators(cfg, policy, tokenizer, device):
     """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
     policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy;
-    `frozen` loads another model."""
+    `frozen` loads another model. live / frozen_self share the policy's chat template, so they
+    take model.chat_template_kwargs unless they set their own (not its system prompt: that
+    instructs the policy)."""
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         kind = ev.get("kind", "live")
+        path = ev["path"] if kind == "frozen" else cfg["model"]["policy"]
         if kind == "live":
             model, tok = policy, tokenizer
         else:
-            path = cfg["model"]["policy"] if kind == "frozen_self" else ev["path"]
             try:
                 model, tok = rollout.load_model(path, cfg["model"]["dtype"], device)
             except SystemExit as e:  # name the config key, not just the path
                 raise SystemExit(f"config key reward.evaluators[{i}].path: {e}")
             model.eval().requires_grad_(False)
-        evaluators.append({"name": ev.get("name", f"{kind}{i}"), "model": model, "tokenizer": tok,
-                           "chat": rollout.use_chat_template(tok, ev.get("chat_template", "auto")),
+        template_kwargs = ev.get("chat_template_kwargs")
+        if template_kwargs is None:
+            template_kwargs = cfg["model"]["chat_template_kwargs"] if kind != "frozen" and ev.get("chat_template") is not False else {}
+        chat = rollout.use_chat_template(tok, ev.get("chat_template", "auto"), model_path=path, system=ev.get("system_prompt"),
+                                         template_kwargs=template_kwargs, key=f"reward.evaluators[{i}]")
+        evaluators.append({"name": ev.get("name", f"{kind}{i}"), "model": model, "tokenizer": tok, "chat": chat,
                            "weight": float(ev.get("weight", 1.0))})
     return evaluators
 

@@ -130,7 +130,7 @@ def run_trl_child(a):
     cfg = train.load_config([a.config], [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}",
                                          f"rollout.max_new_tokens={a.N}"])
     policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
-    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    chat = rollout.policy_chat(tok, cfg["model"])
     # the same prompts in the same order as our run: step_items for steps 0..S-1
     items = train.load_train_items(cfg)
     rows = []
@@ -232,7 +232,7 @@ def check_loss(a):
     # as train.py wraps it (one process: activation checkpointing if the overrides ask for it)
     model = train.wrap_policy(policy, "ddp", 1, torch.device("cpu"),
                               gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
-    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    chat = rollout.policy_chat(tok, cfg["model"])
     items = rollout.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], rank=0, world=1)
     prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                   for it in items]

@@ -79,7 +79,7 @@ def heldout(run_dir, n_problems, samples, data):
     per_model = {}
     for name, path in (("initial", cfg["model"]["policy"]), (os.path.basename(ckpt), ckpt)):
         model, tok = rollout.load_model(path, cfg["model"]["dtype"], "cpu")
-        chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+        chat = rollout.policy_chat(tok, cfg["model"])
         prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=p["question"]), chat)
                    for p in problems]
         out = rollout.generate(model, tok, prompts, group_size=samples, max_new_tokens=ro["max_new_tokens"],

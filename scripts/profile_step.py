@@ -40,7 +40,7 @@ def main(argv=None):
     ro, rw = cfg["rollout"], cfg["reward"]
     device = torch.device("cpu")
     policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    chat = rollout.policy_chat(tok, cfg["model"])
     items = train.load_train_items(cfg)
     evaluators = train.load_evaluators(cfg, policy, tok, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py

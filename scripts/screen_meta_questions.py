@@ -76,7 +76,7 @@ def main(argv=None):
     cfg = train.load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
     policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
-    chat = rollout.use_chat_template(tok, cfg["model"]["chat_template"])
+    chat = rollout.policy_chat(tok, cfg["model"])
     items = train.load_train_items(cfg)[:a.n_prompts]
     prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                for it in items]

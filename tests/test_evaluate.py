@@ -435,7 +435,7 @@ def test_grm_judge_authors_prompt_and_parser(monkeypatch):
     <choice>; ours would not."""
     import types
     prompts = []
-    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat: False)
+    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat, **kw: False)
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [1, 2])
     monkeypatch.setattr(evaluate, "generate_texts", lambda model, tok, ids, **kw: [
         [{"completion": "<critics>\nB adds wrongly.\n</critics>\n<choice>A</choice>", "truncated": False}] for _ in ids])
@@ -655,7 +655,7 @@ def fake_generation(monkeypatch, answer_for):
     temperature) gives the completion. Returns the list the prompts are appended to."""
     prompts = []
     monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat: False)
+    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat, **kw: False)
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [text])
 
     def generate(model, tok, ids, n=1, temperature=0.0, **kw):
