@@ -965,9 +965,9 @@ def items_from_rows(ds, cfg, source):
 def load_evaluators(cfg, policy, tokenizer, device):
     """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
     policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy;
-    `frozen` loads another model. live / frozen_self share the policy's chat template, so they
-    take model.chat_template_kwargs unless they set their own (not its system prompt: that
-    instructs the policy)."""
+    `frozen` loads another model. live / frozen_self share the policy's chat template, so their
+    chat_template "auto" is model.chat_template and they take model.chat_template_kwargs unless
+    they set their own (not its system prompt: that instructs the policy)."""
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         kind = ev.get("kind", "live")
@@ -980,10 +980,12 @@ def load_evaluators(cfg, policy, tokenizer, device):
             except SystemExit as e:  # name the config key, not just the path
                 raise SystemExit(f"config key reward.evaluators[{i}].path: {e}")
             model.eval().requires_grad_(False)
-        template_kwargs = ev.get("chat_template_kwargs")
-        if template_kwargs is None:
-            template_kwargs = cfg["model"]["chat_template_kwargs"] if kind != "frozen" and ev.get("chat_template") is not False else {}
-        chat = rollout.use_chat_template(tok, ev.get("chat_template", "auto"), model_path=path, system=ev.get("system_prompt"),
+        setting, template_kwargs = ev.get("chat_template", "auto"), ev.get("chat_template_kwargs")
+        if kind != "frozen":  # the policy's model and template: "auto" and None mean "as the policy"
+            setting = cfg["model"]["chat_template"] if setting == "auto" else setting
+            if template_kwargs is None and setting is not False:
+                template_kwargs = cfg["model"]["chat_template_kwargs"]
+        chat = rollout.use_chat_template(tok, setting, model_path=path, system=ev.get("system_prompt"),
                                          template_kwargs=template_kwargs, key=f"reward.evaluators[{i}]")
         evaluators.append({"name": ev.get("name", f"{kind}{i}"), "model": model, "tokenizer": tok, "chat": chat,
                            "weight": float(ev.get("weight", 1.0))})

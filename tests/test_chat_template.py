@@ -162,3 +162,17 @@ def test_training_passes_the_options_to_every_template_call(qwen3_style, tmp_pat
     assert systems == {"Solve it.", "Judge it.", None}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1]
+
+
+def test_live_and_frozen_self_evaluators_follow_the_policy_format(qwen3_style):
+    """auto / None on a live or frozen_self evaluator mean "as the policy" (same model, same
+    template); a frozen evaluator decides for itself."""
+    path, tok = qwen3_style
+    cfg = config.load_config([], [f"model.policy={path}", "model.chat_template=false", "model.dtype=float32",
+                                  f"reward.evaluators=[{{kind: live}}, {{kind: frozen_self}}, {{kind: frozen, path: {path}}}]"])
+    policy, _ = rollout.load_model(path)
+    evs = train.load_evaluators(cfg, policy, tok, "cpu")
+    assert [ev["chat"] for ev in evs] == [False, False, {"system": None, "kwargs": {}}]
+    cfg["model"].update(chat_template="auto", chat_template_kwargs={"enable_thinking": False})
+    evs = train.load_evaluators(cfg, policy, tok, "cpu")
+    assert [ev["chat"]["kwargs"] for ev in evs] == [{"enable_thinking": False}] * 2 + [{}]
