@@ -156,7 +156,10 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     cfg = read(schema_path)
     for p in paths:
         if os.path.abspath(p) != os.path.abspath(schema_path):
-            _merge(cfg, read(p))
+            layer = read(p)
+            if not isinstance(layer, dict):
+                raise SystemExit(f"config file {p}: expected a mapping (key: value lines), got a {type(layer).__name__}")
+            _merge(cfg, layer)
     for o in overrides:
         key, eq, val = o.partition("=")
         if not eq:

@@ -39,7 +39,6 @@ It is trained, so its parameters and AdamW state are float32 whatever `metarm.dt
 Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
             where train.py picks it up instead of cold-starting itself)
 """
-import argparse
 import json
 import math
 import os
@@ -631,7 +630,7 @@ def load(path, device="cpu", dtype="float32"):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
+    ap = rollout.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
     ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
     ap.add_argument("command", choices=["cold-start"])
     ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")

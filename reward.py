@@ -29,7 +29,6 @@ loaders and the command line are plumbing at the end.
 Run alone (JSONL rows with problem and completion in, the same rows with logp and reward out):
     python reward.py --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
-import argparse
 import collections
 import concurrent.futures
 import glob
@@ -2054,9 +2053,11 @@ def read_scoring_rows(path, problem_field="problem", completion_field="completio
         raise SystemExit(f"{path}: no rows (the file is empty)")
     problems, completions, references = [], [], []
     for n, row in rows:
-        for field, out in ((problem_field, problems), (completion_field, completions)):
+        for field, flag, out in ((problem_field, "--problem-field", problems),
+                                 (completion_field, "--completion-field", completions)):
             if field not in row:
-                raise SystemExit(f"{path}:{n}: missing field {field!r} (fields found: {sorted(row)})")
+                raise SystemExit(f"{path}:{n}: missing field {field!r} (fields found: {sorted(row)}; "
+                                 f"{flag} names another)")
             if not isinstance(row[field], str):
                 raise SystemExit(f"{path}:{n}: field {field!r} must be a string, got {type(row[field]).__name__}")
             out.append(row[field])
@@ -2075,7 +2076,7 @@ def main(argv=None):
     model loads."""
     # defaults shown as "(default: ...)" in --help, written out: argparse's own formatter also
     # prints "(default: None)" for the required and the unset options
-    ap = argparse.ArgumentParser(
+    ap = rollout.ArgumentParser(
         description="Score JSONL rows (problem, completion[, reference]) with the RLME reward "
                     "r = sum_k w_k log p(target | problem, completion, question_k) of one evaluator (RLME Eq. 2-3).")
     ap.add_argument("--evaluator", required=True, help="evaluator model: HF folder, hub id or GGUF file")

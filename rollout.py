@@ -1103,6 +1103,14 @@ def set_attribute(modules, name, value):
 # Files
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: a bad flag prints "prog: problem (--help lists the options)"
+    instead of argparse's usage block, like every other bad input here. Subcommands inherit it."""
+
+    def error(self, message):
+        raise SystemExit(f"{self.prog}: {message} (--help lists the options)")
+
+
 def json_error(path, line, e):
     """The one-line message for a json.JSONDecodeError `e` at `line` of `path`, with its column
     (json's e.msg alone drops it, and some messages end in "at": "Unterminated string starting at")."""
@@ -1143,7 +1151,7 @@ def read_jsonl(path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Sample G completions per prompt (one JSON per line in: {'prompt': ...}).")
+    ap = ArgumentParser(description="Sample G completions per prompt (one JSON per line in: {'prompt': ...}).")
     ap.add_argument("--model", required=True)
     ap.add_argument("--in", dest="inp", required=True)
     ap.add_argument("--out", required=True)

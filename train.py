@@ -34,7 +34,6 @@ glue; checkpoints) can be skipped on first read.
 docs/method.md has every formula and every choice the papers leave open; docs/scale-out.md the
 parallelism and memory plan.
 """
-import argparse
 import contextlib
 import functools
 import json
@@ -665,7 +664,7 @@ def train(cfg):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
+    ap = rollout.ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
     ap.add_argument("--config", action="append", default=[],
                     help="YAML file(s) over config.yaml; later ones override earlier ones "
                          "(e.g. --config configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")

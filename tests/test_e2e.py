@@ -113,8 +113,13 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path):
         "config key algo.kl_coef=0.1: the KL term is GRPO's": ["algo.kl_coef=0.1", f"run.out_dir={tmp_path}/e"],
         "data file nothere.jsonl does not exist": ["data.train=nothere.jsonl", f"run.out_dir={tmp_path}/f/run"],
         "config key run.out_dir=": [f"run.out_dir={tmp_path}/g/run"],  # a file where the folder would go
+        "train.py: unrecognized arguments: --steps 3 (--help lists the options)": ["--steps", "3"],
+        f"config file {tmp_path}/list.yaml: expected a mapping (key: value lines), got a list": [
+            "--config", f"{tmp_path}/list.yaml"],
+        "config key model.chat_template_kwargs: expected a mapping": ["model.chat_template_kwargs=thinking"],
     }
     (tmp_path / "g").write_text("a file")
+    (tmp_path / "list.yaml").write_text("- run\n- model\n")
     if torch.cuda.is_available():
         del cases["config key train.device=cuda: no CUDA device on this machine"]
     procs = {msg: subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -123,7 +128,7 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])
         assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
-    assert sorted(os.listdir(tmp_path)) == ["g"]  # a failed start leaves no (empty) run folder behind
+    assert sorted(os.listdir(tmp_path)) == ["g", "list.yaml"]  # a failed start leaves no (empty) run folder behind
 
 
 @pytest.mark.slow

@@ -187,7 +187,7 @@ def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
     ("missing file", None, [], "no_such.jsonl: file does not exist"),
     ("empty file", [], [], "no rows (the file is empty)"),
     ("missing field", [{"problem": "p", "completion": "c"}, {"problem": "p"}], [],
-     "in.jsonl:2: missing field 'completion' (fields found: ['problem'])"),
+     "in.jsonl:2: missing field 'completion' (fields found: ['problem']; --completion-field names another)"),
     ("field not a string", [{"problem": "p", "completion": ["c"]}], [],
      "in.jsonl:1: field 'completion' must be a string, got list"),
     ("reference not a string", [{"problem": "p", "completion": "c", "reference": {"a": 1}}], [],
