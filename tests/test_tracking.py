@@ -28,6 +28,7 @@ def test_tracker_metrics_are_the_numeric_entries_flattened():
             "judge": {"calls": 4, "errors": {"timeout": 1}, "model": "m"}}
     assert T.tracker_metrics(line) == {"reward/mean": -0.5, "n": 2, "flag": 1.0, "judge/calls": 4,
                                        "judge/errors/timeout": 1}
+    assert type(T.tracker_metrics(line)["flag"]) is float  # a bool as the number 1.0, which every tracker plots
 
 
 def test_samples_table_and_its_markdown():
