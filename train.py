@@ -1422,7 +1422,8 @@ def markdown_table(columns, rows):
 
 
 def open_trackers(cfg, start_step):
-    """Rank 0's trackers of run.report_to: a list of {"name", "log"(metrics, step, table), "close"}.
+    """Rank 0's trackers of run.report_to: a list of {"name", "log"(metrics, step, table), "close",
+    "skip_through" (steps up to it are not sent again), "info" (tracking.json's dict), "path"}.
 
     A resumed run continues the same tracker runs: <out_dir>/tracking.json keeps the run id (a
     fresh run, start_step 0, draws a new one) and the last step each tracker got. The steps a
@@ -1441,7 +1442,7 @@ def open_trackers(cfg, start_step):
     if info is None:
         info = {"id": secrets.token_hex(4), "name": os.path.basename(os.path.normpath(os.path.abspath(out_dir))),
                 "last_step": {}}
-    trackers = []
+    trackers, shared = [], {"info": info, "path": path}  # track_step rewrites tracking.json from info
     for name in run["report_to"]:
         if name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -1454,7 +1455,7 @@ def open_trackers(cfg, start_step):
                 if table is not None:
                     writer.add_text("samples", markdown_table(*table), step)
                 writer.flush()  # a crash loses no logged step
-            trackers.append({"name": name, "log": log, "close": writer.close, "skip_through": 0})
+            trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": 0})
             continue
         if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
             import trackio
@@ -1469,10 +1470,8 @@ def open_trackers(cfg, start_step):
 
         def log(metrics, step, table, r=r, make_table=make_table):
             r.log({**metrics, **({"samples": make_table(*table)} if table is not None else {})}, step=step)
-        trackers.append({"name": name, "log": log, "close": r.finish,
+        trackers.append({**shared, "name": name, "log": log, "close": r.finish,
                          "skip_through": info["last_step"].get(name, 0) if start_step else 0})
-    for t in trackers:
-        t["info"], t["path"] = info, path
     return trackers
 
 
