@@ -278,6 +278,7 @@ def validate_config(cfg, world_size=1):
     if r["top_k"] < 0:
         raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
     check_data_config(cfg)
+    check_report_to(cfg)
     nl = cfg["nlhf"]
     # λ weighs the process reward against the outcome reward (RM-NLHF Eq. 8): a share in [0, 1]
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
@@ -339,6 +340,29 @@ def check_data_config(cfg):
                        ("run.early_stop_patience", run["early_stop_patience"], 0)]:
         if v < lo:
             raise SystemExit(f"config key {key}: must be >= {lo}, got {v}")
+
+
+# run.report_to: the experiment trackers train.py can log to (train.open_trackers); each name is
+# also the package to install
+TRACKERS = ["tensorboard", "trackio", "wandb"]
+
+
+def check_report_to(cfg):
+    """run.report_to: names from TRACKERS, each once; run.tracking_project only with a tracker that
+    has projects (trackio, wandb). One-line SystemExit naming the key. Whether each package is
+    installed is checked at start-up (train.check_startup)."""
+    run = cfg["run"]
+    names = run["report_to"]
+    for name in names:
+        if name not in TRACKERS:
+            raise SystemExit(f"config key run.report_to: {name!r} is not one of {TRACKERS}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"config key run.report_to: {[n for n in TRACKERS if names.count(n) > 1][0]} is listed twice")
+    if not isinstance(run["tracking_project"], str) or not run["tracking_project"].strip():
+        raise SystemExit(f"config key run.tracking_project: expected a project name, got {run['tracking_project']!r}")
+    if run["tracking_project"] != "rlme" and not {"trackio", "wandb"} & set(names):
+        raise SystemExit(f"config key run.tracking_project={run['tracking_project']!r}: is read only by the trackio and "
+                         f"wandb trackers (run.report_to={names})")
 
 
 def check_single_pass(cfg, n_items):

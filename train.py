@@ -11,7 +11,7 @@ One step of `train()`, top to bottom (the stage numbers are the loop's comments)
   3. advantage   A = r - mean(group) (RLME Eq. 5); / std for GRPO         group_advantages
   4. update      no-grad behaviour/reference passes, then optimizer steps   update_policy
                  with CISPO (RLME Eq. 6-8) or GRPO, one global normaliser   (policy_loss, loss_normaliser)
-  5. log         metrics.jsonl and samples.jsonl on rank 0                  log_step
+  5. log         metrics.jsonl and samples.jsonl on rank 0 (+ run.report_to)  log_step
   6. checkpoint  atomic save_pretrained folders; re-running resumes exactly  save_run
 
 What is simplified, and why:
@@ -36,11 +36,13 @@ parallelism and memory plan.
 """
 import contextlib
 import functools
+import importlib
 import json
 import math
 import os
 import re
 import resource
+import secrets
 import shutil
 import time
 
@@ -568,6 +570,7 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
     if cfg["run"]["log_samples"]:
         with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+    track_step(state["trackers"], metrics, records if cfg["run"]["log_samples"] else None)  # run.report_to
     # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
     acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
     state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", **({"acc": f"{acc:.2f}"} if acc is not None else {}),
@@ -773,8 +776,8 @@ def setup(cfg):
                                                           judge=state["judge"], device=device, rank=rank,
                                                           world=world)
 
-    # the run folder: the resolved config, logs truncated to the resume point; the progress bar
-    state["pbar"] = None
+    # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
+    state["pbar"], state["trackers"] = None, []
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
@@ -786,6 +789,7 @@ def setup(cfg):
                 os.remove(os.path.join(out_dir, name))
         if not state["start_step"] and os.path.exists(stopped):
             os.remove(stopped)  # a fresh run over an early-stopped folder
+        state["trackers"] = open_trackers(cfg, state["start_step"])
         what = (f"rm_nlhf | D_H {len(state['dh_items'])} items, D_O {len(state['do_items'])} | MetaRM {mrm_source}"
                 if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(state['items'])} items")
         print(f"[train] {what} | policy {cfg['model']['policy']} | world {world} | "
@@ -837,9 +841,10 @@ def write_early_stop(state, cfg, step):
 
 
 def finish(state):
-    """Close the progress bar and the process group."""
+    """Close the progress bar, the experiment trackers and the process group."""
     if state["pbar"] is not None:
         state["pbar"].close()
+    close_trackers(state["trackers"])
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -1390,6 +1395,118 @@ def truncate_jsonl(path, last_step):
 
 
 # ----------------------------------------------------------------------------------------------
+# Experiment trackers (run.report_to; docs/method.md §9). metrics.jsonl stays the source of truth:
+# each tracker gets its numeric entries at the same step, and samples.jsonl's rows as a table.
+
+
+def tracker_metrics(metrics, prefix=""):
+    """The numeric entries of a metrics.jsonl line for a tracker: ints, floats and bools (as 0/1),
+    nested dicts flattened to "outer/inner"; None (e.g. accuracy without labels), strings and the
+    "step" entry (the trackers' x axis) left out."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(tracker_metrics(v, prefix=f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and (prefix or k != "step"):
+            out[prefix + k] = float(v) if isinstance(v, bool) else v
+    return out
+
+
+def samples_table(records):
+    """(columns, rows) of one step's samples.jsonl records: every field any record has, in first-seen
+    order; numbers, strings, bools and None as they are, anything else (the evaluators' log-probs,
+    list labels) as its JSON text, so each column holds one kind of value."""
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    cell = lambda v: v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v)
+    return columns, [[cell(r.get(c)) for c in columns] for r in records]
+
+
+def markdown_table(columns, rows):
+    """A markdown table (TensorBoard's text plugin renders it): | and newlines escaped."""
+    cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                     + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def open_trackers(cfg, start_step):
+    """Rank 0's trackers of run.report_to: a list of {"name", "log"(metrics, step, table), "close",
+    "skip_through" (steps up to it are not sent again), "info" (tracking.json's dict), "path"}.
+
+    A resumed run continues the same tracker runs: <out_dir>/tracking.json keeps the run id (a
+    fresh run, start_step 0, draws a new one) and the last step each tracker got. The steps a
+    killed run logged after its checkpoint are redone on resume (truncate_jsonl drops them from
+    metrics.jsonl): TensorBoard purges them (purge_step) and takes the new values; trackio and wandb
+    cannot delete logged steps, so they skip the steps they already have (resume is exact, so only
+    time/*, memory/* and rollout/tokens_per_s can differ; metrics.jsonl has the redone values)."""
+    run = cfg["run"]
+    if not run["report_to"]:
+        return []
+    out_dir, path = run["out_dir"], os.path.join(run["out_dir"], "tracking.json")
+    info = None
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            info = json.load(f)
+    if info is None:
+        info = {"id": secrets.token_hex(4), "name": os.path.basename(os.path.normpath(os.path.abspath(out_dir))),
+                "last_step": {}}
+    trackers, shared = [], {"info": info, "path": path}  # track_step rewrites tracking.json from info
+    for name in run["report_to"]:
+        if name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step: readers drop this folder's events at steps >= it (a killed run's steps past its checkpoint)
+            writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start_step + 1)
+
+            def log(metrics, step, table, writer=writer):
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step)
+                if table is not None:
+                    writer.add_text("samples", markdown_table(*table), step)
+                writer.flush()  # a crash loses no logged step
+            trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": 0})
+            continue
+        if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
+            import trackio
+            r = trackio.init(project=run["tracking_project"], name=f"{info['name']}-{info['id']}", config=cfg,
+                             resume="allow")
+            make_table = lambda columns, rows: trackio.Table(columns=columns, data=rows)
+        else:  # wandb: online unless WANDB_MODE=offline (then `wandb sync <out_dir>/wandb/offline-run-*` uploads it)
+            import wandb
+            r = wandb.init(project=run["tracking_project"], id=info["id"], name=info["name"], resume="allow",
+                           dir=out_dir, config=cfg)
+            make_table = lambda columns, rows: wandb.Table(columns=columns, data=rows, allow_mixed_types=True)
+
+        def log(metrics, step, table, r=r, make_table=make_table):
+            r.log({**metrics, **({"samples": make_table(*table)} if table is not None else {})}, step=step)
+        trackers.append({**shared, "name": name, "log": log, "close": r.finish,
+                         "skip_through": info["last_step"].get(name, 0) if start_step else 0})
+    return trackers
+
+
+def track_step(trackers, metrics, records):
+    """Send one step's metrics.jsonl line (tracker_metrics) and, unless records is None, its
+    samples.jsonl records as a table (samples_table) to every tracker, then record the step in
+    tracking.json (atomic)."""
+    if not trackers:
+        return
+    step, values = metrics["step"], tracker_metrics(metrics)
+    table = samples_table(records) if records else None
+    for t in trackers:
+        if step > t["skip_through"]:
+            t["log"](values, step, table)
+            t["info"]["last_step"][t["name"]] = step
+    info, path = trackers[0]["info"], trackers[0]["path"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def close_trackers(trackers):
+    """Flush and close every tracker (wandb and trackio finish their runs)."""
+    for t in trackers:
+        t["close"]()
+
+
+# ----------------------------------------------------------------------------------------------
 # Schedule and start-up checks
 
 
@@ -1427,6 +1544,11 @@ def check_startup(cfg):
         os.remove(probe)
     except OSError as e:
         raise SystemExit(f"config key run.out_dir={out_dir}: cannot write there ({e.strerror})")
+    for name in cfg["run"]["report_to"]:  # each tracker's name is its package (config.TRACKERS)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise SystemExit(f"config key run.report_to: {name} needs the `{name}` package: pip install {name}")
 
 
 if __name__ == "__main__":
