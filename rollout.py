@@ -776,8 +776,13 @@ def vllm_sampling_kwargs(group_size, max_new_tokens, temperature, top_p, top_k, 
     """Keyword arguments of vllm.SamplingParams for one prompt's group (docs/method.md §4.1).
 
     logprobs=0 returns the log-prob of the sampled token only; with the engine's
-    logprobs_mode="processed_logprobs" it is computed after temperature / top-p / top-k, i.e.
-    the same log softmax(logits / T) the trainer computes. Token ids out, so no detokenising.
+    logprobs_mode="processed_logprobs" it is computed after temperature / top-p / top-k. With
+    top_p 1 and top_k off (the defaults) that is the same log softmax(logits / T) the trainer
+    computes; with either on it is the log-prob under the truncated, renormalised distribution
+    the sampler drew from, which the trainer's full-vocabulary log softmax does not reproduce, so
+    rollout/logp_gap_* grows by the truncation. The update's behaviour log-probs are the trainer's
+    own recomputation on either backend; vLLM's only feed that gap metric. Token ids out, so no
+    detokenising.
     """
     return {"n": group_size, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "top_k": top_k if top_k > 0 else -1, "seed": seed, "logprobs": 0,
