@@ -2146,9 +2146,10 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
                              f"(needed for {base_url})")
     import openai
     r["client"] = openai.OpenAI(base_url=base_url, api_key=key, timeout=float(r["timeout_s"]), max_retries=0)
-    ev = {"name": name, "remote": r, "model": None, "tokenizer": tok,
-          "chat": rollout.use_chat_template(tok, chat_template) if tok is not None else False,
-          "weight": float(weight)}
+    chat = rollout.use_chat_template(tok, chat_template) if tok is not None else False
+    # as evaluator_prompt_and_target_ids tokenises: a rendered chat string holds its BOS already
+    r["add_special_tokens"] = not chat
+    ev = {"name": name, "remote": r, "model": None, "tokenizer": tok, "chat": chat, "weight": float(weight)}
     if probe:
         probe_remote(ev, where)
     return ev
@@ -2185,7 +2186,9 @@ def remote_request(r, fulls, sleep=time.sleep, rand=random.random):
     def call():
         resp = r["client"].completions.create(
             model=r["model"], prompt=[f for f, _ in fulls] if len(fulls) > 1 else fulls[0][0],
-            max_tokens=r["max_tokens"], echo=True, logprobs=1, temperature=0.0)
+            max_tokens=r["max_tokens"], echo=True, logprobs=1, temperature=0.0,
+            # vLLM's switch (a BOS or not, as our tokenizer call); servers without it ignore it
+            extra_body={"add_special_tokens": r.get("add_special_tokens", True)})
         choices = None if isinstance(resp, str) else getattr(resp, "choices", None)
         if not choices or len(choices) != len(fulls):
             return None, (f"not a completion for {len(fulls)} prompt(s) (HTML page or wrong URL?): "
