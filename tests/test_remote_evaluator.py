@@ -93,9 +93,14 @@ def test_echo_parser_fails_rather_than_guess(c, reason):
 
 
 def fake_tokens(text):
-    """Word-level 'tokens' that spell the text, log p of each -len/10 (the first: None)."""
+    """Word-level 'tokens' that spell the text, log p of each -(its length / 10 + the text's
+    length / 1000) (the first: None): " Yes" at the end of `text` scores fake_yes(text)."""
     tokens = re.findall(r"\s*\S+|\s+", text)
-    return tokens, [None] + [-len(t) / 10 for t in tokens[1:]]
+    return tokens, [None] + [-(len(t) / 10 + len(text) / 1000) for t in tokens[1:]]
+
+
+def fake_yes(text):
+    return -(0.4 + len(text) / 1000)
 
 
 class FakeHandler(http.server.BaseHTTPRequestHandler):
@@ -160,7 +165,7 @@ def fake_evaluator(server, **settings):
 def test_retries_then_scores_and_gives_up_with_the_reason(fake_server):
     fake_server.mode, fake_server.fails = "fail_first", 2
     ev = fake_evaluator(fake_server, max_retries=2)
-    assert R.remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([-0.4], [""])
+    assert R.remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([fake_yes("Answer: Yes")], [""])
     assert len(fake_server.requests) == 3  # two 503s, then the answer
     fake_server.requests.clear()
     ev = fake_evaluator(fake_server, max_retries=1)
@@ -190,7 +195,7 @@ def test_batched_requests_equal_one_request_per_prompt(fake_server):
     fake_server.requests.clear()
     plain = R.score_remote(ev, fulls, fast=False)
     assert len(fake_server.requests) == 7
-    assert fast == plain and plain[0] == [-0.4] * 7
+    assert fast == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
 
 
 def test_a_failed_sample_is_masked_never_scored(fake_server):
@@ -202,12 +207,14 @@ def test_a_failed_sample_is_masked_never_scored(fake_server):
     assert out["valid"].tolist() == [True, False, True] and out["nonfinite"] == 0
     assert out["failed"][:, 0].tolist() == [[False, False], [True, True], [False, False]]
     assert math.isnan(out["reward"][1]) and out["why"]["far"] == "HTTP 500"
-    # each scored sample: two questions, each target " Yes" at log p -0.4
-    assert out["reward"][[0, 2]].tolist() == pytest.approx([-0.8, -0.8])
+    # each scored sample: two questions, each target " Yes" scored fake_yes(its prompt)
+    texts = [[f"p{i} {s} {q}\nAnswer: Yes" for q in ("Is it right?", "Is it short?")] for i, s in ((1, "a"), (3, "c"))]
+    assert out["reward"][[0, 2]].tolist() == pytest.approx([sum(fake_yes(t) for t in ts) for ts in texts])
     # the TRL reward function returns None for it (TRL leaves the sample out), never a number
     logged = {}
     fn = R.trl_reward_function([ev], ["Is it right?"], template="{problem} {solution} {question}")
-    assert fn(["p1", "p2 FAIL"], ["a", "b"], log_metric=logged.__setitem__) == [pytest.approx(-0.4), None]
+    assert fn(["p1", "p2 FAIL"], ["a", "b"], log_metric=logged.__setitem__) == [
+        pytest.approx(fake_yes("p1 a Is it right?\nAnswer: Yes")), None]
     assert logged["evaluator/far/failed"] == 1.0
 
 
