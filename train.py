@@ -999,7 +999,9 @@ def remote_evaluators(cfg):
 def load_evaluators(cfg, policy, tokenizer, device, remote=None):
     """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
     policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy;
-    `frozen` loads another model; `remote` ones come built from `remote` (remote_evaluators)."""
+    `frozen` loads another model; `remote` ones come built from `remote` (remote_evaluators;
+    None: built and probed here)."""
+    remote = remote_evaluators(cfg) if remote is None else remote
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         kind = ev.get("kind", "live")
