@@ -2187,8 +2187,9 @@ def remote_request(r, fulls, sleep=time.sleep, rand=random.random):
         resp = r["client"].completions.create(
             model=r["model"], prompt=[f for f, _ in fulls] if len(fulls) > 1 else fulls[0][0],
             max_tokens=r["max_tokens"], echo=True, logprobs=1, temperature=0.0,
-            # vLLM's switch (a BOS or not, as our tokenizer call); servers without it ignore it
-            extra_body={"add_special_tokens": r.get("add_special_tokens", True)})
+            # a chat string holds its BOS: vLLM's switch not to add another (as our tokenizer call);
+            # sent only then, as strict servers refuse unknown fields (transformers serve: HTTP 422)
+            extra_body={} if r.get("add_special_tokens", True) else {"add_special_tokens": False})
         choices = None if isinstance(resp, str) else getattr(resp, "choices", None)
         if not choices or len(choices) != len(fulls):
             return None, (f"not a completion for {len(fulls)} prompt(s) (HTML page or wrong URL?): "

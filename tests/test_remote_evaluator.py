@@ -391,6 +391,8 @@ def test_unreachable_remote_evaluator_is_one_line_before_any_model_loads(tmp_pat
 @pytest.mark.server
 def test_transformers_serve_is_refused_at_start_up(tiny_judge_server):
     """transformers serve accepts /v1/completions but ignores echo and logprobs
-    (transformers/cli/serving/completion.py, UNUSED_LEGACY_COMPLETION_FIELDS): the probe says so."""
-    with pytest.raises(SystemExit, match=r"cannot score at .*: no prompt log-probs in the answer"):
-        R.remote_evaluator(tiny_judge_server["base_url"], tiny_judge_server["model"], name="tf", max_retries=0)
+    (transformers/cli/serving/completion.py, UNUSED_LEGACY_COMPLETION_FIELDS): the probe says so
+    (with max_tokens 0 it answers HTTP 500, also one line)."""
+    with pytest.raises(SystemExit, match=r"^remote evaluator tf: cannot score at .*: no prompt log-probs in the answer"):
+        R.remote_evaluator(tiny_judge_server["base_url"], tiny_judge_server["model"], name="tf", max_retries=0,
+                           max_tokens=1)
