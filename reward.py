@@ -2135,7 +2135,13 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
     tok = None
     if tokenizer is not None:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(tokenizer))
+        try:
+            tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(tokenizer))
+        except (OSError, ValueError) as e:  # no such folder, an offline hub, not a tokenizer
+            raise SystemExit(f"{where}: path {tokenizer!r}: cannot load the tokenizer ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:150]})")
+        except SystemExit as e:
+            raise SystemExit(f"{where}: path: {e}")
     if chat_template is True and tok is None:
         raise SystemExit(f"{where}: chat_template true needs the served model's tokenizer (path) to render it")
     key = "EMPTY"  # local servers ignore the key, but the client insists on one
@@ -2373,6 +2379,8 @@ def main(argv=None):
                     help="remote: max_tokens sent with echo (vLLM 0; llama-cpp-python 1) (default: %(default)s)")
     ap.add_argument("--remote-batch-size", type=int, default=1,
                     help="remote: prompts per request (vLLM: many; llama-cpp-python: 1) (default: %(default)s)")
+    ap.add_argument("--remote-max-retries", type=int, default=4,
+                    help="remote: retries of a failed request; then its rows get reward null (default: %(default)s)")
     ap.add_argument("--in", dest="inp", required=True, help="JSONL input, one row per line")
     ap.add_argument("--out", required=True, help="JSONL output: the input rows plus logp and reward")
     ap.add_argument("--question", action="append", default=None,
@@ -2428,7 +2436,8 @@ def main(argv=None):
             raise SystemExit("--evaluator remote:URL needs --remote-model (the model name the server serves)")
         ev = remote_evaluator(a.evaluator[len("remote:"):], a.remote_model, name=a.evaluator_name,
                               tokenizer=a.remote_tokenizer, chat_template=chat, where=f"--evaluator {a.evaluator}",
-                              max_tokens=a.remote_max_tokens, batch_size=a.remote_batch_size)
+                              max_tokens=a.remote_max_tokens, batch_size=a.remote_batch_size,
+                              max_retries=a.remote_max_retries)
     else:
         ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device)
     out = rlme_reward([ev], meta_questions, problems, completions, references=references,

@@ -396,3 +396,24 @@ def test_transformers_serve_is_refused_at_start_up(tiny_judge_server):
     with pytest.raises(SystemExit, match=r"^remote evaluator tf: cannot score at .*: no prompt log-probs in the answer"):
         R.remote_evaluator(tiny_judge_server["base_url"], tiny_judge_server["model"], name="tf", max_retries=0,
                            max_tokens=1)
+
+
+def test_bad_tokenizer_path_and_unset_key_are_one_line(monkeypatch):
+    with pytest.raises(SystemExit, match=r"^remote evaluator remote: path: model path '/no/such' does not exist$"):
+        R.remote_evaluator("http://127.0.0.1:1/v1", "m", tokenizer="/no/such", probe=False)
+    monkeypatch.delenv("RLME_TEST_NO_KEY", raising=False)
+    with pytest.raises(SystemExit, match=r"^remote evaluator remote: api_key_env: environment variable RLME_TEST_NO_KEY"):
+        R.remote_evaluator("http://127.0.0.1:1/v1", "m", api_key_env="RLME_TEST_NO_KEY", probe=False)
+
+
+def test_reward_cli_scores_with_a_remote_evaluator(fake_server, tmp_path, capsys):
+    rows = [{"problem": "p1", "completion": "a"}, {"problem": "p2 FAIL", "completion": "b"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    R.main(["--evaluator", f"remote:{fake_server.base_url}", "--remote-model", "fake", "--in", str(tmp_path / "in.jsonl"),
+            "--out", str(tmp_path / "out.jsonl"), "--question", "Is it right?", "--evaluator-name", "far",
+            "--remote-max-retries", "0"])
+    out = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
+    text = R.build_evaluator_text(R.DEFAULT_EVALUATOR_TEMPLATE, "p1", "a", "Is it right?") + "\nAnswer: Yes"
+    assert out[0]["reward"] == pytest.approx(fake_yes(text)) and out[0]["logp"] == {"far": {"Is it right?": out[0]["reward"]}}
+    assert out[1]["reward"] is None and out[1]["logp"] == {"far": {"Is it right?": None}}
+    assert "1 rows NOT scored (reward null)" in capsys.readouterr().out
