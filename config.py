@@ -48,7 +48,11 @@ CHOICES = {
 LIST_ITEM_KEYS = {
     "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": (str, type(None)),
                           "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
-                          "system_prompt": (str, type(None))},
+                          "system_prompt": (str, type(None)),
+                          # kind remote only (reward.remote_evaluator; defaults: reward.REMOTE_DEFAULTS)
+                          "base_url": str, "model": str, "api_key_env": (str, type(None)), "timeout_s": float,
+                          "max_retries": int, "backoff_base_s": float, "backoff_max_s": float, "concurrency": int,
+                          "batch_size": int, "max_tokens": int},
     "reward.meta_questions": {"question": str, "weight": float, "target": str, "negative": str},
 }
 
@@ -225,10 +229,29 @@ def validate_config(cfg, world_size=1):
     if len(set(names)) != len(names):
         raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
-        if ev.get("kind", "live") not in ("live", "frozen_self", "frozen"):
-            raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen")
+        if ev.get("kind", "live") not in ("live", "frozen_self", "frozen", "remote"):
+            raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen, remote")
         if ev.get("kind") == "frozen" and not ev.get("path"):
             raise SystemExit(f"config key reward.evaluators[{i}].path: a frozen evaluator needs a model path")
+        remote_keys = sorted(set(ev) & ({"base_url", "model"} | set(R.REMOTE_DEFAULTS)))
+        if ev["kind"] != "remote" and remote_keys:  # they would silently do nothing
+            raise SystemExit(f"config key reward.evaluators[{i}].{remote_keys[0]}: only for kind remote "
+                             f"(this evaluator is {ev['kind']})")
+        if ev["kind"] == "remote":
+            for key in ("base_url", "model"):
+                if not ev.get(key):
+                    raise SystemExit(f"config key reward.evaluators[{i}].{key}: required for kind remote "
+                                     f"(the server's /v1 URL and the model name it serves)")
+            for key, default in R.REMOTE_DEFAULTS.items():
+                ev.setdefault(key, default)
+            for key, low in (("timeout_s", 0), ("max_retries", 0), ("backoff_base_s", 0), ("backoff_max_s", 0),
+                             ("concurrency", 1), ("batch_size", 1), ("max_tokens", 0)):
+                if ev[key] < low or key == "timeout_s" and ev[key] == 0:
+                    raise SystemExit(f"config key reward.evaluators[{i}].{key}: must be "
+                                     f"{'> 0' if key == 'timeout_s' else f'>= {low}'}, got {ev[key]}")
+            if ev["chat_template"] is True and not ev["path"]:
+                raise SystemExit(f"config key reward.evaluators[{i}].chat_template: true needs path (the served "
+                                 f"model's tokenizer, to render its chat template)")
     if cfg["task"] == "rlme" and cfg["reward"]["kind"] == "rlme":
         # RLME Eq. 2-3: a weighted sum over evaluators x meta-questions; all-zero weights would
         # give every sample reward 0, every advantage 0 and no gradient, silently.

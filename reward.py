@@ -366,6 +366,26 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
     )
 
 
+def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
+    """The evaluator prompt as a string, and prompt + target: what an in-process evaluator
+    tokenises (evaluator_prompt_and_target_ids) and what a remote one sends (score_remote).
+
+    Args:
+        tokenizer: the evaluator's tokenizer (only read when chat is True: its chat template).
+        text: evaluator user message (build_evaluator_text). target: a_k, e.g. "Yes".
+        chat: False (text + answer_stub), or True / the chat options of rollout.use_chat_template:
+            `text` in the chat template with the generation prompt.
+    Returns:
+        (prompt str, full str): full = prompt + " " + target, without the space when the prompt
+        ends in white space (after "Answer:" the natural continuation is " Yes").
+    """
+    if chat:
+        prompt = rollout.chat_prompt(tokenizer, text, chat, tokenize=False)
+    else:
+        prompt = text + answer_stub
+    return prompt, prompt + ("" if prompt[-1:].isspace() else " ") + target
+
+
 def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
     """Token ids of the evaluator prompt and of the target answer string a_k (RLME Eq. 2;
     docs/method.md §4.2).
@@ -386,11 +406,7 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
         ValueError: the tokenizer merges the prompt's last token with the target, so the
             prompt ids are not a prefix (change the template's ending).
     """
-    if chat:
-        prompt = rollout.chat_prompt(tokenizer, text, chat, tokenize=False)
-    else:
-        prompt = text + answer_stub
-    full = prompt + ("" if prompt[-1:].isspace() else " ") + target
+    prompt, full = evaluator_prompt_text(tokenizer, text, target, chat, answer_stub=answer_stub)
     # A rendered chat string already holds its special tokens: do not add a second BOS.
     prompt_ids = tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
     full_ids = tokenizer(full, add_special_tokens=not chat)["input_ids"]
@@ -546,6 +562,42 @@ def _right_pad(rows, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
+# A REMOTE evaluator (`kind: remote`): the same log p(target | prompt), scored by an
+# OpenAI-compatible /v1/completions server that echoes the prompt with its log-probs (`echo: true`,
+# `logprobs`, no generation): the target's log p is the sum of the echoed log-probs of the tokens
+# that spell " Yes" at the end of prompt + target (echo_target_logprob). A request that fails
+# after its retries gives None, never a number: the sample is masked (rlme_reward's "valid").
+# Servers that work, and the tokenizer caveat: docs/scale-out.md, "Remote evaluators".
+
+
+def score_remote_plain(ev, fulls):
+    """log p(target | prompt) from a remote evaluator, one request per text, one after another
+    (the plain twin of score_remote).
+
+    Args:
+        ev: a remote evaluator dict (remote_evaluator): ev["remote"] holds the client and settings.
+        fulls: list of (full text str, suffix str): full = prompt + suffix, suffix = the target as
+            the evaluator reads it (" Yes"; evaluator_prompt_text).
+    Returns:
+        (list of float log p or None, list of str failure reasons, "" where scored).
+    """
+    out = [remote_request(ev["remote"], [f]) for f in fulls]
+    return [o[0][0] for o in out], [o[1][0] for o in out]
+
+
+def score_remote(ev, fulls, fast=True):
+    """score_remote_plain's numbers with remote.batch_size texts per request (the completions API
+    takes a list of prompts; vLLM answers them as one batch) and remote.concurrency requests in
+    flight. fast=False routes to score_remote_plain (config `train.fast_paths`)."""
+    if not fast:
+        return score_remote_plain(ev, fulls)
+    r = ev["remote"]
+    chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
+        out = list(pool.map(lambda c: remote_request(r, c), chunks))
+    return [v for o in out for v in o[0]], [w for o in out for w in o[1]]
+
+
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, answer_stub="\nAnswer:", renormalize=False,
                 micro_batch_size=8, nonfinite_logp=-50.0, fast=True, transform="log"):
@@ -558,7 +610,9 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     unbounded log).
 
     Args:
-        evaluators: list of dicts {"name", "model", "tokenizer", "chat": bool, "weight": v_j}.
+        evaluators: list of dicts {"name", "model", "tokenizer", "chat": bool, "weight": v_j}, or
+            remote ones {"name", "remote", "tokenizer" (None without a chat template), "chat",
+            "weight"} (remote_evaluator).
         meta_questions: list of dicts {"question", "weight": w_k, "target": a_k, "negative": str}.
         problems, solutions: list[str] of length N.
         references: list[str] gold answers (only read for anchored items), or None.
@@ -573,7 +627,10 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     Returns:
         dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (log p whatever the
         transform, after renormalising and the nonfinite replacement), "nonfinite" int count of
-        replaced values.
+        replaced values; "failed" BoolTensor [N, J, K]: a remote evaluator's request failed after
+        its retries (that log p is NaN, not replaced); "valid" BoolTensor [N]: no term failed
+        (where False the reward is NaN: the caller masks the sample, never scores it); "why"
+        {remote evaluator name: the first failure's reason, "" if none}.
     Raises:
         ValueError: unknown transform.
     """
@@ -586,7 +643,29 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     if renormalize:  # score the negative answer too, as extra rows sharing the same prefix
         targets = targets + [m.get("negative", "No") for m in meta_questions]
     logp = torch.zeros(n, len(evaluators), len(meta_questions))
+    failed = torch.zeros(n, len(evaluators), len(meta_questions), dtype=torch.bool)
+    why = {}
     for j, ev in enumerate(evaluators):
+        if ev.get("remote") is not None:  # kind remote: the server scores the same prompt strings
+            fulls = []
+            for i in range(n):
+                ref = references[i] if anchored[i] else None
+                for kk, tgt in enumerate(targets):
+                    text = build_evaluator_text(template, problems[i], solutions[i], questions[kk % len(questions)],
+                                                meta_questions=questions, reference=ref)
+                    prompt, full = evaluator_prompt_text(ev["tokenizer"], text, tgt, chat=ev["chat"],
+                                                         answer_stub=answer_stub)
+                    fulls.append((full, full[len(prompt):]))
+            vals, whys = score_remote(ev, fulls, fast=fast)
+            lp = torch.tensor([float("nan") if v is None else v for v in vals]).view(n, len(targets))
+            bad = torch.tensor([v is None for v in vals]).view(n, len(targets))
+            if renormalize:
+                k = len(questions)
+                lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])
+                bad = bad[:, :k] | bad[:, k:]
+            logp[:, j], failed[:, j] = lp, bad
+            why[ev["name"]] = next((w for w in whys if w), "")
+            continue
         prompt_rows, target_rows = [], []
         for i in range(n):
             ref = references[i] if anchored[i] else None
@@ -609,12 +688,14 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             k = len(questions)
             lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])
         logp[:, j] = lp
-    bad = ~torch.isfinite(logp)
+    bad = ~torch.isfinite(logp) & ~failed  # a failed request is not a broken number: it stays NaN
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
     # after the replacement, so "prob" sees exp(nonfinite_logp) ~ 0, never NaN
     terms = logp if transform == "log" else logp.exp()
     reward = weighted_reward(terms, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
-    return {"reward": reward, "logp": logp, "nonfinite": int(bad.sum())}
+    valid = ~failed.any(2).any(1)  # a sample missing any term has no reward: NaN, and masked
+    return {"reward": torch.where(valid, reward, torch.full_like(reward, float("nan"))), "logp": logp,
+            "nonfinite": int(bad.sum()), "valid": valid, "failed": failed, "why": why}
 
 
 def weighted_reward(logp, v, w):
@@ -831,10 +912,13 @@ def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stu
     batch mean of every evaluator's log p per meta-question is logged as
     "rlme/<evaluator>/<question>/logp" (logp_metric_name), plus "rlme/nonfinite" (log p values
     replaced because they were NaN/inf). The rest of TRL's keywords (trainer_state, log_extra,
-    completion_ids, ...) are accepted and ignored. Never returns None: every sample is scored.
+    completion_ids, ...) are accepted and ignored. Returns None only for a sample a remote
+    evaluator failed to score after its retries (TRL then leaves it out; logged as
+    "evaluator/<name>/failed"), never a made-up number.
     fn.__name__ is `name`: TRL logs the reward as "rewards/<name>/mean".
 
-    Evaluators must be frozen models loaded beforehand (load_evaluator): a reward function sees
+    Evaluators must be frozen models loaded beforehand (load_evaluator) or remote ones
+    (remote_evaluator): a reward function sees
     texts, not the trainer's current weights, so a live evaluator (the policy itself) is not
     possible here. The samples of one prompt are adjacent in TRL's batch, so their shared
     evaluator prefix runs once (score_targets).
@@ -874,12 +958,15 @@ def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stu
                           answer_stub=answer_stub, micro_batch_size=micro_batch_size, transform=transform)
         log_metric = kwargs.get("log_metric")
         if log_metric is not None:  # TRL averages these over the logging step
-            means = out["logp"].mean(0)  # [J, K]
+            means = out["logp"].nanmean(0)  # [J, K]; NaN: a remote evaluator's failed requests
             for j, ev in enumerate(evaluators):
                 for k, mq in enumerate(mqs):
                     log_metric(logp_metric_name(ev["name"], mq["question"]), means[j, k].item())
+                if ev.get("remote") is not None:
+                    log_metric(f"evaluator/{ev['name']}/failed", float(out["failed"][:, j].any(1).sum()))
             log_metric("rlme/nonfinite", float(out["nonfinite"]))
-        return out["reward"].tolist()
+        # None where a remote evaluator failed: TRL leaves such a sample out of the reward (NaN)
+        return [r if ok else None for r, ok in zip(out["reward"].tolist(), out["valid"].tolist())]
 
     fn.__name__ = fn.__qualname__ = name
     return fn
@@ -899,7 +986,8 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub
     The problem is read from extra_info[problem_key]: verl's own data preprocessing scripts (e.g.
     examples/data_preprocess/gsm8k.py) store the bare question as extra_info["question"].
     data_source and ground_truth are not read: the RLME reward needs no labels.
-    Evaluators must be frozen models (load_evaluator); a live evaluator is not possible from outside
+    Evaluators must be frozen models (load_evaluator) or remote ones (remote_evaluator; a failed
+    request raises RuntimeError: no made-up score); a live evaluator is not possible from outside
     the trainer. The module that builds compute_score is imported by each verl reward worker, so
     every worker loads its own evaluator copy.
 
@@ -921,6 +1009,8 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub
                              f"(found {found}); add it in your data preprocessing")
         out = rlme_reward(evaluators, mqs, [extra_info[problem_key]], [solution_str], template=template,
                           answer_stub=answer_stub, micro_batch_size=1, transform=transform)
+        if not out["valid"][0]:  # verl wants a float: no number rather than a made-up one
+            raise RuntimeError(f"verl compute_score: remote evaluator failed: {'; '.join(w for w in out['why'].values() if w)}")
         return float(out["reward"][0])
 
     return compute_score
@@ -1940,26 +2030,28 @@ def backoff_delay(attempt, base, cap, u):
     return d / 2 + u * d / 2
 
 
-def _judge_call(judge, prompt, sleep, rand):
-    """One judge request (judge_prompt's text) with retries. Returns dict(f1, precision, recall,
-    why, attempts)."""
+def call_with_retries(call, max_retries, backoff_base_s, backoff_max_s, sleep=time.sleep, rand=random.random):
+    """One request to an OpenAI-compatible server, retried: the judge's and the remote evaluator's.
+
+    Retried: HTTP 408/409/429/5xx, timeouts, refused connections, and answers that `call` rejects
+    (it returns value None: an HTML page, an unparseable judge answer); other HTTP 4xx are not
+    (they will not heal). Waits backoff_delay between tries.
+
+    Args:
+        call: () -> (value, why); raises the openai client's errors.
+        max_retries: int, retries after the first try. backoff_base_s, backoff_max_s: backoff_delay's.
+        sleep, rand: injectable for tests (waits and jitter draws).
+    Returns:
+        (value or None, why str: the last failure's reason, attempts int). Never raises.
+    """
     import openai
-    parse = parse_meta_judge_output if judge["variant"] == "meta_judge" else parse_judge_output
     why, attempt = "", 0
-    for attempt in range(int(judge["max_retries"]) + 1):
+    for attempt in range(int(max_retries) + 1):
         retry = True
         try:
-            resp = judge["client"].chat.completions.create(
-                model=judge["model"], messages=[{"role": "user", "content": prompt}],
-                temperature=judge["temperature"], max_tokens=judge["max_tokens"])
-            if isinstance(resp, str) or not getattr(resp, "choices", None):
-                # the client hands back the raw body when the server does not answer JSON
-                why = f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
-            else:
-                parsed = parse(resp.choices[0].message.content)
-                if parsed["f1"] is not None:
-                    return dict(parsed, attempts=attempt + 1)
-                why = "parse failure: " + parsed["why"]
+            value, why = call()
+            if value is not None:
+                return value, why, attempt + 1
         except openai.APIStatusError as e:
             why = f"HTTP {e.status_code}"
             retry = e.status_code in (408, 409, 429) or e.status_code >= 500  # others will not heal
@@ -1969,10 +2061,226 @@ def _judge_call(judge, prompt, sleep, rand):
             why = f"connection error: {type(e.__cause__ or e).__name__}"
         except Exception as e:  # anything else (bad JSON body, ...) is a failed call, not a crash
             why = f"{type(e).__name__}: {str(e)[:100]}"
-        if not retry or attempt == int(judge["max_retries"]):
+        if not retry or attempt == int(max_retries):
             break
-        sleep(backoff_delay(attempt, base=judge["backoff_base_s"], cap=judge["backoff_max_s"], u=rand()))
-    return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempt + 1}
+        sleep(backoff_delay(attempt, base=backoff_base_s, cap=backoff_max_s, u=rand()))
+    return None, why, attempt + 1
+
+
+def _judge_call(judge, prompt, sleep, rand):
+    """One judge request (judge_prompt's text) with retries. Returns dict(f1, precision, recall,
+    why, attempts)."""
+    parse = parse_meta_judge_output if judge["variant"] == "meta_judge" else parse_judge_output
+
+    def call():
+        resp = judge["client"].chat.completions.create(
+            model=judge["model"], messages=[{"role": "user", "content": prompt}],
+            temperature=judge["temperature"], max_tokens=judge["max_tokens"])
+        if isinstance(resp, str) or not getattr(resp, "choices", None):
+            # the client hands back the raw body when the server does not answer JSON
+            return None, f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
+        parsed = parse(resp.choices[0].message.content)
+        return (parsed, "") if parsed["f1"] is not None else (None, "parse failure: " + parsed["why"])
+
+    parsed, why, attempts = call_with_retries(call, judge["max_retries"], judge["backoff_base_s"],
+                                              judge["backoff_max_s"], sleep=sleep, rand=rand)
+    if parsed is not None:
+        return dict(parsed, attempts=attempts)
+    return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempts}
+
+
+# ----------------------------------------------------------------------------------------------
+# The remote evaluator's client (reward.evaluators[].kind: remote; docs/scale-out.md, "Remote
+# evaluators"): settings, the start-up probe, one /v1/completions request, the echo parser
+
+# Settings of a remote evaluator and their defaults (config.yaml's reward.evaluators comment
+# documents them; config.validate_config fills them in for `kind: remote` entries).
+REMOTE_DEFAULTS = {"api_key_env": None, "timeout_s": 60.0, "max_retries": 4, "backoff_base_s": 1.0,
+                   "backoff_max_s": 30.0, "concurrency": 4, "batch_size": 1, "max_tokens": 0}
+
+
+def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=None, chat_template="auto",
+                     system_prompt=None, chat_template_kwargs=None, probe=True, where=None, config_key=None,
+                     **settings):
+    """A remote evaluator j as the dict rlme_reward reads: log p(target | prompt) from an
+    OpenAI-compatible /v1/completions server that returns prompt log-probs (`echo` + `logprobs`:
+    vllm serve, llama-cpp-python's server; docs/scale-out.md). Usable outside train.py too:
+    reward.trl_reward_function([reward.remote_evaluator("http://127.0.0.1:8000/v1", "M")], ...).
+
+    Args:
+        base_url: str, e.g. "http://127.0.0.1:8000/v1". model: str, the model name the server serves.
+        name, weight: as load_evaluator.
+        tokenizer: None (plain-text prompts: text + answer stub) or a path (HF folder, hub id,
+            GGUF) whose tokenizer's chat template renders the prompt; it must be the served
+            model's tokenizer.
+        chat_template: "auto" (= a tokenizer with a chat template is given, unless its path
+            names a "-Base" model) | True | False.
+        system_prompt, chat_template_kwargs: the chat options, as load_evaluator.
+        probe: score one short text now (a 1-line SystemExit if that fails: an unreachable server,
+            one that ignores echo/logprobs, one that refuses batch_size prompts in one request).
+        where: str naming the evaluator in error messages (default f"remote evaluator {name}").
+        config_key: "reward.evaluators[i]" when built from a config (chat-option errors name its
+            keys), else None (they name the command-line flags).
+        settings: REMOTE_DEFAULTS's keys: api_key_env (NAME of the variable holding the key; None =
+            a local server), timeout_s per request, max_retries after the first try,
+            backoff_base_s / backoff_max_s (backoff_delay), concurrency (requests in flight),
+            batch_size (texts per request; 1 for llama-cpp-python, whose server takes one),
+            max_tokens (sent with echo: 0 for vLLM; llama-cpp-python reads 0 as "no limit": 1).
+    Returns:
+        dict {"name", "remote": settings + "client", "base_url", "model", "model": None,
+        "tokenizer", "chat", "weight"}.
+    Raises:
+        SystemExit (one line): an unknown setting or bad value, an unset api_key_env variable, a
+            chat template asked for without a tokenizer, a failed probe.
+    """
+    where = where or f"remote evaluator {name}"
+    unknown = set(settings) - set(REMOTE_DEFAULTS)
+    if unknown:
+        raise SystemExit(f"{where}: unknown setting(s) {sorted(unknown)} (known: {', '.join(REMOTE_DEFAULTS)})")
+    r = dict(REMOTE_DEFAULTS, **settings, base_url=base_url, model=model)
+    if not base_url or not model:
+        raise SystemExit(f"{where}: needs base_url and model (the model name the server serves)")
+    for key, low in (("timeout_s", 1e-9), ("max_retries", 0), ("backoff_base_s", 0), ("backoff_max_s", 0),
+                     ("concurrency", 1), ("batch_size", 1), ("max_tokens", 0)):
+        if not isinstance(r[key], (int, float)) or isinstance(r[key], bool) or r[key] < low:
+            raise SystemExit(f"{where}: {key} must be a number >= {low:g}, got {r[key]!r}")
+    tok = None
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(tokenizer))
+        except (OSError, ValueError) as e:  # no such folder, an offline hub, not a tokenizer
+            raise SystemExit(f"{where}: path {tokenizer!r}: cannot load the tokenizer ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:150]})")
+        except SystemExit as e:
+            raise SystemExit(f"{where}: path: {e}")
+    if chat_template is True and tok is None:
+        raise SystemExit(f"{where}: chat_template true needs the served model's tokenizer (path) to render it")
+    key = "EMPTY"  # local servers ignore the key, but the client insists on one
+    if r["api_key_env"]:
+        key = os.environ.get(r["api_key_env"])
+        if not key:
+            raise SystemExit(f"{where}: api_key_env: environment variable {r['api_key_env']} is not set "
+                             f"(needed for {base_url})")
+    import openai
+    r["client"] = openai.OpenAI(base_url=base_url, api_key=key, timeout=float(r["timeout_s"]), max_retries=0)
+    if tok is None and (system_prompt or chat_template_kwargs):
+        raise SystemExit(f"{where}: system_prompt / chat_template_kwargs need the served model's tokenizer "
+                         f"(path) to render the chat template; without it the prompt is plain text")
+    chat = False if tok is None else rollout.use_chat_template(
+        tok, chat_template, model_path=tokenizer, system=system_prompt, template_kwargs=chat_template_kwargs,
+        key=config_key)
+    # as evaluator_prompt_and_target_ids tokenises: a rendered chat string holds its BOS already
+    r["add_special_tokens"] = not chat
+    ev = {"name": name, "remote": r, "model": None, "tokenizer": tok, "chat": chat, "weight": float(weight)}
+    if probe:
+        probe_remote(ev, where)
+    return ev
+
+
+def probe_remote(ev, where):
+    """Start-up check of a remote evaluator: score batch_size copies of one short text (one
+    request, the configured retries). Raises SystemExit, one line, naming the evaluator, the
+    server and the reason."""
+    r = ev["remote"]
+    prompt, full = evaluator_prompt_text(ev["tokenizer"], "Is 2 + 2 = 4? Reply with Yes or No.", "Yes",
+                                         chat=ev["chat"], answer_stub="\nAnswer:")
+    texts = [(full, full[len(prompt):])] * r["batch_size"]
+    vals, whys = remote_request(r, texts)
+    if any(v is None for v in vals):
+        why = next(w for w in whys if w)
+        hint = " (set batch_size: 1: the server takes one prompt per request)" if r["batch_size"] > 1 else ""
+        raise SystemExit(f"{where}: cannot score at {r['base_url']} (model {r['model']}): {why}{hint}")
+
+
+def remote_request(r, fulls, sleep=time.sleep, rand=random.random):
+    """One /v1/completions request for a list of texts, with retries (call_with_retries): echo the
+    texts with their log-probs, generate nothing (max_tokens r["max_tokens"], temperature 0).
+
+    Args:
+        r: a remote evaluator's settings (remote_evaluator's ev["remote"]).
+        fulls: list of (full text, suffix): the target's log p is read from the tokens spelling
+            `suffix` at the end of `full` (echo_target_logprob).
+    Returns:
+        (list of float or None, list of str reasons: "" where scored). Never raises. A failed
+        request fails all its texts; an answer that cannot be read fails only its text (not
+        retried: the same request gets the same answer).
+    """
+    def call():
+        resp = r["client"].completions.create(
+            model=r["model"], prompt=[f for f, _ in fulls] if len(fulls) > 1 else fulls[0][0],
+            max_tokens=r["max_tokens"], echo=True, logprobs=1, temperature=0.0,
+            # a chat string holds its BOS: vLLM's switch not to add another (as our tokenizer call);
+            # sent only then, as strict servers refuse unknown fields (transformers serve: HTTP 422)
+            extra_body={} if r.get("add_special_tokens", True) else {"add_special_tokens": False})
+        choices = None if isinstance(resp, str) else getattr(resp, "choices", None)
+        if not choices or len(choices) != len(fulls):
+            return None, (f"not a completion for {len(fulls)} prompt(s) (HTML page or wrong URL?): "
+                          f"{str(resp)[:60]!r}")
+        choices = sorted(choices, key=lambda c: c.index or 0)
+        return [echo_target_logprob(c.model_dump() if hasattr(c, "model_dump") else c, full, suffix)
+                for c, (full, suffix) in zip(choices, fulls)], ""
+
+    out, why, _ = call_with_retries(call, r["max_retries"], r["backoff_base_s"], r["backoff_max_s"],
+                                    sleep=sleep, rand=rand)
+    if out is None:
+        return [None] * len(fulls), [why] * len(fulls)
+    return [o[0] for o in out], [o[1] for o in out]
+
+
+def echo_target_logprob(choice, full, suffix):
+    """The target's log p from one echoed completion choice: the sum of the echoed log-probs of
+    the tokens whose texts spell `suffix` at the end of the echoed `full` text.
+
+    The boundary is found from the end, by token texts, not by text_offset: llama-cpp-python's
+    offsets leave out special tokens (a chat prompt's <|im_start|>) and vLLM's count a BOS, so
+    offsets are not positions in our string; the tokens that end the echo are the same text on
+    every server. Tokens the server generated after the echo (max_tokens >= 1: choice["text"] is
+    full + what it generated) are dropped first when listed (vLLM lists them, llama-cpp-python does
+    not); a prompt that itself ends in target + generated text would be misread, which our
+    prompts (ending in "Answer:" or a chat header) never do.
+
+    Args:
+        choice: dict, an OpenAI completion choice {"text", "logprobs": {"tokens",
+            "token_logprobs", ...}}.
+        full: str, the text sent (prompt + suffix). suffix: str, the target as it follows the
+            prompt (" Yes").
+    Returns:
+        (float, "") or (None, reason) when the answer cannot be read safely: no log-probs (the
+        server ignores echo/logprobs), the echo does not start with `full`, a token straddles the
+        prompt/target boundary or the target tokens do not spell `suffix` (a tokenizer differing
+        from the one the prompt was built for), a missing or non-finite log-prob.
+    """
+    lp = choice.get("logprobs") or {}
+    tokens, values = lp.get("tokens"), lp.get("token_logprobs")
+    if not tokens or not isinstance(values, list) or len(values) != len(tokens):
+        return None, "no prompt log-probs in the answer (does the server support echo with logprobs?)"
+    text = choice.get("text")
+    if not isinstance(text, str) or not text.startswith(full):
+        return None, f"the answer does not echo the prompt (text starts {str(text)[:40]!r})"
+    # tokens generated after the echo are listed by vLLM, not by llama-cpp-python: drop them when
+    # the listed tokens end with target + generated text
+    generated, end, tail = text[len(full):], len(tokens), ""
+    if generated and "".join(tokens).endswith(suffix + generated):
+        while end > 0 and len(tail) < len(generated):
+            end -= 1
+            tail = tokens[end] + tail
+        if tail != generated:
+            return None, f"cannot separate the generated tokens {tail!r} from the echo (generated {generated!r})"
+    if end == 0 or not tokens[end - 1]:
+        return None, "the echo ends in an empty token (an end-of-text token?): cannot tell where the target is"
+    start, spelled = end, ""
+    while start > 0 and len(spelled) < len(suffix):
+        start -= 1
+        spelled = tokens[start] + spelled
+    if spelled != suffix:
+        reason = ("a token straddles the prompt and the target" if spelled.endswith(suffix)
+                  else "the last tokens do not spell the target (a different tokenizer?)")
+        return None, f"{reason}: tokens {tokens[start:end]!r}, target {suffix!r}"
+    vals = values[start:end]
+    if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in vals):
+        return None, f"missing or non-finite log-prob for the target tokens: {vals!r}"
+    return float(sum(vals)), ""
 
 
 # Offline PROXY of the judge (no server). It is a lexical stand-in for tests and laptops, not the
@@ -2079,7 +2387,19 @@ def main(argv=None):
     ap = rollout.ArgumentParser(
         description="Score JSONL rows (problem, completion[, reference]) with the RLME reward "
                     "r = sum_k w_k log p(target | problem, completion, question_k) of one evaluator (RLME Eq. 2-3).")
-    ap.add_argument("--evaluator", required=True, help="evaluator model: HF folder, hub id or GGUF file")
+    ap.add_argument("--evaluator", required=True,
+                    help="evaluator model: HF folder, hub id or GGUF file; or remote:URL, an OpenAI-compatible "
+                         "server returning prompt log-probs (remote:http://127.0.0.1:8000/v1; docs/scale-out.md)")
+    ap.add_argument("--remote-model", default=None, help="remote: the model name the server serves (required)")
+    ap.add_argument("--remote-tokenizer", default=None,
+                    help="remote: the served model's tokenizer (folder, hub id, GGUF), to render its chat template; "
+                         "without it the prompt is plain text + answer stub")
+    ap.add_argument("--remote-max-tokens", type=int, default=0,
+                    help="remote: max_tokens sent with echo (vLLM 0; llama-cpp-python 1) (default: %(default)s)")
+    ap.add_argument("--remote-batch-size", type=int, default=1,
+                    help="remote: prompts per request (vLLM: many; llama-cpp-python: 1) (default: %(default)s)")
+    ap.add_argument("--remote-max-retries", type=int, default=4,
+                    help="remote: retries of a failed request; then its rows get reward null (default: %(default)s)")
     ap.add_argument("--in", dest="inp", required=True, help="JSONL input, one row per line")
     ap.add_argument("--out", required=True, help="JSONL output: the input rows plus logp and reward")
     ap.add_argument("--question", action="append", default=None,
@@ -2135,19 +2455,32 @@ def main(argv=None):
 
     template_kwargs = rollout.parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")
     chat = {"auto": "auto", "true": True, "false": False}[a.chat_template]
-    ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device,
-                        system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs)
+    if a.evaluator.startswith("remote:"):
+        if not a.remote_model:
+            raise SystemExit("--evaluator remote:URL needs --remote-model (the model name the server serves)")
+        ev = remote_evaluator(a.evaluator[len("remote:"):], a.remote_model, name=a.evaluator_name,
+                              tokenizer=a.remote_tokenizer, chat_template=chat, where=f"--evaluator {a.evaluator}",
+                              system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs,
+                              max_tokens=a.remote_max_tokens, batch_size=a.remote_batch_size,
+                              max_retries=a.remote_max_retries)
+    else:
+        ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device,
+                            system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs)
     out = rlme_reward([ev], meta_questions, problems, completions, references=references,
                       anchored=[r is not None for r in references], template=template,
                       answer_stub=a.answer_stub, micro_batch_size=a.micro_batch_size, transform=a.transform)
     with open(a.out, "w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
-            logp = {ev["name"]: {mq["question"]: float(out["logp"][i, 0, k]) for k, mq in enumerate(meta_questions)}}
-            f.write(json.dumps(dict(row, logp=logp, reward=float(out["reward"][i]))) + "\n")
-    rewards = out["reward"]
+        for i, row in enumerate(rows):  # None: a remote request that failed after its retries
+            logp = {ev["name"]: {mq["question"]: None if out["failed"][i, 0, k] else float(out["logp"][i, 0, k])
+                                 for k, mq in enumerate(meta_questions)}}
+            f.write(json.dumps(dict(row, logp=logp, reward=float(out["reward"][i]) if out["valid"][i] else None)) + "\n")
+    rewards = out["reward"][out["valid"]]
+    stats = (f"reward mean {rewards.mean().item():.4f}, min {rewards.min().item():.4f}, max {rewards.max().item():.4f}"
+             if len(rewards) else "no reward known")
+    failed = int((~out["valid"]).sum())
     print(f"{a.out}: {len(rows)} rows scored by {a.evaluator} ({len(meta_questions)} meta-question(s), transform "
-          f"{a.transform}); reward mean {rewards.mean().item():.4f}, min {rewards.min().item():.4f}, "
-          f"max {rewards.max().item():.4f}; {out['nonfinite']} non-finite log p replaced")
+          f"{a.transform}); {stats}; {out['nonfinite']} non-finite log p replaced"
+          + (f"; {failed} rows NOT scored (reward null): {out['why'][ev['name']]}" if failed else ""))
 
 
 if __name__ == "__main__":

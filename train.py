@@ -347,10 +347,13 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
         ro_out: the rollout dict of the N completions (only "completions" is read).
         evaluators: load_evaluators' list ([] for rlvr).
     Returns:
-        dict: "reward" FloatTensor [N]; "valid" None (every RLME reward is known); "records" list (N)
+        dict: "reward" FloatTensor [N]; "valid" None when every reward is known, else BoolTensor
+        [N], False where a remote evaluator failed after its retries (reward NaN there, record
+        reward None: the sample is masked, as a failed judge call); "records" list (N)
         of this step's samples.jsonl fields (problem, extracted answer, label, correctness, the
         RLVR and RLME parts, every evaluator's log p per meta-question: a reward can be recomputed
-        by hand from them); "metrics" dict (reward/nonfinite, summed over ranks).
+        by hand from them); "metrics" dict (reward/nonfinite, reward/masked, and
+        evaluator/<name>/failed per remote evaluator, summed over ranks).
     """
     d, rw, completions = cfg["data"], cfg["reward"], ro_out["completions"]
     # RLVR (docs/method.md §4.3): the reward for kind rlvr, hybrid's first part; accuracy always
@@ -360,7 +363,7 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
                          for c, it in zip(completions, items)])
     correct = [score(c, it["label"], "em") >= 1.0 if it["label"] is not None else None
                for c, it in zip(completions, items)]
-    logp, rlme, nonfinite = None, None, 0
+    logp, rlme, nonfinite, failed, valid = None, None, 0, None, torch.ones(len(items), dtype=torch.bool)
     if rw["kind"] in ("rlme", "hybrid"):
         with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):  # the live evaluator is the policy
             out = R.rlme_reward(evaluators, rw["meta_questions"], problems=[it["problem"] for it in items],
@@ -371,6 +374,7 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
                                 micro_batch_size=rw["micro_batch_size"], nonfinite_logp=rw["nonfinite_logp"],
                                 fast=cfg["train"]["fast_paths"], transform=rw["transform"])
         rlme, logp, nonfinite = out["reward"], out["logp"], out["nonfinite"]
+        failed, valid = out["failed"], out["valid"]  # a remote evaluator's failed requests
     rewards = {"rlme": rlme, "rlvr": rlvr, "hybrid": None}[rw["kind"]]
     if rw["kind"] == "hybrid":
         rewards = R.hybrid_reward(rlvr, rlme, rlvr_weight=rw["rlvr_weight"])
@@ -378,16 +382,23 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
     for i, (it, c) in enumerate(zip(items, completions)):
         # problem: what the evaluator was shown (context QA: the passages + the question), so
         # `python reward.py` on samples.jsonl recomputes the reward
+        # reward None: a remote evaluator failed, the sample is masked (as a failed judge call)
+        ok = bool(valid[i])
         rec = {"item": it["index"], "problem": it["problem"], "extracted": R.extract_boxed(c), "label": it["label"],
-               "correct": correct[i], "anchored": it["anchored"], "reward": float(rewards[i]),
+               "correct": correct[i], "anchored": it["anchored"], "reward": float(rewards[i]) if ok else None,
                "rlvr_reward": float(rlvr[i])}
-        if logp is not None:  # logp: [N, J evaluators, K meta-questions]
-            rec["rlme_reward"] = float(rlme[i])
-            rec["logp"] = {ev["name"]: {mq["question"]: float(logp[i, j, k]) for k, mq in enumerate(rw["meta_questions"])}
+        if logp is not None:  # logp: [N, J evaluators, K meta-questions]; None = a failed request
+            rec["rlme_reward"] = float(rlme[i]) if ok else None
+            rec["logp"] = {ev["name"]: {mq["question"]: None if failed[i, j, k] else float(logp[i, j, k])
+                                        for k, mq in enumerate(rw["meta_questions"])}
                            for j, ev in enumerate(evaluators)}
         records.append(rec)
-    return {"reward": rewards, "valid": None, "records": records,
-            "metrics": {"reward/nonfinite": all_sum(nonfinite, world)}}
+    metrics = {"reward/nonfinite": all_sum(nonfinite, world), "reward/masked": all_sum(int((~valid).sum()), world)}
+    for j, ev in enumerate(evaluators if logp is not None else []):
+        if ev.get("remote") is not None:  # samples this evaluator could not score (after retries)
+            metrics[f"evaluator/{ev['name']}/failed"] = all_sum(int(failed[:, j].any(1).sum()), world)
+    return {"reward": rewards, "valid": None if bool(valid.all()) else valid, "records": records,
+            "metrics": metrics}
 
 
 def evaluator_template(setting):
@@ -403,13 +414,14 @@ def rlme_step_metrics(records, cfg):
     n = len(records)
     out = {"rlvr_reward/mean": sum(r["rlvr_reward"] for r in records) / n,
            "completion/boxed_frac": sum(r["extracted"] is not None for r in records) / n}
-    if "logp" in records[0]:
-        out["rlme_reward/mean"] = sum(r["rlme_reward"] for r in records) / n
+    if "logp" in records[0]:  # None: a remote evaluator's failed request, left out of the means
+        known = [r["rlme_reward"] for r in records if r["rlme_reward"] is not None]
+        out["rlme_reward/mean"] = sum(known) / len(known) if known else None
         for ev in cfg["reward"]["evaluators"]:
             for mq in cfg["reward"]["meta_questions"]:
-                vals = torch.tensor([r["logp"][ev["name"]][mq["question"]] for r in records])
-                out[R.logp_metric_name(ev["name"], mq["question"])] = vals.mean().item()
-                out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item()
+                vals = torch.tensor([v for r in records if (v := r["logp"][ev["name"]][mq["question"]]) is not None])
+                out[R.logp_metric_name(ev["name"], mq["question"])] = vals.mean().item() if len(vals) else None
+                out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item() if len(vals) else None
     return out
 
 
@@ -448,7 +460,8 @@ def validation_step(state, cfg, step, records):
     n = all_sum(len(items), world)
     out = {"val/n": n, "val/injected": inject,
            "val/accuracy": all_sum(sum(bool(r["correct"]) for r in rew["records"]), world) / n,
-           "val/reward_mean": all_sum(float(rew["reward"].sum()), world) / n,
+           # over the answers whose reward is known (a remote evaluator may have failed on some)
+           "val/reward_mean": all_sum(float(rew["reward"].nansum()), world) / max(1, all_sum(known(rew), world)),
            # what the answers look like: a reward can rise through format alone (boxes, length)
            "val/boxed_frac": all_sum(sum(r["extracted"] is not None for r in rew["records"]), world) / n,
            "val/chars_mean": all_sum(sum(len(c) for c in greedy["completions"]), world) / n}
@@ -456,13 +469,19 @@ def validation_step(state, cfg, step, records):
     for name, text in evaluate.CANARIES.items():
         c = rlme_reward_step(canary_items, {"completions": [text] * len(canary_items)}, state["evaluators"], cfg,
                              world=world, device=state["device"])
-        out[f"val/canary/{name}"] = all_sum(float(c["reward"].sum()), world) / all_sum(len(canary_items), world)
+        out[f"val/canary/{name}"] = all_sum(float(c["reward"].nansum()), world) / max(1, all_sum(known(c), world))
     everyone = gather_records(records, world) if world > 1 else records
-    if all(r["correct"] is not None for r in everyone):
+    everyone = [r for r in everyone if r["reward"] is not None]
+    if everyone and all(r["correct"] is not None for r in everyone):
         out["val/auroc"] = evaluate.auroc([r["reward"] for r in everyone], [r["correct"] for r in everyone])
     out["val/seconds"] = all_max(time.perf_counter() - t0, world)
     out["step"] = step
     return out
+
+
+def known(rew):
+    """How many of a reward step's rewards are known (not masked by a failed remote evaluator)."""
+    return len(rew["reward"]) if rew["valid"] is None else int(rew["valid"].sum())
 
 
 def wrong_answer(val, k):
@@ -722,6 +741,8 @@ def setup(cfg):
     else:
         state["items"], state["val_items"] = load_train_items(cfg), load_val_items(cfg)
         check_single_pass(cfg, len(state["items"]))
+    # remote evaluators: reachable and returning prompt log-probs, checked before any model loads
+    state["remote"] = remote_evaluators(cfg) if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else {}
 
     # the policy and its prompts; a prompt over the length limit is dropped and counted
     policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
@@ -750,7 +771,7 @@ def setup(cfg):
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank))
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
-    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device) if rlme else []
+    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, remote=state["remote"]) if rlme else []
     state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         state["ref_model"], _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
@@ -966,15 +987,35 @@ def items_from_rows(ds, cfg, source):
     return items
 
 
-def load_evaluators(cfg, policy, tokenizer, device):
+def remote_evaluators(cfg):
+    """The `kind: remote` evaluators, {index: reward.remote_evaluator dict}, each probed with one
+    scoring request (one-line SystemExit naming reward.evaluators[i] if it cannot score)."""
+    out = {}
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        if ev["kind"] == "remote":
+            settings = {k: ev[k] for k in R.REMOTE_DEFAULTS}
+            out[i] = R.remote_evaluator(ev["base_url"], ev["model"], name=ev["name"], weight=ev["weight"],
+                                        tokenizer=ev["path"], chat_template=ev["chat_template"],
+                                        system_prompt=ev["system_prompt"], chat_template_kwargs=ev["chat_template_kwargs"],
+                                        where=f"config key reward.evaluators[{i}] ({ev['name']})",
+                                        config_key=f"reward.evaluators[{i}]", **settings)
+    return out
+
+
+def load_evaluators(cfg, policy, tokenizer, device, remote=None):
     """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
     policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy;
-    `frozen` loads another model. live / frozen_self share the policy's chat template, so their
+    `frozen` loads another model; `remote` ones come built from `remote` (remote_evaluators;
+    None: built and probed here). live / frozen_self share the policy's chat template, so their
     chat_template "auto" is model.chat_template and they take model.chat_template_kwargs unless
     they set their own (not its system prompt: that instructs the policy)."""
+    remote = remote_evaluators(cfg) if remote is None else remote
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         kind = ev.get("kind", "live")
+        if kind == "remote":
+            evaluators.append(remote[i])
+            continue
         path = ev["path"] if kind == "frozen" else cfg["model"]["policy"]
         if kind == "live":
             model, tok = policy, tokenizer
