@@ -176,3 +176,16 @@ def test_live_and_frozen_self_evaluators_follow_the_policy_format(qwen3_style):
     cfg["model"].update(chat_template="auto", chat_template_kwargs={"enable_thinking": False})
     evs = train.load_evaluators(cfg, policy, tok, "cpu")
     assert [ev["chat"]["kwargs"] for ev in evs] == [{"enable_thinking": False}] * 2 + [{}]
+
+
+def test_remote_evaluator_prompts_carry_the_options(qwen3_style):
+    """A remote evaluator renders its prompt with the served model's tokenizer: the same options."""
+    path, _ = qwen3_style
+    ev = R.remote_evaluator("http://127.0.0.1:9/v1", "m", tokenizer=path, system_prompt="Judge it.",
+                            chat_template_kwargs={"enable_thinking": False}, probe=False)
+    prompt, full = R.evaluator_prompt_text(ev["tokenizer"], "Q", "Yes", ev["chat"])
+    assert prompt == ("<|im_start|>system\nJudge it.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+                      "<|im_start|>assistant\n<think>\n\n</think>\n") and full == prompt + "Yes"
+    with pytest.raises(SystemExit) as e:  # no tokenizer: plain text, so the options would do nothing
+        R.remote_evaluator("http://127.0.0.1:9/v1", "m", system_prompt="S", probe=False)
+    assert "need the served model's tokenizer" in str(e.value)
