@@ -21,6 +21,8 @@ What is simplified, and why:
   - The live evaluator IS the policy ("live self-evaluation", RLME §4.1): it scores without
     gradient between rollout and update, so no second model is held. Frozen evaluators are config.
   - No value model and no learned reward model for RLME; RM-NLHF's only extra model is the MetaRM.
+  - LoRA (model.lora, off by default) trains peft adapters only; "the initial policy" (frozen_self
+    evaluators, the GRPO reference) is then the policy with its adapters off, not a second copy.
   - Generation is our own decode loop over HF models (rollout.generate; its plain twin is HF's
     `model.generate`) or vLLM on GPU (rollout.backend); with vLLM the trainer recomputes the
     behaviour log-probs itself and logs the gap to the engine's.
@@ -218,7 +220,8 @@ def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id
             "rollout_logprobs" FloatTensor [N, L] (vLLM's log-probs of the same tokens).
         cfg: full config (reads algo, train, optim, model.dtype, rollout.temperature/max_new_tokens/group_size).
         world: number of ranks. device: torch.device. pad_id: int.
-        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0), else None.
+        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0; under LoRA the policy with
+            its adapters off, BaseModelView), else None.
         scaler: torch.amp.GradScaler for model.dtype float16 (loss scaling), else None.
     Returns:
         optimizer_steps' dict plus "logp_gap": (sum |trainer - rollout| log-prob, token count,
@@ -687,7 +690,8 @@ def setup(cfg):
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
     size, data files, the judge's settings), then the policy (float32 master weights, whatever
-    model.dtype says: its forwards compute in model.dtype, see compute_context), prompts over the
+    model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
+    it with model.lora, apply_lora), prompts over the
     length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
     AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf).
 

@@ -136,6 +136,28 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
     assert max((x - y).abs().max().item() for x, y in zip(got, live)) > 1e-3
 
 
+# ---- the update: only adapters move, with and without activation checkpointing -------------------
+
+def _lora_update(model_path, checkpointing):
+    from test_train import _layout_batch, _layout_cfg
+    policy, tok = lora_policy(model_path)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    model = T.wrap_policy(policy, "ddp", 1, CPU, gradient_checkpointing=checkpointing)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)  # update = -grad
+    T.update_policy(model, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=CPU,
+                    pad_id=tok.pad_token_id)
+    return {n: p.detach() - before[n] for n, p in policy.named_parameters()}
+
+
+def test_lora_update_moves_only_adapters_and_checkpointing_changes_nothing(tiny_model_path):
+    plain = _lora_update(tiny_model_path, "none")
+    assert all(not d.any() for n, d in plain.items() if "lora_" not in n)  # the base, bit for bit
+    assert all(d.abs().max() > 0 for n, d in plain.items() if "lora_" in n)  # A and B (B != 0 here)
+    for mode in ("full", "selective"):
+        got = _lora_update(tiny_model_path, mode)
+        assert max((got[n] - plain[n]).abs().max().item() for n in plain) < 1e-6, mode
+
+
 # ---- runs: SmolLM2 moves only the adapters; resume is exact --------------------------------------
 
 def run_args(model, out, steps, extra=()):
