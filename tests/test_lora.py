@@ -240,3 +240,28 @@ def test_checkpoint_and_model_lora_must_agree(tmp_path):
     (ck / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(SystemExit, match="holds a LoRA adapter: resume it with the run's model.lora"):
         T.check_checkpoint_kind(str(ck), None)
+
+
+@pytest.mark.slow
+def test_lora_rm_nlhf_grpo_reference_and_metarm_run(tiny_model_path, tmp_path, monkeypatch):
+    """configs/cpu_rm_nlhf.yaml under LoRA, one step: GRPO's KL reference is the policy with its
+    adapters off (no reference model is loaded), the MetaRM cold start samples from the LoRA policy."""
+    import reward
+    import rollout
+    from test_configs import swaps
+    from test_e2e_nlhf import force_verdicts
+    cfg = T.load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")])
+    pairs = (reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"), "auto", seed=0)
+             + [dict(it, critique=None) for it in reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"),
+                                                                       "auto", seed=0)])
+    force_verdicts(monkeypatch, pairs)
+    loads = []
+    real_load = rollout.load_model
+    monkeypatch.setattr(rollout, "load_model", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    out = str(tmp_path / "nlhf")
+    args = swaps(cfg, tiny_model_path, out) + ["run.total_steps=1", f"model.lora={json.dumps(LORA)}"]
+    T.main(["--config", os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml"), *args])
+    (m,) = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert all(v == v for v in m.values() if isinstance(v, float)) and m["grad_norm"] > 0
+    assert loads == [tiny_model_path]  # the policy only: no reference copy
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_000001", "adapter_model.safetensors"))
