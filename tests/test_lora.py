@@ -265,3 +265,16 @@ def test_lora_rm_nlhf_grpo_reference_and_metarm_run(tiny_model_path, tmp_path, m
     assert all(v == v for v in m.values() if isinstance(v, float)) and m["grad_norm"] > 0
     assert loads == [tiny_model_path]  # the policy only: no reference copy
     assert os.path.isfile(os.path.join(out, "checkpoints", "step_000001", "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_lora_under_torchrun_two_ranks_ddp(tiny_model_path, tmp_path):
+    """DDP over a peft model (frozen base parameters, trainable adapters): 2 ranks, 1 step, then a
+    resume to step 2 in the same layout."""
+    from test_e2e import torchrun
+    out = str(tmp_path / "ddp")
+    torchrun(2, run_args(tiny_model_path, out, 1))
+    torchrun(2, run_args(tiny_model_path, out, 2))
+    m = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [x["step"] for x in m] == [1, 2] and all(x["grad_norm"] > 0 for x in m)
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_000002", "adapter_model.safetensors"))
