@@ -46,6 +46,7 @@ import re
 import resource
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -1338,7 +1339,10 @@ def apply_lora(policy, lora, seed, ckpt=None):
                                  "in this model; leave it out")
     cfg = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
                      task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), \
+            warnings.catch_warnings():
+        # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: a FutureWarning per run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         model = get_peft_model(policy, cfg)
     if ckpt is None:
