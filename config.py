@@ -85,6 +85,10 @@ NULL_DEFAULT_TYPES = {"model.system_prompt": str}
 # Keys whose value is a free mapping (replaced whole, its keys not checked against the schema).
 FREE_MAPPINGS = {"model.chat_template_kwargs"}
 
+# Keys whose value is a mapping or null (off): a later layer's mapping updates the earlier one field
+# by field, null switches it off; the fields are checked by their own function (check_lora_config).
+MAPPINGS = {"model.lora"}
+
 NULLABLE = {"model.system_prompt", "data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
             "judge.api_key_env", "metarm.model", "metarm.path"}
 
@@ -110,6 +114,10 @@ def _merge(base, new, prefix=""):
             if not isinstance(v, dict) or not all(isinstance(name, str) for name in v):
                 raise SystemExit(f"config key {key}: expected a mapping of names to values, got {v!r}")
             base[k] = v
+        elif key in MAPPINGS:
+            if v is not None and not isinstance(v, dict):
+                raise SystemExit(f"config key {key}: expected a mapping or null, got {v!r}")
+            base[k] = None if v is None else {**(base[k] or {}), **v}
         elif isinstance(base[k], dict):
             _merge(base[k], v, key + ".")
         else:
@@ -302,6 +310,7 @@ def validate_config(cfg, world_size=1):
         raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
     check_data_config(cfg)
     check_report_to(cfg)
+    check_lora_config(cfg)
     nl = cfg["nlhf"]
     # λ weighs the process reward against the outcome reward (RM-NLHF Eq. 8): a share in [0, 1]
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
@@ -386,6 +395,40 @@ def check_report_to(cfg):
     if run["tracking_project"] != "rlme" and not {"trackio", "wandb"} & set(names):
         raise SystemExit(f"config key run.tracking_project={run['tracking_project']!r}: is read only by the trackio and "
                          f"wandb trackers (run.report_to={names})")
+
+
+# model.lora's fields: (type check, what it must be); dropout and merged may be left out
+LORA_FIELDS = {
+    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an integer > 0"),
+    "alpha": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
+    "dropout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "a number in [0, 1)"),
+    "target_modules": (lambda v: v == "all-linear" or isinstance(v, list) and v and all(isinstance(x, str) and x for x in v),
+                       "a non-empty list of module names (e.g. [q_proj, v_proj]) or all-linear"),
+    "merged": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def check_lora_config(cfg):
+    """model.lora (docs/method.md §4.7): null, or {r, alpha, target_modules, dropout (default 0),
+    merged (default false)}; fills the defaults. One-line SystemExit naming the field. Whether each
+    target module exists is checked once the model is loaded (train.apply_lora)."""
+    lora = cfg["model"]["lora"]
+    if lora is None:
+        return
+    for f, v in lora.items():
+        if f not in LORA_FIELDS:
+            raise SystemExit(f"config key model.lora.{f}: unknown (known: {', '.join(LORA_FIELDS)})")
+        if not LORA_FIELDS[f][0](v):
+            raise SystemExit(f"config key model.lora.{f}: must be {LORA_FIELDS[f][1]}, got {v!r}")
+    for f in ("r", "alpha", "target_modules"):
+        if f not in lora:
+            raise SystemExit(f"config key model.lora.{f}: missing (model.lora needs r, alpha and target_modules)")
+    lora.setdefault("dropout", 0.0)
+    lora.setdefault("merged", False)
+    if cfg["train"]["parallel"] == "fsdp2":
+        # not built: fully_shard over peft's wrapped layers and the adapter-only checkpoint are untested
+        raise SystemExit("config key model.lora with train.parallel=fsdp2: not supported; LoRA trains with "
+                         "train.parallel=ddp (the frozen base needs no sharded optimizer state)")
 
 
 def check_single_pass(cfg, n_items):

@@ -21,6 +21,8 @@ What is simplified, and why:
   - The live evaluator IS the policy ("live self-evaluation", RLME §4.1): it scores without
     gradient between rollout and update, so no second model is held. Frozen evaluators are config.
   - No value model and no learned reward model for RLME; RM-NLHF's only extra model is the MetaRM.
+  - LoRA (model.lora, off by default) trains peft adapters only; "the initial policy" (frozen_self
+    evaluators, the GRPO reference) is then the policy with its adapters off, not a second copy.
   - Generation is our own decode loop over HF models (rollout.generate; its plain twin is HF's
     `model.generate`) or vLLM on GPU (rollout.backend); with vLLM the trainer recomputes the
     behaviour log-probs itself and logs the gap to the engine's.
@@ -45,6 +47,7 @@ import resource
 import secrets
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -219,7 +222,8 @@ def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id
             "rollout_logprobs" FloatTensor [N, L] (vLLM's log-probs of the same tokens).
         cfg: full config (reads algo, train, optim, model.dtype, rollout.temperature/max_new_tokens/group_size).
         world: number of ranks. device: torch.device. pad_id: int.
-        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0), else None.
+        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0; under LoRA the policy with
+            its adapters off, BaseModelView), else None.
         scaler: torch.amp.GradScaler for model.dtype float16 (loss scaling), else None.
     Returns:
         optimizer_steps' dict plus "logp_gap": (sum |trainer - rollout| log-prob, token count,
@@ -603,9 +607,10 @@ def save_run(state, cfg, step):
     """6. The checkpoint of `step` (save_checkpoint; the MetaRM rides along in metarm/), then a
     barrier so no rank runs ahead of rank 0's rename."""
     mrm = state["mrm"]
+    lora = cfg["model"]["lora"]
     save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
                     scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
-                    scaler=state["scaler"],
+                    scaler=state["scaler"], merged=bool(lora and lora["merged"]),
                     extra=(lambda d: metarm.save(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
     if state["world"] > 1:
         dist.barrier()
@@ -657,6 +662,8 @@ def train(cfg):
             batch["valid"] = rew["valid"]
         if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and logs the gap
             batch["rollout_logprobs"] = ro_out["logprobs"]
+        if cfg["model"]["lora"] and cfg["model"]["lora"]["dropout"] > 0:  # LoRA dropout draws from torch's RNG:
+            torch.manual_seed(sampling_seed(seed, step, rank))  # seeded per step, so a resumed run draws alike
         upd = update_policy(state["model"], state["policy"], state["optimizer"], batch, cfg=cfg, world=world,
                             device=state["device"], pad_id=state["tokenizer"].pad_token_id,
                             ref_model=state["ref_model"], scaler=state["scaler"])
@@ -705,7 +712,8 @@ def setup(cfg):
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
     size, data files, the judge's settings), then the policy (float32 master weights, whatever
-    model.dtype says: its forwards compute in model.dtype, see compute_context), prompts over the
+    model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
+    it with model.lora, apply_lora), prompts over the
     length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
     AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf).
 
@@ -744,8 +752,13 @@ def setup(cfg):
     # remote evaluators: reachable and returning prompt log-probs, checked before any model loads
     state["remote"] = remote_evaluators(cfg) if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else {}
 
-    # the policy and its prompts; a prompt over the length limit is dropped and counted
-    policy, tokenizer = rollout.load_model(ckpt or cfg["model"]["policy"], "float32", device)
+    # the policy and its prompts; a prompt over the length limit is dropped and counted. Under LoRA
+    # (model.lora) the base always comes from model.policy and the adapters from the checkpoint.
+    lora = cfg["model"]["lora"]
+    check_checkpoint_kind(ckpt, lora)
+    policy, tokenizer = rollout.load_model(ckpt if ckpt and not lora else cfg["model"]["policy"], "float32", device)
+    if lora:
+        policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
     chat = rollout.policy_chat(tokenizer, cfg["model"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
@@ -769,11 +782,15 @@ def setup(cfg):
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
                         cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
-             engine=make_rollout_engine(cfg, ckpt or cfg["model"]["policy"], policy, rank))
+             engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
+    if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
+        push_weights(state["engine"], policy)
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, remote=state["remote"]) if rlme else []
     state["ref_model"] = None
-    if algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
+    if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and lora and tc["fast_paths"]:
+        state["ref_model"] = BaseModelView(policy)  # pi_ref = the initial policy = the policy with adapters off
+    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         state["ref_model"], _ = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         state["ref_model"].eval().requires_grad_(False)
 
@@ -781,7 +798,9 @@ def setup(cfg):
     o = cfg["optim"]
     # fused=True: one kernel over all parameters; the default (foreach) makes full-size
     # temporaries and was several times slower on CPU for the same update (docs/performance.md).
-    state["optimizer"] = torch.optim.AdamW(policy.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
+    # only what trains gets AdamW state (all of the policy; under LoRA the adapters alone)
+    state["optimizer"] = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o["lr"],
+                                           betas=(o["beta1"], o["beta2"]),
                                        weight_decay=o["weight_decay"], fused=True)
     state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(state["optimizer"], lr_lambda(cfg))
     # float16 has 5 exponent bits: small gradients underflow to 0 without loss scaling (bf16 has
@@ -1004,11 +1023,13 @@ def remote_evaluators(cfg):
 
 def load_evaluators(cfg, policy, tokenizer, device, remote=None):
     """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
-    policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy;
-    `frozen` loads another model; `remote` ones come built from `remote` (remote_evaluators;
-    None: built and probed here). live / frozen_self share the policy's chat template, so their
-    chat_template "auto" is model.chat_template and they take model.chat_template_kwargs unless
-    they set their own (not its system prompt: that instructs the policy)."""
+    policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy
+    (under LoRA with train.fast_paths: the policy with its adapters off, BaseModelView, which is
+    that initial policy without a second copy; its plain twin loads the copy); `frozen` loads
+    another model; `remote` ones come built from `remote` (remote_evaluators; None: built and
+    probed here). live / frozen_self share the policy's chat template, so their chat_template
+    "auto" is model.chat_template and they take model.chat_template_kwargs unless they set their
+    own (not its system prompt: that instructs the policy)."""
     remote = remote_evaluators(cfg) if remote is None else remote
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
@@ -1019,6 +1040,8 @@ def load_evaluators(cfg, policy, tokenizer, device, remote=None):
         path = ev["path"] if kind == "frozen" else cfg["model"]["policy"]
         if kind == "live":
             model, tok = policy, tokenizer
+        elif kind == "frozen_self" and cfg["model"]["lora"] and cfg["train"]["fast_paths"]:
+            model, tok = BaseModelView(policy), tokenizer
         else:
             try:
                 model, tok = rollout.load_model(path, cfg["model"]["dtype"], device)
@@ -1289,10 +1312,10 @@ def make_rollout_engine(cfg, model_path, policy, rank):
 
 def push_weights(engine, policy):
     """After the update: the new weights into the vLLM engine (gathered from FSDP2 shards one
-    tensor at a time), then its prefix cache reset (docs/scale-out.md). No-op for the HF backend, which
-    samples from the policy itself."""
+    tensor at a time; under LoRA merged into the base weights first, merged_state_items), then its
+    prefix cache reset (docs/scale-out.md). No-op for the HF backend, which samples from the policy itself."""
     if engine is not None:
-        rollout.vllm_push_weights(engine, full_state_items(policy))
+        rollout.vllm_push_weights(engine, merged_state_items(policy) if is_lora(policy) else full_state_items(policy))
 
 
 def full_state_items(policy):
@@ -1331,6 +1354,144 @@ def logp_gap(trainer_rows, rollout_lp, mask):
 
 
 # ----------------------------------------------------------------------------------------------
+# LoRA (model.lora; docs/method.md §4.7): peft adapters, the base model with them off, merging
+
+
+def apply_lora(policy, lora, seed, ckpt=None):
+    """The policy with LoRA adapters (peft) on model.lora.target_modules: each such Linear layer
+    computes W x + (alpha / r) B A x, with W frozen and only A [r, in] and B [out, r] trained.
+
+    Fresh (ckpt None): peft's init, A Kaiming-uniform drawn under `seed` (so every rank and every
+    rerun starts alike), B = 0: at step 0 the policy IS the base model. From a checkpoint: the
+    adapter weights saved there, after checking they were made with the same r, alpha and modules.
+
+    Args:
+        policy: the loaded HF causal LM (float32). lora: the config's model.lora dict.
+    Returns:
+        peft.PeftModel (the policy from here on; its .disable_adapter() gives back the base).
+    Raises:
+        SystemExit (one line): a target module the model does not have, or that is not a Linear
+        layer; a checkpoint whose adapter does not match model.lora.
+    """
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    targets = lora["target_modules"]
+    if targets != "all-linear":
+        names = {n: m for n, m in policy.named_modules() if n}
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items() if isinstance(m, torch.nn.Linear)})
+        tied = bool(getattr(policy.config, "tie_word_embeddings", False))
+        for t in targets:  # peft's rule: the module's full name is t or ends with "." + t
+            hits = [m for n, m in names.items() if n == t or n.endswith("." + t)]
+            if not hits:
+                raise SystemExit(f"config key model.lora.target_modules: no module named {t!r} in "
+                                 f"{type(policy).__name__} (its Linear layers: {', '.join(linear)})")
+            if not all(isinstance(m, torch.nn.Linear) for m in hits):
+                raise SystemExit(f"config key model.lora.target_modules: {t!r} is a {type(hits[0]).__name__}, "
+                                 f"not a Linear layer (LoRA here adapts Linear layers: {', '.join(linear)})")
+            if tied and t.rsplit(".", 1)[-1] == "lm_head":  # its merge would untie it from the embedding
+                raise SystemExit("config key model.lora.target_modules: lm_head is tied to the input embedding "
+                                 "in this model; leave it out")
+    cfg = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
+                     task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), \
+            warnings.catch_warnings():
+        # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: a FutureWarning per run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(seed)
+        model = get_peft_model(policy, cfg)
+    if ckpt is None:
+        return model
+    from safetensors.torch import load_file
+    with open(os.path.join(ckpt, "adapter_config.json")) as f:
+        saved = json.load(f)
+    weights = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+    expected = set(get_peft_model_state_dict(model))
+    if (saved["r"], saved["lora_alpha"]) != (lora["r"], lora["alpha"]) or set(weights) != expected:
+        raise SystemExit(f"checkpoint {ckpt}: its LoRA adapter (r {saved['r']}, alpha {saved['lora_alpha']}, modules "
+                         f"{sorted(saved['target_modules']) if isinstance(saved['target_modules'], list) else saved['target_modules']}) "
+                         f"is not the one model.lora describes; resume with the run's own model.lora")
+    set_peft_model_state_dict(model, weights)
+    return model
+
+
+def check_checkpoint_kind(ckpt, lora):
+    """A checkpoint and model.lora must agree: an adapter folder resumes only under LoRA, a full
+    model folder only without it. SystemExit (one line), before any model loads."""
+    if ckpt is None:
+        return
+    has_adapter = os.path.isfile(os.path.join(ckpt, "adapter_model.safetensors"))
+    if lora and not has_adapter:
+        raise SystemExit(f"config key model.lora is set but checkpoint {ckpt} holds a full model, no LoRA adapter; "
+                         f"resume it without model.lora, or start a new run (run.out_dir)")
+    if not lora and has_adapter:
+        raise SystemExit(f"checkpoint {ckpt} holds a LoRA adapter: resume it with the run's model.lora "
+                         f"(its config.yaml), or start a new run (run.out_dir)")
+
+
+def is_lora(policy):
+    """True when the policy carries peft LoRA adapters (model.lora)."""
+    from peft import PeftModel
+    return isinstance(policy, PeftModel)
+
+
+@contextlib.contextmanager
+def base_model(policy):
+    """Inside the block the policy is its base model: every LoRA layer computes W x alone (peft's
+    disable_adapter). The base weights never train, so this IS the initial policy, exactly."""
+    with policy.disable_adapter():
+        yield policy
+
+
+class BaseModelView(torch.nn.Module):
+    """The LoRA policy with its adapters off, as a model of its own: under LoRA the `frozen_self`
+    evaluators and the GRPO reference pi_ref (both "the initial policy") are this, instead of a
+    second copy of the model in memory. Each forward runs the policy inside base_model(); it
+    shares (never changes) the policy's parameters. Plain twin: the separately loaded frozen copy
+    (train.fast_paths false; tests/test_lora.py compares the two)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.config = policy.config
+
+    def forward(self, *args, **kwargs):
+        with base_model(self.policy):
+            return self.policy(*args, **kwargs)
+
+
+def merged_state_items(policy):
+    """(name, tensor) for every weight of the policy with its LoRA adapters merged in, one at a
+    time, under the plain model's names (what vLLM's load_weights and save_pretrained expect):
+
+        W' = W + (alpha / r) B A        (peft's lora.Linear; (B A)^T for fan_in_fan_out layers)
+
+    peft's "base_model.model." prefix and ".base_layer" are dropped, lora_A / lora_B skipped. The
+    policy itself is not changed (peft's merge_and_unload merges in place; tests/test_lora.py
+    checks the two agree). Every other entry is passed through as it is.
+    """
+    from peft.tuners.lora import LoraLayer
+    layers = {n: m for n, m in policy.named_modules() if isinstance(m, LoraLayer)}
+    sd = policy.state_dict()
+    for key, t in sd.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        name = key.removeprefix("base_model.model.")
+        if key.endswith(".base_layer.weight"):
+            mod = key[:-len(".base_layer.weight")]
+            layer = layers[mod]
+            delta = sd[f"{mod}.lora_B.default.weight"].float() @ sd[f"{mod}.lora_A.default.weight"].float()
+            delta = delta * layer.scaling["default"]
+            t = (t.float() + (delta.T if layer.fan_in_fan_out else delta)).to(t.dtype)
+        yield name.replace(".base_layer.", "."), t
+
+
+def save_merged(policy, tokenizer, folder):
+    """A plain save_pretrained folder of the LoRA policy with its adapters merged
+    (merged_state_items): loads anywhere a full checkpoint does (evaluate.py, vLLM, HF)."""
+    policy.get_base_model().save_pretrained(folder, state_dict=dict(merged_state_items(policy)))
+    tokenizer.save_pretrained(folder)
+
+
+# ----------------------------------------------------------------------------------------------
 # Checkpoints: plain save_pretrained folders, written atomically (tmp folder, then rename)
 
 
@@ -1349,7 +1510,8 @@ def checkpoint_step(ckpt):
     return int(os.path.basename(ckpt).split("_")[1])
 
 
-def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None, scaler=None):
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None, scaler=None,
+                    merged=False):
     """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
     that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
     into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
@@ -1360,8 +1522,13 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     parameter-name-keyed dict (torch.distributed.checkpoint.state_dict), so a run with any
     world size and either of ddp/fsdp2 resumes from it (load_trainer_state).
 
+    Under LoRA (a peft model) the folder holds the adapter (peft's adapter_config.json and
+    adapter_model.safetensors, no base weights) and the optimizer state of the adapters; with
+    `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged) for
+    evaluate.py or any HF loader.
+
     Args:
-        model: the unwrapped policy (plain, or FSDP2-sharded; never the DDP wrapper).
+        model: the unwrapped policy (plain, peft, or FSDP2-sharded; never the DDP wrapper).
     """
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -1380,6 +1547,8 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
                     "scaler": scaler.state_dict() if scaler is not None else None},
                    os.path.join(tmp, "trainer_state.pt"))
+        if merged:
+            save_merged(model, tokenizer, os.path.join(tmp, "merged"))
         if extra is not None:
             extra(tmp)
     shutil.rmtree(final, ignore_errors=True)

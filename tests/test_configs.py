@@ -43,6 +43,8 @@ PRESETS = {
     "configs/cpu.yaml": {"layers": ["configs/cpu.yaml"]},
     # its header: python train.py --config configs/cpu.yaml --config configs/cpu_learn.yaml
     "configs/cpu_learn.yaml": {"layers": ["configs/cpu.yaml", "configs/cpu_learn.yaml"]},
+    # its header: python train.py --config configs/cpu.yaml --config configs/cpu_lora.yaml
+    "configs/cpu_lora.yaml": {"layers": ["configs/cpu.yaml", "configs/cpu_lora.yaml"]},
     "configs/cpu_rm_nlhf.yaml": {"layers": ["configs/cpu_rm_nlhf.yaml"]},
     "configs/rm_nlhf.yaml": {"layers": ["configs/rm_nlhf.yaml"]},
     # train.device cuda and rollout.backend hf: nothing but the device keeps it off the CPU
@@ -178,7 +180,15 @@ def load_weights(folder):
 
 def movement(init_folder, ckpt_folder):
     """(fraction of parameter elements changed, median |delta|, 99th percentile |delta|) of a
-    checkpoint against the initial model, over the initial model's tensors."""
+    checkpoint against the initial model, over the initial model's tensors. A LoRA checkpoint
+    (model.lora: the adapter alone) is measured over its B matrices, which start at 0 (peft's
+    init; A gets no gradient while B = 0, so it first moves at step 2)."""
+    if os.path.isfile(os.path.join(ckpt_folder, "adapter_config.json")):
+        w1 = load_weights(ckpt_folder)
+        delta = torch.cat([v.flatten() for k, v in sorted(w1.items()) if "lora_B" in k]).abs()
+        n = delta.numel()
+        return {"frac": (delta != 0).float().mean().item(), "median": delta.median().item(),
+                "p99": delta.kthvalue(max(1, int(0.99 * n))).values.item()}
     w0, w1 = load_weights(init_folder), load_weights(ckpt_folder)
     assert set(w0) <= set(w1), f"checkpoint lacks {sorted(set(w0) - set(w1))[:5]}"
     delta = torch.cat([(w1[k] - w0[k]).flatten() for k in sorted(w0)]).abs()
@@ -323,8 +333,9 @@ def test_every_shipped_config_is_listed():
     stale = [n for n in list(PRESETS) + list(SKIPPED) if n not in names]
     assert not stale, f"listed but not shipped: {stale}"
     # the layering is the one the preset's own header documents
-    header = open(os.path.join(REPO, "configs", "cpu_learn.yaml")).read()
-    assert "--config configs/cpu.yaml --config configs/cpu_learn.yaml" in header
+    for name in ("cpu_learn", "cpu_lora"):
+        header = open(os.path.join(REPO, "configs", f"{name}.yaml")).read()
+        assert f"--config configs/cpu.yaml --config configs/{name}.yaml" in header
 
 
 @pytest.mark.parametrize("name", [n for n in shipped_configs() if n not in SKIPPED])
@@ -364,7 +375,9 @@ def test_config_runs(name, runs):
         for k in FINITE_KEYS:
             assert isinstance(m[k], (int, float)) and math.isfinite(m[k]), (m["step"], k, m[k])
         assert m["grad_norm"] > 0, (m["step"], "grad_norm 0: nothing to learn from, (c) would be vacuous")
-    assert os.path.isfile(os.path.join(r["out"], "checkpoints", f"step_{STEPS:06d}", "config.json"))
+    # a full model folder, or under LoRA (model.lora) the adapter
+    saved = "adapter_config.json" if r["cfg"]["model"]["lora"] else "config.json"
+    assert os.path.isfile(os.path.join(r["out"], "checkpoints", f"step_{STEPS:06d}", saved))
     cfg = r["cfg"]
     if cfg["task"] == "rm_nlhf" and cfg["nlhf"]["lam"] == 0:  # w/o process reward: no judge call at all
         assert sum(m["judge/calls"] for m in metrics) == 0
