@@ -2010,16 +2010,30 @@ def make_judge(cfg):
         raise SystemExit(f"judge.backend: {j['backend']!r} unknown; allowed: openai, proxy")
     if not j["model"]:
         raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
-    key = "EMPTY"  # local servers ignore the key, but the client insists on one
-    if j["api_key_env"]:
-        key = os.environ.get(j["api_key_env"])
-        if not key:
-            raise SystemExit(f"judge.api_key_env: environment variable {j['api_key_env']} is not set "
-                             f"(needed for the judge at {j['base_url']})")
-    import openai  # here, not at the top: only the 'openai' backend needs the package
-    j["client"] = openai.OpenAI(base_url=j["base_url"], api_key=key, timeout=float(j["timeout_s"]),
-                                max_retries=0)
+    j["client"] = openai_client(j["base_url"], j["api_key_env"], j["timeout_s"], where="judge.api_key_env",
+                                needed_for=f"the judge at {j['base_url']}")
     return j
+
+
+def openai_client(base_url, api_key_env, timeout_s, *, where, needed_for):
+    """An openai.OpenAI client for an OpenAI-compatible server (the judge, a remote evaluator).
+
+    Args:
+        api_key_env: NAME of the environment variable holding the key, or None (a local server:
+            it ignores the key, but the client insists on one). timeout_s: seconds per request.
+        where, needed_for: for the error message.
+    Returns:
+        openai.OpenAI with max_retries 0: our call_with_retries does the retrying (and counts it).
+    Raises:
+        SystemExit (one line): api_key_env names a variable that is not set.
+    """
+    key = "EMPTY"
+    if api_key_env:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise SystemExit(f"{where}: environment variable {api_key_env} is not set (needed for {needed_for})")
+    import openai  # here, not at the top: only these servers need the package
+    return openai.OpenAI(base_url=base_url, api_key=key, timeout=float(timeout_s), max_retries=0)
 
 
 def backoff_delay(attempt, base, cap, u):
@@ -2156,14 +2170,8 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
             raise SystemExit(f"{where}: path: {e}")
     if chat_template is True and tok is None:
         raise SystemExit(f"{where}: chat_template true needs the served model's tokenizer (path) to render it")
-    key = "EMPTY"  # local servers ignore the key, but the client insists on one
-    if r["api_key_env"]:
-        key = os.environ.get(r["api_key_env"])
-        if not key:
-            raise SystemExit(f"{where}: api_key_env: environment variable {r['api_key_env']} is not set "
-                             f"(needed for {base_url})")
-    import openai
-    r["client"] = openai.OpenAI(base_url=base_url, api_key=key, timeout=float(r["timeout_s"]), max_retries=0)
+    r["client"] = openai_client(base_url, r["api_key_env"], r["timeout_s"], where=f"{where}: api_key_env",
+                                needed_for=base_url)
     if tok is None and (system_prompt or chat_template_kwargs):
         raise SystemExit(f"{where}: system_prompt / chat_template_kwargs need the served model's tokenizer "
                          f"(path) to render the chat template; without it the prompt is plain text")

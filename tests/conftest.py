@@ -87,36 +87,48 @@ def tiny_model_fp16_path(tmp_path_factory):
 TINY_MODEL_FIXTURE = {"float32": "tiny_model_path", "bfloat16": "tiny_model_bf16_path", "float16": "tiny_model_fp16_path"}
 
 
-def start_transformers_serve(model_path, log_path, timeout=120):
-    """Start `transformers serve <model_path>` on a free 127.0.0.1 port (CPU, offline) and wait for
-    /health. Returns (Popen, base_url). Stop it with stop_server(proc)."""
+def free_port():
+    """A free TCP port on 127.0.0.1."""
     import socket
-    import subprocess
-    import time
-    import urllib.request
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
+    return port
+
+
+def start_server(name, cmd, port, ready_path, log_path, timeout=120, env=None):
+    """Start a local server process (`cmd`, output to log_path) and wait until GET
+    http://127.0.0.1:{port}{ready_path} answers. Returns (Popen, base_url ".../v1"). Stop it with
+    stop_server(proc). RuntimeError with the log's tail when it exits or does not come up."""
+    import subprocess
+    import time
+    import urllib.request
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode}: {open(log_path).read()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{ready_path}", timeout=2)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"{name} did not come up in {timeout} s: {open(log_path).read()[-2000:]}")
+
+
+def start_transformers_serve(model_path, log_path, timeout=120):
+    """Start `transformers serve <model_path>` on a free 127.0.0.1 port (CPU, offline) and wait for
+    /health. Returns (Popen, base_url). Stop it with stop_server(proc)."""
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     if not os.path.exists(cmd[0]):
         cmd[0] = "transformers"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"transformers serve exited {proc.returncode}: {open(log_path).read()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"transformers serve did not come up in {timeout} s: {open(log_path).read()[-2000:]}")
+    return start_server("transformers serve", cmd, port, "/health", log_path, timeout=timeout, env=env)
 
 
 def stop_server(proc):

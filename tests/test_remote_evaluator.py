@@ -18,20 +18,17 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
-import torch
 
 import config
 import reward as R
 import rollout
-from conftest import REPO, SMOLLM2, stop_server
+from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1
 # weights: llama.cpp multiplies them in quantized form (its activations rounded to 8 bits for the
@@ -244,14 +241,6 @@ def test_remote_config_errors_are_one_line(override, message):
 # ---- a real server: llama-cpp-python serving the SmolLM2 GGUF --------------------------------
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def start_llama_server(log_path, timeout=120):
     """`python -m llama_cpp.server` on the SmolLM2 GGUF, a free 127.0.0.1 port, 2 threads.
     Returns (Popen, base_url)."""
@@ -260,19 +249,7 @@ def start_llama_server(log_path, timeout=120):
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", os.path.join(folder, filename),
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
            "--model_alias", "smollm2", "--logits_all", "true", "--verbose", "false"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited {proc.returncode}: {open(log_path).read()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"llama_cpp.server did not come up in {timeout} s: {open(log_path).read()[-2000:]}")
+    return start_server("llama_cpp.server", cmd, port, "/v1/models", log_path, timeout=timeout)
 
 
 needs_llama_cpp = pytest.mark.skipif(
