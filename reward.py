@@ -682,8 +682,10 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             target_rows.append(ts)
         # samples of one problem (a group) are adjacent: score_targets runs their shared
         # evaluator-prompt prefix once
-        lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
-                           micro_batch_size=micro_batch_size, groups=problems, fast=fast)
+        # in eval mode: a live evaluator is the policy, which may be in train mode with dropout on
+        with rollout.eval_mode(ev["model"]):
+            lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
+                               micro_batch_size=micro_batch_size, groups=problems, fast=fast)
         if renormalize:
             k = len(questions)
             lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])

@@ -172,8 +172,6 @@ def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, tem
         the rollout dict described at the top of this file (no "logprobs").
     """
     from transformers import GenerationConfig
-    model_was_training = model.training
-    model.eval()
     rows = [p for p in prompt_ids for _ in range(group_size)]
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -188,14 +186,13 @@ def generate_plain(model, tokenizer, prompt_ids, group_size, max_new_tokens, tem
     bare = GenerationConfig()
     chunks = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            set_attribute([model], "generation_config", bare):
+            set_attribute([model], "generation_config", bare), eval_mode(model):
         torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
         for start in range(0, len(rows), mb):
             ids, attn = left_pad(rows[start:start + mb], pad_id)
             out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
             chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
-    model.train(model_was_training)
     return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
 
 
@@ -233,8 +230,6 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
         return generate_plain(model, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                               micro_batch_size=micro_batch_size)
-    model_was_training = model.training
-    model.eval()
     rows = [p for p in prompt_ids for _ in range(group_size)]
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -242,11 +237,11 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     mb = micro_batch_size or len(rows)
     generator = torch.Generator(device=device).manual_seed(seed)
     chunks = []
-    for start in range(0, len(rows), mb):
-        distinct, counts = prompt_runs(rows[start:start + mb])
-        chunks.append(sample_rows(model, distinct, counts, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, generator=generator).cpu())
-    model.train(model_was_training)
+    with eval_mode(model):
+        for start in range(0, len(rows), mb):
+            distinct, counts = prompt_runs(rows[start:start + mb])
+            chunks.append(sample_rows(model, distinct, counts, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+                                      temperature=temperature, top_p=top_p, top_k=top_k, generator=generator).cpu())
     return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
 
 
@@ -1089,6 +1084,22 @@ def checkpointed_modules(model):
     """The modules of `model` with activation checkpointing on (train.wrap_policy): transformers'
     decoder layers, and the model that holds the flag."""
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode inside the block (dropout off: LoRA's, model.lora.dropout), then every
+    submodule back in the mode it had. Every no-grad pass that computes a probability runs in it
+    (the rollout, evaluator scores, behaviour and reference log-probs): p(y | x) is then a function
+    of (x, y) and the weights, not of the RNG, and a resumed run scores what the uninterrupted one
+    did. Only the gradient pass sees dropout (docs/method.md §4.7)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 @contextlib.contextmanager

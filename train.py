@@ -199,7 +199,8 @@ def frozen_logprobs(model, batch, pad_id, cfg, device):
     """
     out, full = [None] * len(batch["prompt_ids"]), batch["completion_ids"].shape[1]
     for rows in micro_batches(range(len(out)), cfg["train"]["micro_batch_size"]):
-        with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
+        # eval mode: pi_b and pi_ref are the policies' probabilities, dropout (LoRA's) off
+        with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device), rollout.eval_mode(model):
             lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg)
         for i, row in zip(rows, lp.float().cpu()):
             out[i] = torch.nn.functional.pad(row, (0, full - width))

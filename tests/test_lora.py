@@ -136,6 +136,42 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
     assert max((x - y).abs().max().item() for x, y in zip(got, live)) > 1e-3
 
 
+# ---- dropout: only the gradient pass sees it ------------------------------------------------------
+
+def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_path):
+    """With model.lora.dropout > 0 and the policy in train mode (as it is between updates), the
+    live evaluator's scores, the rollout and the behaviour log-probs are computed with dropout
+    off (rollout.eval_mode): the same under any global RNG state and equal to eval mode's, and
+    the policy is left in train mode. (A resumed run scored differently otherwise.)"""
+    import reward as R
+    import rollout
+    from test_train import _layout_batch, _layout_cfg
+    policy, tok = lora_policy(tiny_model_path, dict(LORA, dropout=0.5))
+    evs = [{"name": "self", "model": policy, "tokenizer": tok, "chat": False, "weight": 1.0}]
+    kw = dict(meta_questions=R.meta_question_dicts(["Is the answer correct?"]),
+              problems=["What is 2+3?"] * 2, solutions=["5", "It is \\boxed{6}."])
+    cfg, batch = _layout_cfg(2, "seq_sum"), _layout_batch()
+
+    def passes(seed):
+        torch.manual_seed(seed)
+        ro = rollout.generate(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0)
+        return (R.rlme_reward(evs, **kw)["logp"], ro["completion_ids"],
+                T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU))
+
+    policy.eval()
+    want = passes(0)
+    policy.train()
+    for seed in (1, 2):
+        got = passes(seed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(x, y) for x, y in zip(got[2], want[2]))
+        assert policy.training and all(m.training for m in policy.modules())  # mode restored
+    # the gradient pass does see dropout: two train-mode forwards differ
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert not torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
+
+
 # ---- the update: only adapters move, with and without activation checkpointing -------------------
 
 def _lora_update(model_path, checkpointing):

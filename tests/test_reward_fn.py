@@ -36,7 +36,8 @@ def expected(evaluators, problems=PROBLEMS, completions=COMPLETIONS, **kw):
 def test_load_evaluator_builds_a_frozen_evaluator(evaluators):
     ev, plain = evaluators
     assert set(ev) == {"name", "model", "tokenizer", "chat", "weight"}
-    assert (ev["name"], ev["chat"], ev["weight"]) == ("chat", True, 1.0)
+    # "chat": the template options (rollout.use_chat_template), False for plain text
+    assert (ev["name"], ev["chat"], ev["weight"]) == ("chat", {"system": None, "kwargs": {}}, 1.0)
     assert (plain["chat"], plain["weight"]) == (False, 0.5)
     assert not ev["model"].training
     assert not any(p.requires_grad for p in ev["model"].parameters())
