@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import reward as R
 
@@ -229,15 +230,16 @@ def test_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, case, ro
 
 
 @pytest.mark.slow
-def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, tiny_model_path):
-    """GRPOTrainer (trl 1.16, CPU) trains the tiny random model for 2 steps with our reward function:
-    the run finishes, TRL logs our reward and our per-question log p, and every reward TRL received
-    is rlme_reward's on the texts it passed."""
+def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, smollm2_path):
+    """GRPOTrainer (trl 1.16, CPU) trains the real SmolLM2-135M-Instruct for 2 steps with our reward
+    function, a frozen SmolLM2 as the evaluator: the run finishes, TRL logs our reward and our
+    per-question log p, every reward TRL received is rlme_reward's on the texts it passed, and the
+    policy's weights moved."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    ev = R.load_evaluator(tiny_model_path, name="tiny")  # frozen, a separate copy from the policy
+    ev = R.load_evaluator(smollm2_path, name="smol")  # frozen, a separate copy from the policy
     questions = ["What is 2 + 3?", "What is 7 - 4?", "What is 3 * 3?", "What is 8 / 2?"]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve, box the answer: {q}"}], "question": q}
                               for q in questions])
@@ -250,8 +252,9 @@ def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, tiny_mod
         return rewards
     recorded.__name__ = rlme.__name__
 
-    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    policy = AutoModelForCausalLM.from_pretrained(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                       logging_steps=1, max_steps=2, seed=0, per_device_train_batch_size=2,
                       gradient_accumulation_steps=1, num_generations=2, max_completion_length=8,
@@ -263,7 +266,7 @@ def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, tiny_mod
     logs = [h for h in trainer.state.log_history if "rewards/rlme_reward/mean" in h]
     assert len(logs) == 2
     for h in logs:
-        logp = h["rlme/tiny/Is the answer correct?/logp"]
+        logp = h["rlme/smol/Is the answer correct?/logp"]
         # one evaluator, one question of weight 1: the reward is the log p, so are their means
         assert math.isfinite(logp) and logp < 0
         assert h["rewards/rlme_reward/mean"] == pytest.approx(logp, abs=1e-5)
@@ -272,3 +275,5 @@ def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, tiny_mod
     for problems, completions, rewards in calls:
         want = R.rlme_reward([ev], R.meta_question_dicts(["Is the answer correct?"]), problems, completions)
         assert rewards == want["reward"].tolist()
+    moved = [n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(moved) > len(before) // 2, f"TRL's update moved {len(moved)} of {len(before)} tensors"
