@@ -425,7 +425,7 @@ def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=
     one unpadded forward per (prompt + target) row, so no padding, positions or cache are involved.
 
     Args:
-        model: causal LM (eval mode; no grad is taken).
+        model: causal LM (run in eval mode, rollout.eval_mode, its modes restored after; no grad).
         prompt_ids: list (N) of lists (K) of list[int], each non-empty.
         target_ids: same nesting, the target answer ids (each non-empty).
         pad_id, micro_batch_size: accepted so that the call matches score_targets; unused (no
@@ -435,11 +435,12 @@ def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=
     """
     device = next(model.parameters()).device
     out = torch.zeros(len(prompt_ids), len(prompt_ids[0]))
-    for i, (prompts, targets) in enumerate(zip(prompt_ids, target_ids)):
-        for k, (p, t) in enumerate(zip(prompts, targets)):
-            logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
-            # the logits at position j predict token j + 1: positions len(p)-1 .. end-1 predict t
-            out[i, k] = token_logprobs_plain(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
+    with rollout.eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
+        for i, (prompts, targets) in enumerate(zip(prompt_ids, target_ids)):
+            for k, (p, t) in enumerate(zip(prompts, targets)):
+                logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
+                # the logits at position j predict token j + 1: positions len(p)-1 .. end-1 predict t
+                out[i, k] = token_logprobs_plain(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
     return out
 
 
@@ -460,7 +461,7 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     problem once instead of G times (timings: docs/performance.md).
 
     Args:
-        model: causal LM (eval mode; no grad is taken).
+        model: causal LM (run in eval mode, rollout.eval_mode, its modes restored after; no grad).
         prompt_ids: list (N) of lists (K) of list[int].
         target_ids: same nesting, the target answer ids.
         pad_id: int.
@@ -476,59 +477,60 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     device = next(model.parameters()).device
     groups = list(range(len(prompt_ids))) if groups is None else list(groups)
     out = []
-    for start in range(0, len(prompt_ids), micro_batch_size):
-        prompts, targets = prompt_ids[start:start + micro_batch_size], target_ids[start:start + micro_batch_size]
-        n, k = len(prompts), len(prompts[0])
-        # B ends at least one token before each prompt's end, so every suffix row has a token
-        # whose logits predict the first target token; A ends at least one token before B's end.
-        cut = [min(_common_prefix_len(p), min(len(x) for x in p) - 1) for p in prompts]
-        runs = []  # [first sample, count, shared length] per group run in this micro-batch
-        for i, g in enumerate(groups[start:start + n]):
-            if runs and g == groups[start + runs[-1][0]]:
-                runs[-1][1] += 1
-            else:
-                runs.append([i, 1, 0])
-        for r in runs:
-            members = range(r[0], r[0] + r[1])
-            r[2] = 0 if r[1] == 1 else min(_common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
-                                            min(cut[i] for i in members) - 1)
-        shared = [r[2] for r in runs for _ in range(r[1])]
-        reps = torch.tensor([r[1] for r in runs], device=device)
-        cache, past = DynamicCache(config=model.config), None
-        # A: one row per group run (left-padded), then repeated to the run's samples
-        if max(shared) > 0:
-            a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
-            past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None, cache=cache)
-            rollout.repeat_cache(cache, reps)
-            past = past.repeat_interleave(reps, dim=0)
-        # B: the rest of each sample's common prefix (right-padded), then repeated K times
-        b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
-        past = _stage_forward(model, b_ids, b_mask, past_mask=past, cache=cache)
-        rollout.repeat_cache(cache, torch.full((n,), k, device=device))
-        past = past.repeat_interleave(k, dim=0)
-        # C: suffix rows, right-padded: prompt tail + target
-        rows, tgt_start, tgt_len = [], [], []
-        for p, t, c in zip(prompts, targets, cut):
-            for pk, tk in zip(p, t):
-                rows.append(pk[c:] + tk)
-                tgt_start.append(len(pk) - c)
-                tgt_len.append(len(tk))
-        c_ids, c_mask = _right_pad(rows, pad_id, device)
-        full = torch.cat([past, c_mask], dim=1)
-        width = c_ids.shape[1]
-        # the logits at suffix column j predict column j+1: the target tokens at columns
-        # tgt_start .. tgt_start+len-1 are predicted from columns tgt_start-1 ... Only those go
-        # through the LM head (a bool logits_to_keep), not every column of the K meta-question
-        # tails (docs/performance.md).
-        col = torch.arange(width, device=device)[None, :]
-        first = torch.tensor(tgt_start, device=device)[:, None] - 1
-        pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
-        logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
-                       cache=cache, use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
-        next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)  # column j holds the token at j+1
-        lp = token_logprobs(logits, next_ids[pred])
-        row = pred.nonzero()[:, 0]
-        out.append(torch.zeros(n * k, device=device).index_add_(0, row, lp).view(n, k).cpu())
+    with rollout.eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
+        for start in range(0, len(prompt_ids), micro_batch_size):
+            prompts, targets = prompt_ids[start:start + micro_batch_size], target_ids[start:start + micro_batch_size]
+            n, k = len(prompts), len(prompts[0])
+            # B ends at least one token before each prompt's end, so every suffix row has a token
+            # whose logits predict the first target token; A ends at least one token before B's end.
+            cut = [min(_common_prefix_len(p), min(len(x) for x in p) - 1) for p in prompts]
+            runs = []  # [first sample, count, shared length] per group run in this micro-batch
+            for i, g in enumerate(groups[start:start + n]):
+                if runs and g == groups[start + runs[-1][0]]:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([i, 1, 0])
+            for r in runs:
+                members = range(r[0], r[0] + r[1])
+                r[2] = 0 if r[1] == 1 else min(_common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
+                                                min(cut[i] for i in members) - 1)
+            shared = [r[2] for r in runs for _ in range(r[1])]
+            reps = torch.tensor([r[1] for r in runs], device=device)
+            cache, past = DynamicCache(config=model.config), None
+            # A: one row per group run (left-padded), then repeated to the run's samples
+            if max(shared) > 0:
+                a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
+                past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None, cache=cache)
+                rollout.repeat_cache(cache, reps)
+                past = past.repeat_interleave(reps, dim=0)
+            # B: the rest of each sample's common prefix (right-padded), then repeated K times
+            b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
+            past = _stage_forward(model, b_ids, b_mask, past_mask=past, cache=cache)
+            rollout.repeat_cache(cache, torch.full((n,), k, device=device))
+            past = past.repeat_interleave(k, dim=0)
+            # C: suffix rows, right-padded: prompt tail + target
+            rows, tgt_start, tgt_len = [], [], []
+            for p, t, c in zip(prompts, targets, cut):
+                for pk, tk in zip(p, t):
+                    rows.append(pk[c:] + tk)
+                    tgt_start.append(len(pk) - c)
+                    tgt_len.append(len(tk))
+            c_ids, c_mask = _right_pad(rows, pad_id, device)
+            full = torch.cat([past, c_mask], dim=1)
+            width = c_ids.shape[1]
+            # the logits at suffix column j predict column j+1: the target tokens at columns
+            # tgt_start .. tgt_start+len-1 are predicted from columns tgt_start-1 ... Only those go
+            # through the LM head (a bool logits_to_keep), not every column of the K meta-question
+            # tails (docs/performance.md).
+            col = torch.arange(width, device=device)[None, :]
+            first = torch.tensor(tgt_start, device=device)[:, None] - 1
+            pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
+            logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
+                           cache=cache, use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
+            next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)  # column j holds the token at j+1
+            lp = token_logprobs(logits, next_ids[pred])
+            row = pred.nonzero()[:, 0]
+            out.append(torch.zeros(n * k, device=device).index_add_(0, row, lp).view(n, k).cpu())
     return torch.cat(out)
 
 
@@ -682,10 +684,8 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             target_rows.append(ts)
         # samples of one problem (a group) are adjacent: score_targets runs their shared
         # evaluator-prompt prefix once
-        # in eval mode: a live evaluator is the policy, which may be in train mode with dropout on
-        with rollout.eval_mode(ev["model"]):
-            lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
-                               micro_batch_size=micro_batch_size, groups=problems, fast=fast)
+        lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
+                           micro_batch_size=micro_batch_size, groups=problems, fast=fast)
         if renormalize:
             k = len(questions)
             lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])

@@ -165,7 +165,8 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
 
 # ---- dropout: only the gradient pass sees it ------------------------------------------------------
 
-def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_path):
+@pytest.mark.parametrize("fast", [True, False])
+def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_path, fast):
     """With model.lora.dropout > 0 and the policy in train mode (as it is between updates), the
     live evaluator's scores, the rollout and the behaviour log-probs are computed with dropout
     off (rollout.eval_mode): the same under any global RNG state and equal to eval mode's, and
@@ -178,11 +179,12 @@ def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_pa
     kw = dict(meta_questions=R.meta_question_dicts(["Is the answer correct?"]),
               problems=["What is 2+3?"] * 2, solutions=["5", "It is \\boxed{6}."])
     cfg, batch = _layout_cfg(2, "seq_sum"), _layout_batch()
+    cfg["train"]["fast_paths"] = fast  # each pass and its plain twin
 
     def passes(seed):
         torch.manual_seed(seed)
-        ro = rollout.generate(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0)
-        return (R.rlme_reward(evs, **kw)["logp"], ro["completion_ids"],
+        ro = rollout.generate(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0, fast=fast)
+        return (R.rlme_reward(evs, **kw, fast=fast)["logp"], ro["completion_ids"],
                 T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU))
 
     policy.eval()
