@@ -1760,6 +1760,19 @@ def check_startup(cfg):
             importlib.import_module(name)
         except ImportError:
             raise SystemExit(f"config key run.report_to: {name} needs the `{name}` package: pip install {name}")
+    if "wandb" in cfg["run"]["report_to"]:
+        check_wandb_credentials()
+
+
+def check_wandb_credentials():
+    """wandb in online mode needs a W&B API key: without one wandb.init fails (no terminal) or
+    prompts, after every model has loaded. SystemExit (one line) before that instead."""
+    import wandb
+    if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):  # WANDB_MODE or wandb's settings file
+        return
+    if not wandb.login(verify=False, prompt=False):  # WANDB_API_KEY, wandb's settings, ~/.netrc; no network
+        raise SystemExit("config key run.report_to: wandb is online but no W&B API key is configured: run "
+                         "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,25 @@ def test_a_missing_tracker_package_stops_at_start_up(monkeypatch, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_wandb_online_without_an_api_key_stops_at_start_up(tmp_path):
+    """No WANDB_API_KEY, no ~/.netrc, online mode: one line before any model loads (wandb.init
+    raised a traceback after the models had loaded); WANDB_MODE=offline needs no key."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), NETRC=str(tmp_path / "netrc"))
+    code = ("import train\ntrain.main(['run.report_to=[wandb]', 'model.policy=/nonexistent', "
+            f"'data.train={tmp_path / 'none.jsonl'}', 'run.out_dir={tmp_path / 'out'}', 'train.device=cpu', "
+            "'train.parallel=ddp'])")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("wandb:")]
+    assert p.returncode == 1 and lines == ["config key run.report_to: wandb is online but no W&B API key is configured: "
+                                           "run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to "
+                                           "log locally"], p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, WANDB_MODE="offline"),
+                       capture_output=True, text=True, timeout=300)
+    assert "W&B API key" not in p.stderr and "none.jsonl does not exist" in p.stderr, p.stderr[-2000:]  # past it
+
+
 # ---- a real run, read back from each tracker's files ----------------------------------------------------
 
 def read_jsonl(path):
