@@ -513,15 +513,18 @@ def monitor(state, cfg, val, metrics):
     hist = state["val_history"]
     hist.append({"step": val["step"], "accuracy": val["val/accuracy"], "train_reward": None})
     if metrics is not None:
-        since = state["rewards_since_eval"]
-        hist[-1]["train_reward"] = sum(since) / len(since)
+        since = state["rewards_since_eval"]  # empty when every step since was fully masked
+        hist[-1]["train_reward"] = sum(since) / len(since) if since else None
         state["rewards_since_eval"] = []
         a, b = (hist[-2], hist[-1]) if len(hist) >= 2 else (None, None)
-        if a and a["train_reward"] is not None and b["train_reward"] > a["train_reward"] and b["accuracy"] < a["accuracy"]:
+        if (a and a["train_reward"] is not None and b["train_reward"] is not None
+                and b["train_reward"] > a["train_reward"] and b["accuracy"] < a["accuracy"]):
             state["pbar"].write(f"[monitor] step {b['step']}: training reward rose ({a['train_reward']:.3f} -> "
                                 f"{b['train_reward']:.3f}) while held-out accuracy fell ({a['accuracy']:.3f} -> "
                                 f"{b['accuracy']:.3f}): reward hacking?")
-            state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", val=f"{b['accuracy']:.2f}", warn="hack?")
+            now = metrics["reward/mean"]
+            state["pbar"].set_postfix(reward=f"{now:.3f}" if now is not None else "masked", val=f"{b['accuracy']:.2f}",
+                                      warn="hack?")
     r = cfg["run"]
     return bool(r["early_stop_patience"]) and early_stop([h["accuracy"] for h in hist], r["early_stop_drop"],
                                                          r["early_stop_patience"])
@@ -557,14 +560,17 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
         gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
     if state["rank"] != 0:
         return None
-    known = [r["reward"] for r in records if r["reward"] is not None]  # None: the judge call failed
-    rew = torch.tensor(known or [0.0])
+    # None: the judge call / remote evaluator failed. A step with no known reward has no mean
+    # (None, never 0.0: the best RLME reward) and stays out of the monitor's training reward.
+    known = [r["reward"] for r in records if r["reward"] is not None]
+    rew = torch.tensor(known) if known else None
     lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
     groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None} for g in range(0, len(records), G)]
     n, steps = len(records), cfg["algo"]["updates_per_batch"] * cfg["algo"]["minibatches"]
     labelled = [r["correct"] for r in records if r["correct"] is not None]  # None: no labels (RLME only)
     metrics = {
-        "step": records[0]["step"], "reward/mean": rew.mean().item(), "reward/std": rew.std(unbiased=False).item(),
+        "step": records[0]["step"], "reward/mean": rew.mean().item() if known else None,
+        "reward/std": rew.std(unbiased=False).item() if known else None,
         "accuracy": sum(labelled) / len(labelled) if labelled else None,
         "advantage/abs_mean": sum(abs(r["advantage"]) for r in records) / n,
         "groups/zero_variance_frac": sum(len(g) <= 1 for g in groups) / len(groups),
@@ -597,9 +603,14 @@ def log_step(state, cfg, records, upd, reward_metrics, times):
     track_step(state["trackers"], metrics, records if cfg["run"]["log_samples"] else None)  # run.report_to
     # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
     acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
-    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}", **({"acc": f"{acc:.2f}"} if acc is not None else {}),
+    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}" if known else "masked",
+                              **({"acc": f"{acc:.2f}"} if acc is not None else {}),
                               s=f"{metrics['time/step']:.0f}", refresh=False)
-    state["rewards_since_eval"].append(metrics["reward/mean"])  # for the reward-hacking monitor
+    if known:
+        state["rewards_since_eval"].append(metrics["reward/mean"])  # for the reward-hacking monitor
+    else:
+        state["pbar"].write(f"[train] step {metrics['step']}: no reward known, all {n} samples masked "
+                            f"(failed judge / remote evaluator calls; reward/masked, samples.jsonl)")
     state["pbar"].update(1)
     return metrics
 

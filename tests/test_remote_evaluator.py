@@ -344,6 +344,7 @@ def test_training_with_a_remote_evaluator_whose_server_dies(tiny_model_path, tmp
     assert all(s["reward"] == s["logp"]["far"]["Is the answer correct?"] < 0 for s in step1)
     assert two["evaluator/far/failed"] == 4 and two["reward/masked"] == 4
     assert two["rlme/far/Is the answer correct?/logp"] is None and two["grad_norm"] == 0.0
+    assert two["reward/mean"] is None and two["reward/std"] is None  # no known reward: no mean, never 0.0
     step2 = [s for s in samples if s["step"] == 2]
     assert all(s["reward"] is None and s["advantage"] == 0.0 and s["logp"]["far"]["Is the answer correct?"] is None
                for s in step2)

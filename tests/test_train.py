@@ -568,3 +568,40 @@ def test_off_policy_update_with_micro_batches_that_split_a_minibatch(tiny_model_
     assert split["loss"] == pytest.approx(aligned["loss"], rel=1e-5)
     torch.testing.assert_close(split["is_weight"], aligned["is_weight"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_split, d_aligned, rtol=1e-4, atol=1e-5)
+
+
+# ---- log_step: a step whose every reward is unknown -----------------------------------------------
+
+def test_a_fully_masked_step_logs_no_reward_mean(tmp_path):
+    """Every sample masked (failed judge / remote evaluator calls): reward/mean and reward/std are
+    None, not 0.0 (the best RLME reward), the progress bar says so, and the reward-hacking
+    monitor's training reward leaves the step out; a step with known rewards still averages them
+    (hand numbers: rewards -1 and -3, mean -2, population std 1)."""
+    from config import load_config
+    from tqdm import tqdm
+    cfg = load_config([os.path.join(os.path.dirname(T.__file__), "configs", "cpu.yaml")],
+                      [f"run.out_dir={tmp_path}", "rollout.group_size=2"])
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), lambda s: 1.0)
+    bar = tqdm(total=2, disable=True)
+    written = []
+    bar.write = written.append
+    state = {"world": 1, "rank": 0, "scheduler": sched, "device": torch.device("cpu"), "trackers": [], "pbar": bar,
+             "rewards_since_eval": []}
+    q = cfg["reward"]["meta_questions"][0]["question"]
+
+    def records(step, rewards):
+        return [{"step": step, "rank": 0, "group": 0, "reward": r, "rlvr_reward": 0.0, "rlme_reward": r,
+                 "logp": {"self": {q: r}}, "extracted": None, "correct": None, "completion": "x", "truncated": False,
+                 "length": 3, "advantage": 0.0, "importance_weight": 1.0, "clipped": 0.0} for r in rewards]
+    upd = {"loss": 0.0, "grad_norms": [0.0], "logp_gap": None}
+    times = {"rollout": 1.0, "reward": 1.0, "update": 1.0}
+    m1 = T.log_step(state, cfg, records(1, [-1.0, -3.0]), upd, reward_metrics={}, times=times)
+    assert (m1["reward/mean"], m1["reward/std"]) == (-2.0, 1.0)
+    m2 = T.log_step(state, cfg, records(2, [None, None]), upd, reward_metrics={"reward/masked": 2}, times=times)
+    assert m2["reward/mean"] is None and m2["reward/std"] is None and m2["rlme_reward/mean"] is None
+    assert state["rewards_since_eval"] == [-2.0]  # step 2 left out
+    assert bar.postfix.startswith("reward=masked")
+    assert written == ["[train] step 2: no reward known, all 2 samples masked "
+                       "(failed judge / remote evaluator calls; reward/masked, samples.jsonl)"]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [ln["reward/mean"] for ln in lines] == [-2.0, None]
