@@ -1686,16 +1686,21 @@ def open_trackers(cfg, start_step):
                 writer.flush()  # a crash loses no logged step
             trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": 0})
             continue
-        if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
-            import trackio
-            r = trackio.init(project=run["tracking_project"], name=f"{info['name']}-{info['id']}", config=cfg,
-                             resume="allow")
-            make_table = lambda columns, rows: trackio.Table(columns=columns, data=rows)
-        else:  # wandb: online unless WANDB_MODE=offline (then `wandb sync <out_dir>/wandb/offline-run-*` uploads it)
-            import wandb
-            r = wandb.init(project=run["tracking_project"], id=info["id"], name=info["name"], resume="allow",
-                           dir=out_dir, config=cfg)
-            make_table = lambda columns, rows: wandb.Table(columns=columns, data=rows, allow_mixed_types=True)
+        try:
+            if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
+                import trackio
+                r = trackio.init(project=run["tracking_project"], name=f"{info['name']}-{info['id']}", config=cfg,
+                                 resume="allow")
+                make_table = lambda columns, rows: trackio.Table(columns=columns, data=rows)
+            else:  # wandb: online unless WANDB_MODE=offline (then `wandb sync <out_dir>/wandb/offline-run-*` uploads it)
+                import wandb
+                r = wandb.init(project=run["tracking_project"], id=info["id"], name=info["name"], resume="allow",
+                               dir=out_dir, config=cfg)
+                make_table = lambda columns, rows: wandb.Table(columns=columns, data=rows, allow_mixed_types=True)
+        except Exception as e:  # noqa: BLE001 - e.g. wandb's CommError when its server cannot be reached
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise SystemExit(f"config key run.report_to: {name} could not start its run ({type(e).__name__}: {why})"
+                             + ("; WANDB_MODE=offline logs locally" if name == "wandb" else ""))
 
         def log(metrics, step, table, r=r, make_table=make_table):
             r.log({**metrics, **({"samples": make_table(*table)} if table is not None else {})}, step=step)

@@ -86,6 +86,22 @@ def test_wandb_online_without_an_api_key_stops_at_start_up(tmp_path):
     assert "W&B API key" not in p.stderr and "none.jsonl does not exist" in p.stderr, p.stderr[-2000:]  # past it
 
 
+def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
+    """wandb.init raising (here wandb's own CommError, as when its server cannot be reached: it
+    retried ~2 min, then a traceback): one line naming run.report_to and the way out."""
+    import wandb
+    from wandb.errors import CommError
+
+    def unreachable(**kwargs):
+        raise CommError("Failed to get resume status for run e3b36ff4: context deadline exceeded\nmore detail")
+    monkeypatch.setattr(wandb, "init", unreachable)
+    cfg = T.load_config([], ["run.report_to=[wandb]", f"run.out_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as e:
+        T.open_trackers(cfg, start_step=0)
+    assert str(e.value) == ("config key run.report_to: wandb could not start its run (CommError: Failed to get resume "
+                            "status for run e3b36ff4: context deadline exceeded); WANDB_MODE=offline logs locally")
+
+
 # ---- a real run, read back from each tracker's files ----------------------------------------------------
 
 def read_jsonl(path):
