@@ -2174,7 +2174,7 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
         raise SystemExit(f"{where}: chat_template true needs the served model's tokenizer (path) to render it")
     r["client"] = openai_client(base_url, r["api_key_env"], r["timeout_s"], where=f"{where}: api_key_env",
                                 needed_for=base_url)
-    if tok is None and (system_prompt or chat_template_kwargs):
+    if tok is None and (system_prompt is not None or chat_template_kwargs):
         raise SystemExit(f"{where}: system_prompt / chat_template_kwargs need the served model's tokenizer "
                          f"(path) to render the chat template; without it the prompt is plain text")
     chat = False if tok is None else rollout.use_chat_template(

@@ -606,6 +606,13 @@ def read_only_cache(cache):
 # Prompt settings checked at start-up: the chat template or not, the prompt-length limit
 
 
+# apply_chat_template's own arguments that chat_prompt sets or that change what it returns: never
+# template variables, so model.chat_template_kwargs may not hold them (they would clash or break parsing)
+CHAT_TEMPLATE_ARGUMENTS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_tensors",
+                           "return_dict", "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs"}
+
+
 def use_chat_template(tokenizer, setting, *, model_path=None, system=None, template_kwargs=None,
                       key="model"):
     """Whether prompts go through the chat template, and with which options (docs/method.md §4.1).
@@ -616,7 +623,8 @@ def use_chat_template(tokenizer, setting, *, model_path=None, system=None, templ
 
     Args:
         model_path: the model's path or hub id (config, not a checkpoint folder), for "auto".
-        system: a system message put before the user message, or None (the template's default).
+        system: a system message put before the user message, or None (the template's default);
+            "" is an empty system message, which removes a template's default one (SmolLM2's).
         template_kwargs: dict of extra variables for the template, e.g. {"enable_thinking": False}
             for Qwen3 (passed to every apply_chat_template call).
         key: the config section named in errors ("model", "reward.evaluators[0]"); None names
@@ -627,7 +635,9 @@ def use_chat_template(tokenizer, setting, *, model_path=None, system=None, templ
     Raises:
         SystemExit (one line, naming the key): chat_template true without a template; a system
         prompt or template kwargs for a plain-text prompt (they would do nothing); a kwarg that
-        does not change the rendered prompt; a system prompt the template drops.
+        does not change the rendered prompt, or that is apply_chat_template's own argument
+        (CHAT_TEMPLATE_ARGUMENTS); a system prompt that renders as the template's default or
+        that the template drops.
     """
     def name(field):
         return f"config key {key}.{field}" if key else "--" + field.replace("_", "-")
@@ -641,11 +651,15 @@ def use_chat_template(tokenizer, setting, *, model_path=None, system=None, templ
             raise SystemExit(f"{name('chat_template')}: true, but the tokenizer has no chat template")
         chat = bool(setting)
     if not chat:
-        for field, value in (("system_prompt", system), ("chat_template_kwargs", template_kwargs)):
-            if value:
+        for field, value in (("system_prompt", system), ("chat_template_kwargs", template_kwargs or None)):
+            if value is not None:
                 raise SystemExit(f"{name(field)}: the prompt is plain text ({name('chat_template')} {setting!r} "
                                  f"for {model_path or 'this model'}), so it would do nothing")
         return False
+    reserved = sorted(set(template_kwargs) & CHAT_TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise SystemExit(f"{name('chat_template_kwargs')}: {reserved[0]} is an argument of apply_chat_template that "
+                         f"the trainer sets itself, not a template variable")
     options = {"system": system, "kwargs": template_kwargs}
     # A setting that renders the same prompt as without it would silently do nothing.
     probe = "2 + 2 = ?"
@@ -654,8 +668,12 @@ def use_chat_template(tokenizer, setting, *, model_path=None, system=None, templ
         if chat_prompt(tokenizer, probe, options, tokenize=False) == chat_prompt(tokenizer, probe, without, tokenize=False):
             raise SystemExit(f"{name('chat_template_kwargs')}: {k}={template_kwargs[k]!r} renders the same prompt "
                              f"as without it (the chat template does not read {k}, or this is its default)")
-    if system and system not in chat_prompt(tokenizer, probe, options, tokenize=False):
+    if system is not None and system not in chat_prompt(tokenizer, probe, options, tokenize=False):
         raise SystemExit(f"{name('system_prompt')}: the chat template drops system messages")
+    if system is not None and (chat_prompt(tokenizer, probe, options, tokenize=False)
+                               == chat_prompt(tokenizer, probe, dict(options, system=None), tokenize=False)):
+        raise SystemExit(f"{name('system_prompt')}: {system!r} renders the same prompt as without it (it is the "
+                         f"chat template's default system message)")
     return options
 
 
@@ -691,7 +709,7 @@ def chat_prompt(tokenizer, text, chat, tokenize):
     """
     options = chat if isinstance(chat, dict) else {}
     messages = [{"role": "user", "content": text}]
-    if options.get("system"):
+    if options.get("system") is not None:  # "" is an empty system message (it replaces a template's default one)
         messages.insert(0, {"role": "system", "content": options["system"]})
     out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,
                                         **options.get("kwargs", {}))

@@ -98,11 +98,34 @@ def test_settings_that_would_do_nothing_are_one_line_errors(qwen3_style, tiny_mo
         (lambda: _no_system(tok, "S"), "config key reward.evaluators[1].system_prompt: the chat template drops"),
         (lambda: rollout.use_chat_template(tok, "auto", template_kwargs={"enable_thinking": 0}, key=None),
          "--chat-template-kwargs: enable_thinking=0 renders the same prompt"),
+        # SmolLM2's template puts this system message in when none is given
+        (lambda: rollout.use_chat_template(smol, "auto", system=SMOL_DEFAULT_SYSTEM),
+         f"config key model.system_prompt: {SMOL_DEFAULT_SYSTEM!r} renders the same prompt as without it"),
+        (lambda: rollout.use_chat_template(tok, "auto", model_path="x/Tiny-Base", system=""),
+         "config key model.system_prompt: the prompt is plain text"),
+        # apply_chat_template's own arguments: a TypeError (add_generation_prompt given twice) before
+        (lambda: rollout.use_chat_template(smol, "auto", template_kwargs={"add_generation_prompt": False}),
+         "config key model.chat_template_kwargs: add_generation_prompt is an argument of apply_chat_template"),
+        (lambda: rollout.use_chat_template(smol, "auto", template_kwargs={"tokenize": False}),
+         "config key model.chat_template_kwargs: tokenize is an argument of apply_chat_template"),
     ]
     for call, message in cases:
         with pytest.raises(SystemExit) as e:
             call()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def test_an_empty_system_prompt_removes_the_default_one(tiny_model_path):
+    """model.system_prompt "" is an empty system message, not "no option": for SmolLM2 it replaces
+    the template's default system message (before, "" was dropped and the default stayed)."""
+    smol = transformers.AutoTokenizer.from_pretrained(tiny_model_path)
+    chat = rollout.use_chat_template(smol, "auto", system="")
+    assert chat == {"system": "", "kwargs": {}}
+    assert rollout.render_prompt(smol, "Q", chat) == "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert SMOL_DEFAULT_SYSTEM in rollout.render_prompt(smol, "Q", True)
 
 
 def _no_system(tok, system):
