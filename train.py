@@ -1389,16 +1389,19 @@ def apply_lora(policy, lora, seed, ckpt=None):
     targets = lora["target_modules"]
     if targets != "all-linear":
         names = {n: m for n, m in policy.named_modules() if n}
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items() if isinstance(m, torch.nn.Linear)})
         tied = bool(getattr(policy.config, "tie_word_embeddings", False))
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items() if isinstance(m, torch.nn.Linear)}
+                        - ({"lm_head"} if tied else set()))  # the Linear layers a user may name
         for t in targets:  # peft's rule: the module's full name is t or ends with "." + t
             hits = [m for n, m in names.items() if n == t or n.endswith("." + t)]
             if not hits:
                 raise SystemExit(f"config key model.lora.target_modules: no module named {t!r} in "
                                  f"{type(policy).__name__} (its Linear layers: {', '.join(linear)})")
             if not all(isinstance(m, torch.nn.Linear) for m in hits):
-                raise SystemExit(f"config key model.lora.target_modules: {t!r} is a {type(hits[0]).__name__}, "
-                                 f"not a Linear layer (LoRA here adapts Linear layers: {', '.join(linear)})")
+                kind = type(hits[0]).__name__
+                a = "an" if kind[0] in "AEIOU" else "a"
+                raise SystemExit(f"config key model.lora.target_modules: {t!r} is {a} {kind}, not a Linear layer "
+                                 f"(LoRA here adapts Linear layers: {', '.join(linear)})")
             if tied and t.rsplit(".", 1)[-1] == "lm_head":  # its merge would untie it from the embedding
                 raise SystemExit("config key model.lora.target_modules: lm_head is tied to the input embedding "
                                  "in this model; leave it out")

@@ -10,7 +10,7 @@ prompt log-probs.
   the same prompt within REMOTE_TOLERANCE; a short training run with a remote evaluator whose
   server is killed after step 1; a server that is not there at start-up; transformers serve,
   which ignores echo/logprobs.
-llama-cpp-python is an optional install (requirements-remote.txt, built from source: ~5 min);
+llama-cpp-python is an optional install (requirements-remote.txt, built from source: 5–11 min);
 the integration tests skip without it.
 """
 import http.server
@@ -254,7 +254,7 @@ def start_llama_server(log_path, timeout=120):
 
 needs_llama_cpp = pytest.mark.skipif(
     __import__("importlib").util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (pip install -r requirements-remote.txt; builds from source, ~5 min)")
+    reason="llama-cpp-python is not installed (pip install -r requirements-remote.txt; builds from source, 5-11 min)")
 
 
 @pytest.fixture(scope="module")
