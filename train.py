@@ -700,6 +700,9 @@ def train(cfg):
             write_early_stop(state, cfg, done)
             break
         if cfg["run"]["stop_after"] and done - state["start_step"] >= cfg["run"]["stop_after"]:
+            if state["pbar"] is not None:  # rank 0
+                state["pbar"].write(f"[train] run.stop_after={cfg['run']['stop_after']}: stopped after step {done} "
+                                    "(as if killed); the same command resumes from the newest checkpoint")
             break
     finish(state)
 

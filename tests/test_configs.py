@@ -249,6 +249,8 @@ class Runs:
         log = self._train(name, cfg, args + ["run.stop_after=1"])
         steps = [m["step"] for m in read_jsonl(os.path.join(out, "metrics.jsonl"))]
         assert steps == [1], f"run.stop_after=1 logged steps {steps}"
+        if PRESETS[name].get("cli"):  # run as a user runs it: the stop is said, not silent
+            assert "[train] run.stop_after=1: stopped after step 1" in log, log[-2000:]
         return dict(res, log=log, step1=movement(model, os.path.join(out, "checkpoints", "step_000001")))
 
     def _train(self, name, cfg, args):
