@@ -158,7 +158,7 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     missing file, bad YAML, unknown key, wrong type or a value outside CHOICES."""
     def read(p):
         try:
-            with open(p) as f:
+            with open(p, "rb") as f:  # bytes: PyYAML detects the encoding, and a bad byte is a YAMLError
                 return yaml.load(f, Loader=_UniqueKeyLoader) or {}
         except OSError as e:
             raise SystemExit(f"config file {p}: {e.strerror}")
@@ -176,6 +176,9 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
         key, eq, val = o.partition("=")
         if not eq:
             raise SystemExit(f"override {o!r}: expected key.sub=value")
+        if not val.strip():  # YAML reads it as null; a shell turns key="" into exactly this
+            raise SystemExit(f"override {o!r}: no value (a shell drops the quotes of key=\"\"): write {key}=null "
+                             f"for null, {key}=\"''\" for an empty string")
         node = {}
         cur = node
         parts = key.split(".")

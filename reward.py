@@ -1589,6 +1589,8 @@ def _read_rows(path, split="train", config_name=None):
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise SystemExit(rollout.json_error(path, e.lineno, e))
+        except UnicodeDecodeError as e:
+            raise SystemExit(rollout.not_utf8(path, None, e))
         if isinstance(data, list):
             return [(path, f"{path} element {i}", r) for i, r in enumerate(data)]
         if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
@@ -2451,8 +2453,11 @@ def main(argv=None):
     if a.template_file:
         if not os.path.isfile(a.template_file):
             raise SystemExit(f"{a.template_file}: file does not exist (--template-file)")
-        with open(a.template_file, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(a.template_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise SystemExit(rollout.not_utf8(a.template_file, None, e) + " (--template-file)")
         try:
             template = checked_template(text)
         except SystemExit as e:

@@ -1151,6 +1151,12 @@ def json_error(path, line, e):
     return f"{path}:{line}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
 
 
+def not_utf8(path, line, e):
+    """The one-line message for a UnicodeDecodeError `e` at `line` of `path` (None: line unknown)."""
+    where = f"{path}:{line}" if line is not None else path
+    return f"{where}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r}: {e.reason}); save it as UTF-8"
+
+
 def read_jsonl(path):
     """The JSON objects of a JSON-lines file with their 1-based line numbers; blank lines skipped.
 
@@ -1160,14 +1166,18 @@ def read_jsonl(path):
     Returns:
         list[(line_number int, row dict)], empty for a file with no rows.
     Raises:
-        SystemExit naming the file and line: the file does not exist, a line is not valid JSON,
-        or a line is not a JSON object.
+        SystemExit naming the file and line: the file does not exist, a line is not UTF-8 text
+        (e.g. a UTF-16 export), a line is not valid JSON, or a line is not a JSON object.
     """
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: file does not exist")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, decoded line by line, so a bad byte's line can be named
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SystemExit(not_utf8(path, n, e))
             if not line.strip():
                 continue
             try:
@@ -1201,17 +1211,14 @@ def main(argv=None):
                     help='extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
     a = ap.parse_args(argv)
     template_kwargs = parse_json_object(a.chat_template_kwargs, "--chat-template-kwargs")
+    prompts = []  # read before the model loads: a bad file is one line at once
+    for n, row in read_jsonl(a.inp):
+        if a.field not in row:
+            raise SystemExit(f"{a.inp}:{n}: missing field {a.field!r} (--field; fields found: {sorted(row)})")
+        prompts.append(row[a.field])
     model, tok = load_model(a.model)
     chat = use_chat_template(tok, {"auto": "auto", "true": True, "false": False}[a.chat_template], model_path=a.model,
                              system=a.system_prompt, template_kwargs=template_kwargs, key=None)
-    prompts = []
-    with open(a.inp) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    prompts.append(json.loads(line)[a.field])
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise SystemExit(f"{a.inp}:{n}: bad line ({type(e).__name__}: {e})")
     r = generate(model, tok, [build_prompt_ids(tok, p, chat) for p in prompts], group_size=a.group_size,
                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
     lp = completion_logprobs(model, r["prompt_ids"], r["completion_ids"], pad_id=tok.pad_token_id,

@@ -701,8 +701,10 @@ def train(cfg):
             break
         if cfg["run"]["stop_after"] and done - state["start_step"] >= cfg["run"]["stop_after"]:
             if state["pbar"] is not None:  # rank 0
+                ckpt = latest_checkpoint(cfg["run"]["out_dir"])
                 state["pbar"].write(f"[train] run.stop_after={cfg['run']['stop_after']}: stopped after step {done} "
-                                    "(as if killed); the same command resumes from the newest checkpoint")
+                                    "(as if killed); the same command " + (f"resumes from {ckpt}" if ckpt else
+                                    f"starts afresh: no checkpoint yet (run.save_every={cfg['run']['save_every']})"))
             break
     finish(state)
 
@@ -917,7 +919,7 @@ def load_dataset_rows(source, config_name=None, split="train", key="data.train")
     if source.endswith((".jsonl", ".json")) or os.path.exists(source):
         if not os.path.isfile(source):
             raise SystemExit(f"data file {source} does not exist ({key})")
-        with open(source) as f:
+        with open(source, "rb") as f:  # bytes: read_jsonl names a line that is not UTF-8
             if not f.read(4096).strip():
                 raise SystemExit(f"data file {source} is empty")
         if source.endswith(".jsonl"):  # datasets' own parse errors do not name the line

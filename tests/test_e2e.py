@@ -161,6 +161,17 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_path, tmp_path):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
 
+def test_stop_after_says_what_the_same_command_will_do(tiny_model_path, tmp_path, capsys):
+    """run.stop_after stops as if killed; the line says whether a checkpoint is there to resume from."""
+    import train
+    train.main(small_args(tiny_model_path, str(tmp_path / "a"), steps=2, extra=["run.save_every=5", "run.stop_after=1"]))
+    assert ("[train] run.stop_after=1: stopped after step 1 (as if killed); the same command starts afresh: "
+            "no checkpoint yet (run.save_every=5)") in capsys.readouterr().out
+    train.main(small_args(tiny_model_path, str(tmp_path / "b"), steps=2, extra=["run.stop_after=1"]))
+    ckpt = os.path.join(str(tmp_path / "b"), "checkpoints", "step_000001")
+    assert f"stopped after step 1 (as if killed); the same command resumes from {ckpt}" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_real_smollm2_one_step(tmp_path):
     out = str(tmp_path / "smol")

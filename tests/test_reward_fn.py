@@ -197,6 +197,10 @@ def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
     ("other field name", [{"problem": "p", "completion": "c"}], ["--problem-field", "question"],
      "in.jsonl:1: missing field 'question'"),
     ("bad json", "{not json\n", [], "in.jsonl:1: not valid JSON"),
+    ("not utf-8", '{"problem": "p", "completion": "c"}\n{"problem": "é", "completion": "c"}\n'.encode("latin-1"), [],
+     "in.jsonl:2: not UTF-8 text"),
+    ("template not utf-8", [{"problem": "p", "completion": "c"}], ["--template-file", "{latin}"],
+     "not UTF-8 text"),
     ("template file missing", [{"problem": "p", "completion": "c"}], ["--template-file", "nope.txt"],
      "nope.txt: file does not exist (--template-file)"),
     ("template without solution", [{"problem": "p", "completion": "c"}], ["--template-file", "{tpl}"],
@@ -213,11 +217,15 @@ def test_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, case, ro
     inp = str(tmp_path / ("no_such.jsonl" if rows is None else "in.jsonl"))
     if isinstance(rows, str):
         (tmp_path / "in.jsonl").write_text(rows)
+    elif isinstance(rows, bytes):
+        (tmp_path / "in.jsonl").write_bytes(rows)
     elif rows is not None:
         write_jsonl(tmp_path / "in.jsonl", rows)
     tpl = tmp_path / "tpl.txt"
     tpl.write_text("{problem} {question}")
-    extra = [x.replace("{tpl}", str(tpl)).replace("{tmp}", str(tmp_path)) for x in extra]
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("{problem} {solution} {question} é".encode("latin-1"))
+    extra = [x.replace("{tpl}", str(tpl)).replace("{tmp}", str(tmp_path)).replace("{latin}", str(latin)) for x in extra]
     argv = ["--evaluator", str(tmp_path / "no_model"), "--in", inp, "--out", str(tmp_path / "out.jsonl"), *extra]
     with pytest.raises(SystemExit) as e:
         R.main(argv)

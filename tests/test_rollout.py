@@ -380,6 +380,20 @@ def test_model_path_errors(tmp_path):
         rollout.resolve_model_path("gguf:no_such_package_xyz/model.gguf")
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "a"}\n{"question": "b"}\n', "in.jsonl:2: missing field 'prompt' (--field; fields found: ['question'])"),
+    (b'{"prompt": "a"}\n{"prompt": \n', "in.jsonl:2: not valid JSON"),
+    ('{"prompt": "é"}\n'.encode("latin-1"), "in.jsonl:1: not UTF-8 text"),
+])
+def test_rollout_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, content, message):
+    """The model path does not exist: reaching the model load would end in its own error instead."""
+    (tmp_path / "in.jsonl").write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        rollout.main(["--model", str(tmp_path / "no_model"), "--in", str(tmp_path / "in.jsonl"),
+                      "--out", str(tmp_path / "out.jsonl")])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_read_jsonl_lines_and_errors(tmp_path):
     """The one JSONL reader every stage uses: rows with their line numbers, one-line errors."""
     good = tmp_path / "good.jsonl"
@@ -398,6 +412,15 @@ def test_read_jsonl_lines_and_errors(tmp_path):
         rollout.read_jsonl(str(listed))
     with pytest.raises(SystemExit, match=r"missing.jsonl: file does not exist"):
         rollout.read_jsonl(str(tmp_path / "missing.jsonl"))
+    # not UTF-8: a UTF-16 export (its BOM on line 1), a Latin-1 byte on line 2 (was a traceback)
+    wide = tmp_path / "utf16.jsonl"
+    wide.write_bytes('{"a": 1}\n'.encode("utf-16"))
+    with pytest.raises(SystemExit, match=r"utf16.jsonl:1: not UTF-8 text \(byte b'\\xff': invalid start byte\); save it as UTF-8$"):
+        rollout.read_jsonl(str(wide))
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes('{"a": "x"}\n{"a": "café"}\n'.encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"latin1.jsonl:2: not UTF-8 text"):
+        rollout.read_jsonl(str(latin))
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])

@@ -282,11 +282,19 @@ def test_config_layering_and_overrides(tmp_path):
     (["task=rm_nlhf", "nlhf.do_reward=released", "nlhf.do=null"], "nlhf.do_reward=released would change nothing here: no D_O"),
     (["task=rm_nlhf", "nlhf.do_reward=released", "nlhf.gate_on_outcome=false"],
      "nlhf.do_reward=released would change nothing here: nlhf.gate_on_outcome=false"),
+    # what a shell leaves of model.system_prompt="": YAML would read null, the default, silently
+    (["model.system_prompt="], "override 'model.system_prompt=': no value (a shell drops the quotes"),
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
         T.load_config([], override)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_empty_string_override_as_a_shell_passes_it():
+    """model.system_prompt="''" in a shell reaches us as model.system_prompt='' : the empty string."""
+    assert T.load_config([], ["model.system_prompt=''"])["model"]["system_prompt"] == ""
+    assert T.load_config([], ["model.system_prompt=null"])["model"]["system_prompt"] is None
 
 
 def test_invalid_yaml_file_names_the_line(tmp_path):
@@ -353,6 +361,25 @@ def test_bad_data_files(tmp_path, content, message):
     cfg = T.load_config([], [f"data.train={p}"])
     with pytest.raises(SystemExit, match=message):
         T.load_train_items(cfg)
+
+
+def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
+    p = tmp_path / "train.jsonl"
+    p.write_bytes('{"question": "a", "answer": "#### 1"}\n{"question": "é", "answer": "#### 2"}\n'.encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"train.jsonl:2: not UTF-8 text"):
+        T.load_train_items(T.load_config([], [f"data.train={p}"]))
+
+
+def test_a_config_file_is_read_as_yaml_bytes(tmp_path):
+    """PyYAML detects the encoding of a byte stream: a UTF-16 file loads, a bad byte is one line."""
+    wide = tmp_path / "wide.yaml"
+    wide.write_bytes("run:\n  seed: 7\n".encode("utf-16"))
+    assert T.load_config([str(wide)])["run"]["seed"] == 7
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"run:\n  seed: \xff\n")
+    with pytest.raises(SystemExit) as e:
+        T.load_config([str(bad)])
+    assert str(e.value).startswith(f"config file {bad}: invalid YAML") and "\n" not in str(e.value)
 
 
 def test_missing_field_and_file(tmp_path):
