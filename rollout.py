@@ -663,17 +663,18 @@ def use_chat_template(tokenizer, setting, *, model_path=None, system=None, templ
     options = {"system": system, "kwargs": template_kwargs}
     # A setting that renders the same prompt as without it would silently do nothing.
     probe = "2 + 2 = ?"
+    rendered = chat_prompt(tokenizer, probe, options, tokenize=False)
     for k in template_kwargs:
-        without = {"system": system, "kwargs": {j: v for j, v in template_kwargs.items() if j != k}}
-        if chat_prompt(tokenizer, probe, options, tokenize=False) == chat_prompt(tokenizer, probe, without, tokenize=False):
+        without = dict(options, kwargs={j: v for j, v in template_kwargs.items() if j != k})
+        if rendered == chat_prompt(tokenizer, probe, without, tokenize=False):
             raise SystemExit(f"{name('chat_template_kwargs')}: {k}={template_kwargs[k]!r} renders the same prompt "
                              f"as without it (the chat template does not read {k}, or this is its default)")
-    if system is not None and system not in chat_prompt(tokenizer, probe, options, tokenize=False):
-        raise SystemExit(f"{name('system_prompt')}: the chat template drops system messages")
-    if system is not None and (chat_prompt(tokenizer, probe, options, tokenize=False)
-                               == chat_prompt(tokenizer, probe, dict(options, system=None), tokenize=False)):
-        raise SystemExit(f"{name('system_prompt')}: {system!r} renders the same prompt as without it (it is the "
-                         f"chat template's default system message)")
+    if system is not None:
+        if system not in rendered:
+            raise SystemExit(f"{name('system_prompt')}: the chat template drops system messages")
+        if rendered == chat_prompt(tokenizer, probe, dict(options, system=None), tokenize=False):
+            raise SystemExit(f"{name('system_prompt')}: {system!r} renders the same prompt as without it (it is the "
+                             f"chat template's default system message)")
     return options
 
 
