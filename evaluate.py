@@ -49,6 +49,7 @@ import torch
 
 import reward
 import rollout
+import fast
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
@@ -150,7 +151,7 @@ def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=
         bar.set_description(desc)
     for b, start in enumerate(starts):
         idx = order[start:start + per_call]
-        r = rollout.generate(model, tok, [prompt_ids[i] for i in idx], group_size=n, max_new_tokens=max_new_tokens,
+        r = fast.generate(model, tok, [prompt_ids[i] for i in idx], group_size=n, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=0, seed=seed + b)
         for k, i in enumerate(idx):
             out[i] = [{"completion": r["completions"][k * n + g], "truncated": bool(r["truncated"][k * n + g])}
@@ -1230,11 +1231,10 @@ def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", 
     Returns:
         list[float], log p(target) per solution (<= 0).
     """
-    ev = {"name": "evaluator", "model": model, "tokenizer": tok, "weight": 1.0,
-          "chat": chat_format(tok, chat)}
+    ev = reward.local_evaluator(model, tok, chat=chat_format(tok, chat), name="evaluator",
+                                micro_batch_size=batch_size, score=fast.score_targets)
     mq = {"question": question, "target": target, "weight": 1.0}
-    out = reward.rlme_reward([ev], [mq], problems, solutions, micro_batch_size=batch_size,
-                             template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
+    out = reward.rlme_reward([ev], [mq], problems, solutions, template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
     return out["logp"][:, 0, 0].tolist()
 
 

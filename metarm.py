@@ -39,6 +39,7 @@ It is trained, so its parameters and AdamW state are float32 whatever `metarm.dt
 Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
             where train.py picks it up instead of cold-starting itself)
 """
+import importlib
 import json
 import math
 import os
@@ -375,7 +376,8 @@ def _batches(n, batch_size, seed):
 
 def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, nlhf=None, chat_template="auto",
-               system_prompt=None, chat_template_kwargs=None, seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32", fast=True):
+               system_prompt=None, chat_template_kwargs=None, seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32",
+               generate=rollout.generate):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     Args:
@@ -388,7 +390,7 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         chat_template, system_prompt, chat_template_kwargs: the GRM's prompt format (model.*,
             rollout.use_chat_template), as in training.
         compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
-        fast: False samples with the plain twin (rollout.generate_plain, train.fast_paths).
+        generate: rollout.generate or its fast twin fast.generate (train.fast_paths; the same distribution).
     Returns:
         dict: rollouts, examples, truncated (inputs cut to metarm.max_length), invalid,
         judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
@@ -402,8 +404,8 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
     prompts = [reward.grm_prompt_ids(tok, it, chat, nl) for it in dh_items]
     device = next(grm.parameters()).device
     with rollout.autocast(compute_dtype, device.type):
-        out = rollout.generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
-                               temperature=temperature, seed=seed, micro_batch_size=micro_batch_size, fast=fast)
+        out = generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
+                       temperature=temperature, seed=seed, micro_batch_size=micro_batch_size)
     del grm
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
     parsed = [reward.parse_grm_completion(c, nl) for c in out["completions"]]
@@ -467,7 +469,7 @@ def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_deca
 # ==============================================================================================
 
 
-def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world):
+def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world, generate=rollout.generate):
     """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
     (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
     (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
@@ -478,6 +480,7 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     Args:
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
         policy, tokenizer: the GRM (train.py's policy, float32). dh: D_H items. judge: reward.make_judge dict.
+        generate: the cold start's sampler (cold_start).
     Returns:
         (mrm dict or None, source str, cold-start stats dict or None).
     Raises:
@@ -509,7 +512,7 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
             # a plain copy of the same base weights, freed after the cold start)
             grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
                 rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-            stats = cold_start(mrm, cfg["model"]["policy"], items, judge, grm=grm, **cold_start_settings(cfg),
+            stats = cold_start(mrm, cfg["model"]["policy"], items, judge, grm=grm, **cold_start_settings(cfg), generate=generate,
                                micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
                                log=lambda s: print(f"[train] {s}", flush=True))
             del grm
@@ -525,14 +528,14 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
 
 
 def cold_start_settings(cfg):
-    """cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.*, run.seed,
-    train.fast_paths): one place, for train.py's cold start and the CLI's."""
+    """cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.*, run.seed): one
+    place, for train.py's cold start and the CLI's."""
     m = cfg["metarm"]
     return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
                 temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
                 weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat_template=cfg["model"]["chat_template"],
                 system_prompt=cfg["model"]["system_prompt"], chat_template_kwargs=cfg["model"]["chat_template_kwargs"],
-                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"], fast=cfg["train"]["fast_paths"])
+                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"])
 
 
 def broadcast_parameters(model, src=0):
@@ -649,7 +652,8 @@ def main(argv=None):
                       batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
                       online_epochs=m["online_epochs"],
                       weight_decay=m["weight_decay"])
-    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, **cold_start_settings(cfg))
+    generate = importlib.import_module("fast").generate if cfg["train"]["fast_paths"] else rollout.generate
+    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, **cold_start_settings(cfg), generate=generate)
     save(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

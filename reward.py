@@ -41,10 +41,9 @@ import string
 import time
 
 import torch
-from transformers import DynamicCache
 
 import rollout
-from rollout import left_pad, positions_from_mask, read_jsonl, token_logprobs, token_logprobs_plain
+from rollout import read_jsonl, token_logprobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,8 +415,16 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
     return prompt_ids, full_ids[len(prompt_ids):]
 
 
+# A REMOTE evaluator (`kind: remote`): the same log p(target | prompt), scored by an
+# OpenAI-compatible /v1/completions server that echoes the prompt with its log-probs (`echo: true`,
+# `logprobs`, no generation): the target's log p is the sum of the echoed log-probs of the tokens
+# that spell " Yes" at the end of prompt + target (echo_target_logprob). A request that fails
+# after its retries gives None, never a number: the sample is masked (rlme_reward's "valid").
+# Servers that work, and the tokenizer caveat: docs/scale-out.md, "Remote evaluators".
+
+
 @torch.no_grad()
-def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
+def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
     """log p(target | prompt) under `model`, teacher-forced (the plain twin of score_targets):
 
         score[i, k] = sum_t log softmax(f(prompt_ik + target_ik[:t]))[target_ik[t]]
@@ -428,8 +435,8 @@ def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=
         model: causal LM (run in eval mode, rollout.eval_mode, its modes restored after; no grad).
         prompt_ids: list (N) of lists (K) of list[int], each non-empty.
         target_ids: same nesting, the target answer ids (each non-empty).
-        pad_id, micro_batch_size: accepted so that the call matches score_targets; unused (no
-            padding, one row per forward).
+        pad_id, micro_batch_size, groups: unused here (no padding, one row per forward); the fast
+            twin (fast.score_targets) takes them.
     Returns:
         FloatTensor [N, K] float32, on CPU.
     """
@@ -440,169 +447,39 @@ def score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=
             for k, (p, t) in enumerate(zip(prompts, targets)):
                 logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
                 # the logits at position j predict token j + 1: positions len(p)-1 .. end-1 predict t
-                out[i, k] = token_logprobs_plain(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
+                out[i, k] = token_logprobs(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
     return out
 
 
-# Fast version: runs each shared prefix (group, then sample) once through a KV cache and only the
-# target positions through the LM head; tests/test_reward.py compares it with score_targets_plain.
-@torch.no_grad()
-def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None, fast=True):
-    """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax: log p_{j,k}
-    of RLME Eq. 2 (docs/method.md §4.2).
+def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, answer_stub="\nAnswer:",
+                    micro_batch_size=8, score=score_targets):
+    """An in-process evaluator j as the dict rlme_reward reads: {"name", "weight": v_j, "score"}.
 
-    Nothing is computed twice. Evaluator prompts form a tree: the samples of one group share the
-    problem (chat header, instructions, problem statement), the K prompts of one sample share the
-    solution too, and only the meta-question tail + target differ. So each micro-batch runs
-      A. each group's shared prefix once,                       KV cache repeated to its samples
-      B. each sample's remaining prefix once, after A,          KV cache repeated K times
-      C. the K suffixes (prompt tail + target), after A + B.
-    K questions cost one long forward plus K short ones, and a group of G samples pays for its
-    problem once instead of G times (timings: docs/performance.md).
+    score(texts, targets, groups=None) -> FloatTensor [N, K] of log p(target_k | texts[i][k]), the
+    log p_{j,k} of RLME Eq. 2: each text is rendered as an evaluator prompt
+    (evaluator_prompt_and_target_ids: the chat template, or plain text + `answer_stub`) and scored
+    by `score` (score_targets, or its fast twin fast.score_targets, which shares the prompts'
+    common prefixes: samples with the same `groups` key next to each other share their problem).
+    A NaN a model computes is a broken number, not a failed request: it comes back as -inf, so
+    rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score").
 
     Args:
-        model: causal LM (run in eval mode, rollout.eval_mode, its modes restored after; no grad).
-        prompt_ids: list (N) of lists (K) of list[int].
-        target_ids: same nesting, the target answer ids.
-        pad_id: int.
+        model: causal LM, scored in eval mode without grad (the policy itself for `kind: live`).
+        tokenizer: its tokenizer. chat: False, or the chat options of rollout.use_chat_template.
         micro_batch_size: samples (each with all K rows) per forward.
-        groups: list (N) of hashable group keys, e.g. the problem text: samples with the same
-            key next to each other share stage A. None = no sharing across samples.
-        fast: False routes to score_targets_plain (config `train.fast_paths`; `groups` unused there).
-    Returns:
-        FloatTensor [N, K] of sum_t log p(target_t | prompt, target_<t), float32, on CPU.
     """
-    if not fast:
-        return score_targets_plain(model, prompt_ids, target_ids, pad_id, micro_batch_size=micro_batch_size)
-    device = next(model.parameters()).device
-    groups = list(range(len(prompt_ids))) if groups is None else list(groups)
-    out = []
-    with rollout.eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
-        for start in range(0, len(prompt_ids), micro_batch_size):
-            prompts, targets = prompt_ids[start:start + micro_batch_size], target_ids[start:start + micro_batch_size]
-            n, k = len(prompts), len(prompts[0])
-            # B ends at least one token before each prompt's end, so every suffix row has a token
-            # whose logits predict the first target token; A ends at least one token before B's end.
-            cut = [min(_common_prefix_len(p), min(len(x) for x in p) - 1) for p in prompts]
-            runs = []  # [first sample, count, shared length] per group run in this micro-batch
-            for i, g in enumerate(groups[start:start + n]):
-                if runs and g == groups[start + runs[-1][0]]:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([i, 1, 0])
-            for r in runs:
-                members = range(r[0], r[0] + r[1])
-                r[2] = 0 if r[1] == 1 else min(_common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
-                                                min(cut[i] for i in members) - 1)
-            shared = [r[2] for r in runs for _ in range(r[1])]
-            reps = torch.tensor([r[1] for r in runs], device=device)
-            cache, past = DynamicCache(config=model.config), None
-            # A: one row per group run (left-padded), then repeated to the run's samples
-            if max(shared) > 0:
-                a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
-                past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None, cache=cache)
-                rollout.repeat_cache(cache, reps)
-                past = past.repeat_interleave(reps, dim=0)
-            # B: the rest of each sample's common prefix (right-padded), then repeated K times
-            b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
-            past = _stage_forward(model, b_ids, b_mask, past_mask=past, cache=cache)
-            rollout.repeat_cache(cache, torch.full((n,), k, device=device))
-            past = past.repeat_interleave(k, dim=0)
-            # C: suffix rows, right-padded: prompt tail + target
-            rows, tgt_start, tgt_len = [], [], []
-            for p, t, c in zip(prompts, targets, cut):
-                for pk, tk in zip(p, t):
-                    rows.append(pk[c:] + tk)
-                    tgt_start.append(len(pk) - c)
-                    tgt_len.append(len(tk))
-            c_ids, c_mask = _right_pad(rows, pad_id, device)
-            full = torch.cat([past, c_mask], dim=1)
-            width = c_ids.shape[1]
-            # the logits at suffix column j predict column j+1: the target tokens at columns
-            # tgt_start .. tgt_start+len-1 are predicted from columns tgt_start-1 ... Only those go
-            # through the LM head (a bool logits_to_keep), not every column of the K meta-question
-            # tails (docs/performance.md).
-            col = torch.arange(width, device=device)[None, :]
-            first = torch.tensor(tgt_start, device=device)[:, None] - 1
-            pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
-            logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
-                           cache=cache, use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
-            next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)  # column j holds the token at j+1
-            lp = token_logprobs(logits, next_ids[pred])
-            row = pred.nonzero()[:, 0]
-            out.append(torch.zeros(n * k, device=device).index_add_(0, row, lp).view(n, k).cpu())
-    return torch.cat(out)
-
-
-def _common_prefix_len(rows):
-    """Length of the longest common prefix of several id lists."""
-    n = min(len(r) for r in rows)
-    for i in range(n):
-        if any(r[i] != rows[0][i] for r in rows[1:]):
-            return i
-    return n
-
-
-def _stage_forward(model, ids, mask, past_mask, cache):
-    """Run `ids` [B, T] (mask [B, T]) after what `cache` holds (its mask `past_mask` [B, T0], or
-    None), only to extend the cache; returns the mask of everything so far. Positions count real
-    tokens only, so left padding, and right padding between stages, leaves every token at its
-    true position."""
-    full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
-    pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
-    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-    return full
-
-
-def _right_pad(rows, pad_id, device):
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return ids.to(device), mask.to(device)
-
-
-# A REMOTE evaluator (`kind: remote`): the same log p(target | prompt), scored by an
-# OpenAI-compatible /v1/completions server that echoes the prompt with its log-probs (`echo: true`,
-# `logprobs`, no generation): the target's log p is the sum of the echoed log-probs of the tokens
-# that spell " Yes" at the end of prompt + target (echo_target_logprob). A request that fails
-# after its retries gives None, never a number: the sample is masked (rlme_reward's "valid").
-# Servers that work, and the tokenizer caveat: docs/scale-out.md, "Remote evaluators".
-
-
-def score_remote_plain(ev, fulls):
-    """log p(target | prompt) from a remote evaluator, one request per text, one after another
-    (the plain twin of score_remote).
-
-    Args:
-        ev: a remote evaluator dict (remote_evaluator): ev["remote"] holds the client and settings.
-        fulls: list of (full text str, suffix str): full = prompt + suffix, suffix = the target as
-            the evaluator reads it (" Yes"; evaluator_prompt_text).
-    Returns:
-        (list of float log p or None, list of str failure reasons, "" where scored).
-    """
-    out = [remote_request(ev["remote"], [f]) for f in fulls]
-    return [o[0][0] for o in out], [o[1][0] for o in out]
-
-
-def score_remote(ev, fulls, fast=True):
-    """score_remote_plain's numbers with remote.batch_size texts per request (the completions API
-    takes a list of prompts; vLLM answers them as one batch) and remote.concurrency requests in
-    flight. fast=False routes to score_remote_plain (config `train.fast_paths`)."""
-    if not fast:
-        return score_remote_plain(ev, fulls)
-    r = ev["remote"]
-    chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
-        out = list(pool.map(lambda c: remote_request(r, c), chunks))
-    return [v for o in out for v in o[0]], [w for o in out for w in o[1]]
+    def fn(texts, targets, groups=None):
+        ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat=chat, answer_stub=answer_stub)
+                for t, a in zip(row, targets)] for row in texts]
+        logp = score(model, [[p for p, _ in r] for r in ids], [[t for _, t in r] for r in ids], tokenizer.pad_token_id,
+                     micro_batch_size=micro_batch_size, groups=groups)
+        return torch.nan_to_num(logp, nan=-float("inf"), posinf=float("inf"), neginf=-float("inf"))
+    # model, tokenizer, chat: what it scores with, for inspection (rlme_reward reads name, weight, score)
+    return {"name": name, "weight": float(weight), "score": fn, "model": model, "tokenizer": tokenizer, "chat": chat}
 
 
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
-                template=DEFAULT_EVALUATOR_TEMPLATE, answer_stub="\nAnswer:", renormalize=False,
-                micro_batch_size=8, nonfinite_logp=-50.0, fast=True, transform="log"):
+                template=DEFAULT_EVALUATOR_TEMPLATE, renormalize=False, nonfinite_logp=-50.0, transform="log"):
     """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3; docs/method.md §4.2).
 
     p_{j,k} = pi_phi_j(a_k | x, y, q_k) is evaluator j's probability of the whole target string
@@ -612,9 +489,9 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     unbounded log).
 
     Args:
-        evaluators: list of dicts {"name", "model", "tokenizer", "chat": bool, "weight": v_j}, or
-            remote ones {"name", "remote", "tokenizer" (None without a chat template), "chat",
-            "weight"} (remote_evaluator).
+        evaluators: list of dicts {"name", "weight": v_j, "score"} (local_evaluator; a remote one,
+            plumbing/services.py's remote_evaluator, also has "failures": the reasons of the
+            requests that failed in its last call).
         meta_questions: list of dicts {"question", "weight": w_k, "target": a_k, "negative": str}.
         problems, solutions: list[str] of length N.
         references: list[str] gold answers (only read for anchored items), or None.
@@ -622,80 +499,42 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
             ground-truth anchoring), or None.
         renormalize: use log p(a_k) - log(p(a_k) + p(negative_k)) instead (off by default: not
             the paper's reward).
-        nonfinite_logp: a log p that is NaN/inf (a broken evaluator) is replaced by this value
-            and counted, so the update never sees NaN.
-        fast: passed to score_targets (False: its plain twin; config `train.fast_paths`).
+        nonfinite_logp: a log p that is inf (a broken evaluator) is replaced by this value and
+            counted, so the update never sees it.
         transform: "log" (RLME Eq. 3) | "prob" (sum of p); config `reward.transform`.
     Returns:
         dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (log p whatever the
         transform, after renormalising and the nonfinite replacement), "nonfinite" int count of
-        replaced values; "failed" BoolTensor [N, J, K]: a remote evaluator's request failed after
-        its retries (that log p is NaN, not replaced); "valid" BoolTensor [N]: no term failed
-        (where False the reward is NaN: the caller masks the sample, never scores it); "why"
-        {remote evaluator name: the first failure's reason, "" if none}.
+        replaced values; "failed" BoolTensor [N, J, K]: the evaluator could not score that term
+        (a remote request that failed after its retries: NaN, not replaced); "valid" BoolTensor [N]:
+        no term failed (where False the reward is NaN: the caller masks the sample, never scores
+        it); "why" {evaluator name: the first failure's reason, "" if none} for evaluators that
+        report failures.
     Raises:
         ValueError: unknown transform.
     """
     if transform not in ("log", "prob"):
         raise ValueError(f"transform {transform!r}: expected log or prob")
-    n = len(solutions)
-    anchored = anchored or [False] * n
-    questions = [m["question"] for m in meta_questions]
+    questions, k = [m["question"] for m in meta_questions], len(meta_questions)
     targets = [m["target"] for m in meta_questions]
     if renormalize:  # score the negative answer too, as extra rows sharing the same prefix
         targets = targets + [m.get("negative", "No") for m in meta_questions]
-    logp = torch.zeros(n, len(evaluators), len(meta_questions))
-    failed = torch.zeros(n, len(evaluators), len(meta_questions), dtype=torch.bool)
-    why = {}
-    for j, ev in enumerate(evaluators):
-        if ev.get("remote") is not None:  # kind remote: the server scores the same prompt strings
-            fulls = []
-            for i in range(n):
-                ref = references[i] if anchored[i] else None
-                for kk, tgt in enumerate(targets):
-                    text = build_evaluator_text(template, problems[i], solutions[i], questions[kk % len(questions)],
-                                                meta_questions=questions, reference=ref)
-                    prompt, full = evaluator_prompt_text(ev["tokenizer"], text, tgt, chat=ev["chat"],
-                                                         answer_stub=answer_stub)
-                    fulls.append((full, full[len(prompt):]))
-            vals, whys = score_remote(ev, fulls, fast=fast)
-            lp = torch.tensor([float("nan") if v is None else v for v in vals]).view(n, len(targets))
-            bad = torch.tensor([v is None for v in vals]).view(n, len(targets))
-            if renormalize:
-                k = len(questions)
-                lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])
-                bad = bad[:, :k] | bad[:, k:]
-            logp[:, j], failed[:, j] = lp, bad
-            why[ev["name"]] = next((w for w in whys if w), "")
-            continue
-        prompt_rows, target_rows = [], []
-        for i in range(n):
-            ref = references[i] if anchored[i] else None
-            ps, ts = [], []
-            for kk, tgt in enumerate(targets):
-                q = questions[kk % len(questions)]
-                text = build_evaluator_text(template, problems[i], solutions[i], q, meta_questions=questions,
-                                            reference=ref)
-                p, t = evaluator_prompt_and_target_ids(ev["tokenizer"], text, tgt, chat=ev["chat"],
-                                                       answer_stub=answer_stub)
-                ps.append(p)
-                ts.append(t)
-            prompt_rows.append(ps)
-            target_rows.append(ts)
-        # samples of one problem (a group) are adjacent: score_targets runs their shared
-        # evaluator-prompt prefix once
-        lp = score_targets(ev["model"], prompt_rows, target_rows, ev["tokenizer"].pad_token_id,
-                           micro_batch_size=micro_batch_size, groups=problems, fast=fast)
-        if renormalize:
-            k = len(questions)
-            lp = lp[:, :k] - torch.logaddexp(lp[:, :k], lp[:, k:])
-        logp[:, j] = lp
-    bad = ~torch.isfinite(logp) & ~failed  # a failed request is not a broken number: it stays NaN
+    refs = [references[i] if anchored and anchored[i] else None for i in range(len(solutions))]
+    texts = [[build_evaluator_text(template, x, y, questions[kk % k], meta_questions=questions, reference=ref)
+              for kk in range(len(targets))] for x, y, ref in zip(problems, solutions, refs)]  # [N][K or 2K]
+    # samples of one problem (a group) are adjacent: the fast scorer runs their shared prefix once
+    logp = torch.stack([ev["score"](texts, targets, groups=problems) for ev in evaluators], 1).float()  # [N, J, .]
+    failed, bad = logp.isnan(), torch.isinf(logp)  # could not score (stays NaN, masked); a broken number
+    if renormalize:
+        logp = logp[..., :k] - torch.logaddexp(logp[..., :k], logp[..., k:])
+        failed, bad = failed[..., :k] | failed[..., k:], bad[..., :k] | bad[..., k:]
+    bad = bad & ~failed
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
     # after the replacement, so "prob" sees exp(nonfinite_logp) ~ 0, never NaN
     terms = logp if transform == "log" else logp.exp()
     reward = weighted_reward(terms, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
     valid = ~failed.any(2).any(1)  # a sample missing any term has no reward: NaN, and masked
+    why = {ev["name"]: next((w for w in ev["failures"] if w), "") for ev in evaluators if "failures" in ev}
     return {"reward": torch.where(valid, reward, torch.full_like(reward, float("nan"))), "logp": logp,
             "nonfinite": int(bad.sum()), "valid": valid, "failed": failed, "why": why}
 
@@ -757,7 +596,8 @@ def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
 
 
 def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dtype="float32", device="cpu",
-                   system_prompt=None, chat_template_kwargs=None):
+                   system_prompt=None, chat_template_kwargs=None, answer_stub="\nAnswer:", micro_batch_size=8,
+                   score=score_targets):
     """A frozen evaluator j as the dict rlme_reward reads (what train.load_evaluators builds for
     `kind: frozen`), so no train.py or config is needed.
 
@@ -772,9 +612,10 @@ def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dty
         device: str or torch.device the model is moved to.
         system_prompt: str or None, a system message before the evaluator prompt (chat only).
         chat_template_kwargs: dict or None, extra template variables, e.g. {"enable_thinking": False}.
+        answer_stub, micro_batch_size, score: as local_evaluator (score=fast.score_targets: the
+            same numbers, faster).
     Returns:
-        dict {"name", "model" (eval mode, no grad), "tokenizer", "chat": False | options dict,
-        "weight": float}.
+        local_evaluator's dict {"name", "weight", "score"} over the loaded model (eval mode, no grad).
     Raises:
         ValueError: unknown dtype.
         SystemExit (one line): the path is not a causal LM, chat_template True without a template,
@@ -786,7 +627,8 @@ def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dty
     model.eval().requires_grad_(False)  # frozen: scored without grad, never trained
     chat = rollout.use_chat_template(tok, chat_template, model_path=path, system=system_prompt,
                                      template_kwargs=chat_template_kwargs, key=None)
-    return {"name": name, "model": model, "tokenizer": tok, "chat": chat, "weight": float(weight)}
+    return local_evaluator(model, tok, chat=chat, name=name, weight=weight, answer_stub=answer_stub,
+                           micro_batch_size=micro_batch_size, score=score)
 
 
 def meta_question_dicts(meta_questions, target="Yes"):
@@ -839,7 +681,7 @@ def _checked_setup(evaluators, meta_questions, template, transform):
     scored). Returns (meta-question dicts, template)."""
     if transform not in ("log", "prob"):
         raise ValueError(f"transform {transform!r}: expected log or prob")
-    keys = {"name", "model", "tokenizer", "chat", "weight"}
+    keys = {"name", "weight", "score"}
     if not evaluators:
         raise ValueError("evaluators: need at least one (reward.load_evaluator builds one)")
     for i, ev in enumerate(evaluators):
@@ -900,8 +742,8 @@ def solution_text(completion):
                        if isinstance(m, dict) and m.get("role") == "assistant")
 
 
-def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stub="\nAnswer:", micro_batch_size=8,
-                        transform="log", problem_key="prompt", name="rlme_reward"):
+def trl_reward_function(evaluators, meta_questions, *, template=None, transform="log", problem_key="prompt",
+                        name="rlme_reward"):
     """A TRL reward function (GRPOTrainer's reward_funcs) returning the RLME reward
     r(x, y) = sum_j v_j sum_k w_k log p_{j,k}, p_{j,k} = pi_phi_j(a_k | x, y, q_k) (RLME Eq. 2-3):
     reward.rlme_reward on the batch, so the values are exactly those of rlme_reward on the same
@@ -926,12 +768,12 @@ def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stu
     evaluator prefix runs once (score_targets).
 
     Args:
-        evaluators: list of dicts {"name", "model", "tokenizer", "chat", "weight": v_j}.
+        evaluators: list of evaluator dicts {"name", "weight": v_j, "score"} (load_evaluator,
+            remote_evaluator; the answer stub of plain-text prompts and the scoring micro-batch
+            are theirs).
         meta_questions: list of str or dicts (meta_question_dicts).
         template: evaluator prompt template; None = DEFAULT_EVALUATOR_TEMPLATE (math), or
             QA_EVALUATOR_TEMPLATE, or your own with the same placeholders.
-        answer_stub: appended to plain-text (non-chat) evaluator prompts.
-        micro_batch_size: samples per scoring forward.
         transform: "log" (RLME Eq. 3) | "prob" (sum of p instead).
         problem_key: "prompt" = the problem is the prompt itself (its last user message), which
             includes any instructions the prompt template adds; any other value names a dataset
@@ -957,14 +799,14 @@ def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stu
             raise ValueError(f"reward function {name!r}: problem_key {problem_key!r} is not a dataset column "
                              f"(columns passed: {columns}); use problem_key='prompt' to read the prompt")
         out = rlme_reward(evaluators, mqs, problems, [solution_text(c) for c in completions], template=template,
-                          answer_stub=answer_stub, micro_batch_size=micro_batch_size, transform=transform)
+                          transform=transform)
         log_metric = kwargs.get("log_metric")
         if log_metric is not None:  # TRL averages these over the logging step
             means = out["logp"].nanmean(0)  # [J, K]; NaN: a remote evaluator's failed requests
             for j, ev in enumerate(evaluators):
                 for k, mq in enumerate(mqs):
                     log_metric(logp_metric_name(ev["name"], mq["question"]), means[j, k].item())
-                if ev.get("remote") is not None:
+                if "failures" in ev:  # a remote evaluator
                     log_metric(f"evaluator/{ev['name']}/failed", float(out["failed"][:, j].any(1).sum()))
             log_metric("rlme/nonfinite", float(out["nonfinite"]))
         # None where a remote evaluator failed: TRL leaves such a sample out of the reward (NaN)
@@ -974,8 +816,7 @@ def trl_reward_function(evaluators, meta_questions, *, template=None, answer_stu
     return fn
 
 
-def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub="\nAnswer:", transform="log",
-                       problem_key="question"):
+def verl_compute_score(evaluators, meta_questions, *, template=None, transform="log", problem_key="question"):
     """A verl custom reward function returning the RLME reward of one sample (RLME Eq. 2-3):
     reward.rlme_reward on the single (problem, solution) pair.
 
@@ -994,7 +835,7 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub
     every worker loads its own evaluator copy.
 
     Args:
-        evaluators, meta_questions, template, answer_stub, transform: as trl_reward_function.
+        evaluators, meta_questions, template, transform: as trl_reward_function.
         problem_key: the extra_info key holding the problem.
     Returns:
         callable compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float.
@@ -1010,7 +851,7 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, answer_stub
             raise ValueError(f"verl compute_score: extra_info[{problem_key!r}] must hold the problem text "
                              f"(found {found}); add it in your data preprocessing")
         out = rlme_reward(evaluators, mqs, [extra_info[problem_key]], [solution_str], template=template,
-                          answer_stub=answer_stub, micro_batch_size=1, transform=transform)
+                          transform=transform)
         if not out["valid"][0]:  # verl wants a float: no number rather than a made-up one
             raise RuntimeError(f"verl compute_score: remote evaluator failed: {'; '.join(w for w in out['why'].values() if w)}")
         return float(out["reward"][0])
@@ -2119,7 +1960,7 @@ REMOTE_DEFAULTS = {"api_key_env": None, "timeout_s": 60.0, "max_retries": 4, "ba
 
 def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=None, chat_template="auto",
                      system_prompt=None, chat_template_kwargs=None, probe=True, where=None, config_key=None,
-                     **settings):
+                     answer_stub="\nAnswer:", score_requests=None, **settings):
     """A remote evaluator j as the dict rlme_reward reads: log p(target | prompt) from an
     OpenAI-compatible /v1/completions server that returns prompt log-probs (`echo` + `logprobs`:
     vllm serve, llama-cpp-python's server; docs/scale-out.md). Usable outside train.py too:
@@ -2139,19 +1980,25 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
         where: str naming the evaluator in error messages (default f"remote evaluator {name}").
         config_key: "reward.evaluators[i]" when built from a config (chat-option errors name its
             keys), else None (they name the command-line flags).
+        answer_stub: appended to plain-text prompts (as local_evaluator).
+        score_requests: score_remote (default: one request per text) or fast.score_remote
+            (batch_size texts per request, concurrency requests in flight; the same numbers).
         settings: REMOTE_DEFAULTS's keys: api_key_env (NAME of the variable holding the key; None =
             a local server), timeout_s per request, max_retries after the first try,
             backoff_base_s / backoff_max_s (backoff_delay), concurrency (requests in flight),
             batch_size (texts per request; 1 for llama-cpp-python, whose server takes one),
             max_tokens (sent with echo: 0 for vLLM; llama-cpp-python reads 0 as "no limit": 1).
     Returns:
-        dict {"name", "remote": settings + "client", "base_url", "model", "model": None,
-        "tokenizer", "chat", "weight"}.
+        dict {"name", "weight", "score", "failures" (each text's failure reason in the last
+        call, "" where scored), "remote" (settings + "client", "base_url", "model"), and for
+        inspection "tokenizer", "chat"}; score returns NaN for a text whose request failed after
+        its retries.
     Raises:
         SystemExit (one line): an unknown setting or bad value, an unset api_key_env variable, a
             chat template asked for without a tokenizer, a failed probe.
     """
     where = where or f"remote evaluator {name}"
+    score_requests = score_requests or score_remote
     unknown = set(settings) - set(REMOTE_DEFAULTS)
     if unknown:
         raise SystemExit(f"{where}: unknown setting(s) {sorted(unknown)} (known: {', '.join(REMOTE_DEFAULTS)})")
@@ -2184,19 +2031,29 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
         key=config_key)
     # as evaluator_prompt_and_target_ids tokenises: a rendered chat string holds its BOS already
     r["add_special_tokens"] = not chat
-    ev = {"name": name, "remote": r, "model": None, "tokenizer": tok, "chat": chat, "weight": float(weight)}
     if probe:
-        probe_remote(ev, where)
+        probe_remote(r, tok, chat, where)
+
+    def score(texts, targets, groups=None):  # groups: unused (the server shares prefixes itself, or not)
+        fulls = []
+        for row in texts:
+            for text, target in zip(row, targets):
+                prompt, full = evaluator_prompt_text(tok, text, target, chat=chat, answer_stub=answer_stub)
+                fulls.append((full, full[len(prompt):]))
+        vals, whys = score_requests(r, fulls)
+        ev["failures"][:] = whys  # rlme_reward reports the first reason
+        return torch.tensor([float("nan") if v is None else v for v in vals]).view(len(texts), len(targets))
+    ev = {"name": name, "weight": float(weight), "score": score, "failures": [], "remote": r, "tokenizer": tok,
+          "chat": chat}
     return ev
 
 
-def probe_remote(ev, where):
-    """Start-up check of a remote evaluator: score batch_size copies of one short text (one
-    request, the configured retries). Raises SystemExit, one line, naming the evaluator, the
-    server and the reason."""
-    r = ev["remote"]
-    prompt, full = evaluator_prompt_text(ev["tokenizer"], "Is 2 + 2 = 4? Reply with Yes or No.", "Yes",
-                                         chat=ev["chat"], answer_stub="\nAnswer:")
+def probe_remote(r, tokenizer, chat, where):
+    """Start-up check of a remote evaluator (`r`: its settings): score batch_size copies of one
+    short text (one request, the configured retries). Raises SystemExit, one line, naming the
+    evaluator, the server and the reason."""
+    prompt, full = evaluator_prompt_text(tokenizer, "Is 2 + 2 = 4? Reply with Yes or No.", "Yes",
+                                         chat=chat, answer_stub="\nAnswer:")
     texts = [(full, full[len(prompt):])] * r["batch_size"]
     vals, whys = remote_request(r, texts)
     if any(v is None for v in vals):
@@ -2477,13 +2334,13 @@ def main(argv=None):
                               tokenizer=a.remote_tokenizer, chat_template=chat, where=f"--evaluator {a.evaluator}",
                               system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs,
                               max_tokens=a.remote_max_tokens, batch_size=a.remote_batch_size,
-                              max_retries=a.remote_max_retries)
+                              max_retries=a.remote_max_retries, answer_stub=a.answer_stub)
     else:
         ev = load_evaluator(a.evaluator, name=a.evaluator_name, chat_template=chat, dtype=a.dtype, device=a.device,
-                            system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs)
+                            system_prompt=a.system_prompt, chat_template_kwargs=template_kwargs,
+                            answer_stub=a.answer_stub, micro_batch_size=a.micro_batch_size)
     out = rlme_reward([ev], meta_questions, problems, completions, references=references,
-                      anchored=[r is not None for r in references], template=template,
-                      answer_stub=a.answer_stub, micro_batch_size=a.micro_batch_size, transform=a.transform)
+                      anchored=[r is not None for r in references], template=template, transform=a.transform)
     with open(a.out, "w", encoding="utf-8") as f:
         for i, row in enumerate(rows):  # None: a remote request that failed after its retries
             logp = {ev["name"]: {mq["question"]: None if out["failed"][i, 0, k] else float(out["logp"][i, 0, k])
@@ -2500,3 +2357,18 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def score_remote(r, fulls):
+    """log p(target | prompt) from a remote evaluator, one request per text, one after another
+    (fast.score_remote batches and overlaps the requests).
+
+    Args:
+        r: a remote evaluator's settings with its client (remote_evaluator's ev["remote"]).
+        fulls: list of (full text str, suffix str): full = prompt + suffix, suffix = the target as
+            the evaluator reads it (" Yes"; evaluator_prompt_text).
+    Returns:
+        (list of float log p or None, list of str failure reasons, "" where scored).
+    """
+    out = [remote_request(r, [f]) for f in fulls]
+    return [o[0][0] for o in out], [o[1][0] for o in out]

@@ -23,7 +23,7 @@ What is simplified, and why:
   - No value model and no learned reward model for RLME; RM-NLHF's only extra model is the MetaRM.
   - LoRA (model.lora, off by default) trains peft adapters only; "the initial policy" (frozen_self
     evaluators, the GRPO reference) is then the policy with its adapters off, not a second copy.
-  - Generation is our own decode loop over HF models (rollout.generate; its plain twin is HF's
+  - Generation is our own decode loop over HF models (fast.generate; its plain twin is HF's
     `model.generate`) or vLLM on GPU (rollout.backend); with vLLM the trainer recomputes the
     behaviour log-probs itself and logs the gap to the engine's.
   - Every fast path has a plain twin directly above it; train.fast_paths: false routes every pass
@@ -59,6 +59,7 @@ import metarm
 import reward as R
 import rollout
 from config import check_scale_config, check_single_pass, load_config, validate_config
+import fast
 
 
 # ==============================================================================================
@@ -170,7 +171,7 @@ def micro_batches(rows, size):
     return [rows[s:s + size] for s in range(0, len(rows), size)]
 
 
-def rows_logprobs(model, batch, rows, pad_id, cfg, prompt_model=None):
+def rows_logprobs(model, batch, rows, pad_id, cfg, passes=None, prompt_model=None):
     """Per-token log-probs of the completions of `rows` under `model` (logits / temperature),
     over the first `width` columns: the longest masked completion among `rows` (columns that
     are padding in every row are trimmed).
@@ -178,15 +179,15 @@ def rows_logprobs(model, batch, rows, pad_id, cfg, prompt_model=None):
     Returns:
         (FloatTensor [len(rows), width], width). With grad when called under grad mode.
     """
+    passes = passes or fast_or_plain(cfg["train"]["fast_paths"])
     width = max(1, int(batch["completion_mask"][rows].sum(-1).max()))
-    lp = rollout.completion_logprobs(model, [batch["prompt_ids"][i] for i in rows], batch["completion_ids"][rows, :width],
-                                     pad_id=pad_id, temperature=cfg["rollout"]["temperature"],
-                                     fast=cfg["train"]["fast_paths"], prompt_model=prompt_model)
+    lp = passes["completion_logprobs"](model, [batch["prompt_ids"][i] for i in rows], batch["completion_ids"][rows, :width],
+                                       pad_id=pad_id, temperature=cfg["rollout"]["temperature"], prompt_model=prompt_model)
     return lp, width
 
 
 @torch.no_grad()
-def frozen_logprobs(model, batch, pad_id, cfg, device):
+def frozen_logprobs(model, batch, pad_id, cfg, device, passes=None):
     """The no-grad pass of the update: per-token log-probs of every completion under `model`,
     prompt AND completion through `model` itself: the behaviour policy pi_b (model = the policy,
     before any optimizer step; RLME Eq. 6's denominator) or the GRPO reference pi_ref (model =
@@ -201,13 +202,13 @@ def frozen_logprobs(model, batch, pad_id, cfg, device):
     for rows in micro_batches(range(len(out)), cfg["train"]["micro_batch_size"]):
         # eval mode: pi_b and pi_ref are the policies' probabilities, dropout (LoRA's) off
         with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device), rollout.eval_mode(model):
-            lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg)
+            lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg, passes=passes)
         for i, row in zip(rows, lp.float().cpu()):
             out[i] = torch.nn.functional.pad(row, (0, full - width))
     return out
 
 
-def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, ref_model=None, scaler=None):
+def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, passes=None, ref_model=None, scaler=None):
     """One rollout batch's update (docs/method.md §4.4): the no-grad passes, then `optimizer_steps`.
 
     No-grad passes (`frozen_logprobs`, each through the model it is about, prompt included):
@@ -237,9 +238,9 @@ def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id
     rollout_lp = batch.get("rollout_logprobs")
     behaviour = None
     if off_policy or rollout_lp is not None:
-        behaviour = frozen_logprobs(policy, batch, pad_id=pad_id, cfg=cfg, device=device)
-    ref = frozen_logprobs(ref_model, batch, pad_id=pad_id, cfg=cfg, device=device) if ref_model is not None else None
-    out = optimizer_steps(model, policy, optimizer, batch, cfg=cfg, world=world, device=device, pad_id=pad_id,
+        behaviour = frozen_logprobs(policy, batch, pad_id=pad_id, cfg=cfg, device=device, passes=passes)
+    ref = frozen_logprobs(ref_model, batch, pad_id=pad_id, cfg=cfg, device=device, passes=passes) if ref_model is not None else None
+    out = optimizer_steps(model, policy, optimizer, batch, cfg=cfg, world=world, device=device, pad_id=pad_id, passes=passes,
                           behaviour=behaviour if off_policy else None, ref=ref, scaler=scaler)
     out["logp_gap"] = logp_gap(behaviour, rollout_lp, update_mask(batch)) if rollout_lp is not None else None
     return out
@@ -252,7 +253,7 @@ def update_mask(batch):
     return mask * batch["valid"].float()[:, None] if "valid" in batch else mask
 
 
-def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_id, behaviour=None, ref=None,
+def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_id, passes=None, behaviour=None, ref=None,
                     scaler=None):
     """The optimizer steps of one rollout batch: `algo.updates_per_batch` passes, each split into
     `algo.minibatches` optimizer steps over whole groups, each accumulated over micro-batches of
@@ -270,6 +271,7 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
         (list[float], global, before clipping), "is_weight" / "clipped" (FloatTensor [N], last pass).
     """
     algo, ro = cfg["algo"], cfg["rollout"]
+    passes = passes or fast_or_plain(cfg["train"]["fast_paths"])
     G, per_mb = ro["group_size"], cfg["train"]["micro_batch_size"]
     mask = update_mask(batch)
     advantages = batch["advantages"]
@@ -291,7 +293,7 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
                 with grad_sync(model, world, sync=c == len(chunks) - 1):
                     with compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], device):
                         # the prompt pass goes through the unwrapped policy: DDP sees one forward per backward
-                        lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg, prompt_model=policy)
+                        lp, width = rows_logprobs(model, batch, rows, pad_id=pad_id, cfg=cfg, passes=passes, prompt_model=policy)
                     beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if behaviour is not None else None
                     rl = torch.stack([ref[i][:width] for i in rows]).to(device) if ref is not None else None
                     loss_sum, st = policy_loss(lp.float(), beh, advantages[rows].to(device),
@@ -304,7 +306,7 @@ def optimizer_steps(model, policy, optimizer, batch, cfg, *, world, device, pad_
                 clipped[rows] = st["clipped"].float().cpu()
             if scaler is not None:
                 scaler.unscale_(optimizer)  # clip and log the true gradient norm
-            grad_norms.append(clip_grad_norm(policy, cfg["optim"]["grad_clip"], fast=cfg["train"]["fast_paths"]))
+            grad_norms.append(passes["clip_grad_norm"](policy, cfg["optim"]["grad_clip"]))
             if scaler is not None:
                 scaler.step(optimizer)  # skipped when a gradient is inf/NaN (float16 overflow)
                 scaler.update()
@@ -330,10 +332,10 @@ def rollout_batch(state, prompt_ids, cfg, seed):
     ro, policy, engine = cfg["rollout"], state["policy"], state["engine"]
     if engine is None:
         with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
-            return rollout.generate(policy, state["tokenizer"], prompt_ids, group_size=ro["group_size"],
+            return state["passes"]["generate"](policy, state["tokenizer"], prompt_ids, group_size=ro["group_size"],
                                     max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
                                     top_p=ro["top_p"], top_k=ro["top_k"], seed=seed,
-                                    micro_batch_size=ro["micro_batch_size"] or None, fast=cfg["train"]["fast_paths"])
+                                    micro_batch_size=ro["micro_batch_size"] or None)
     out = rollout.generate_vllm(engine["llm"], state["tokenizer"], prompt_ids, group_size=ro["group_size"],
                                 max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
                                 top_p=ro["top_p"], top_k=ro["top_k"], seed=seed,
@@ -375,9 +377,8 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
                                 solutions=completions, references=[it["answer_text"] for it in items],
                                 anchored=[it["anchored"] for it in items],
                                 template=evaluator_template(rw["evaluator_template"]),
-                                answer_stub=rw["answer_stub"], renormalize=rw["renormalize"],
-                                micro_batch_size=rw["micro_batch_size"], nonfinite_logp=rw["nonfinite_logp"],
-                                fast=cfg["train"]["fast_paths"], transform=rw["transform"])
+                                renormalize=rw["renormalize"], nonfinite_logp=rw["nonfinite_logp"],
+                                transform=rw["transform"])
         rlme, logp, nonfinite = out["reward"], out["logp"], out["nonfinite"]
         failed, valid = out["failed"], out["valid"]  # a remote evaluator's failed requests
     rewards = {"rlme": rlme, "rlvr": rlvr, "hybrid": None}[rw["kind"]]
@@ -400,7 +401,7 @@ def rlme_reward_step(items, ro_out, evaluators, cfg, *, world, device):
         records.append(rec)
     metrics = {"reward/nonfinite": all_sum(nonfinite, world), "reward/masked": all_sum(int((~valid).sum()), world)}
     for j, ev in enumerate(evaluators if logp is not None else []):
-        if ev.get("remote") is not None:  # samples this evaluator could not score (after retries)
+        if "failures" in ev:  # a remote evaluator: samples it could not score (after retries)
             metrics[f"evaluator/{ev['name']}/failed"] = all_sum(int(failed[:, j].any(1).sum()), world)
     return {"reward": rewards, "valid": None if bool(valid.all()) else valid, "records": records,
             "metrics": metrics}
@@ -458,8 +459,8 @@ def validation_step(state, cfg, step, records):
                                          answer=wrong_answer(val, k) if inject else None) for k in mine]
     policy = state["policy"]
     with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
-        greedy = rollout.generate(policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
-                                  temperature=0.0, seed=0, fast=cfg["train"]["fast_paths"]) if prompts else {"completions": []}
+        greedy = state["passes"]["generate"](policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
+                                             temperature=0.0, seed=0) if prompts else {"completions": []}
     items = [val[k] for k in mine]
     rew = rlme_reward_step(items, greedy, state["evaluators"], cfg, world=world, device=state["device"])
     n = all_sum(len(items), world)
@@ -635,7 +636,8 @@ def save_run(state, cfg, step):
 
 def train(cfg):
     """Run cfg["run"]["total_steps"] steps (or resume an unfinished run in run.out_dir)."""
-    state = setup(cfg)  # models, data, optimizer, resume point (PLUMBING below)
+    passes = fast_or_plain(cfg["train"]["fast_paths"])  # the one switch: every pass fast or plain
+    state = setup(cfg, passes)  # models, data, optimizer, resume point (PLUMBING below)
     if state is None:  # the run in run.out_dir is already complete
         return
     G, seed, rank, world = cfg["rollout"]["group_size"], cfg["run"]["seed"], state["rank"], state["world"]
@@ -678,7 +680,7 @@ def train(cfg):
             torch.manual_seed(sampling_seed(seed, step, rank))  # seeded per step, so a resumed run draws alike
         upd = update_policy(state["model"], state["policy"], state["optimizer"], batch, cfg=cfg, world=world,
                             device=state["device"], pad_id=state["tokenizer"].pad_token_id,
-                            ref_model=state["ref_model"], scaler=state["scaler"])
+                            passes=state["passes"], ref_model=state["ref_model"], scaler=state["scaler"])
         push_weights(state["engine"], state["policy"])  # the next rollout samples from the updated policy
         state["scheduler"].step()
         t3 = time.perf_counter()
@@ -709,6 +711,19 @@ def train(cfg):
     finish(state)
 
 
+def fast_or_plain(fast_paths):
+    """The one switch (train.fast_paths): the functions every pass of a step calls, the speed
+    twins of fast.py or the plain ones a reader reads (same signatures; the tests compare each
+    pair). Returns {"generate", "completion_logprobs", "score_targets", "score_remote",
+    "clip_grad_norm"}."""
+    if fast_paths:
+        return {"generate": fast.generate, "completion_logprobs": fast.completion_logprobs,
+                "score_targets": fast.score_targets, "score_remote": fast.score_remote,
+                "clip_grad_norm": fast.clip_grad_norm}
+    return {"generate": rollout.generate, "completion_logprobs": rollout.completion_logprobs,
+            "score_targets": R.score_targets, "score_remote": R.score_remote, "clip_grad_norm": clip_grad_norm}
+
+
 def main(argv=None):
     ap = rollout.ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
     ap.add_argument("--config", action="append", default=[],
@@ -724,7 +739,7 @@ def main(argv=None):
 # ==============================================================================================
 
 
-def setup(cfg):
+def setup(cfg, passes):
     """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
@@ -756,7 +771,8 @@ def setup(cfg):
         if dist.is_initialized():
             dist.destroy_process_group()
         return None
-    state = {"rank": rank, "world": world, "device": device, "val_items": [], "val_history": [], "rewards_since_eval": []}
+    state = {"rank": rank, "world": world, "device": device, "passes": passes, "val_items": [], "val_history": [],
+             "rewards_since_eval": []}
 
     # data (rm_nlhf: the judge's start-up checks, model name and API key variable, come first)
     task = cfg["task"]
@@ -767,7 +783,7 @@ def setup(cfg):
         state["items"], state["val_items"] = load_train_items(cfg), load_val_items(cfg)
         check_single_pass(cfg, len(state["items"]))
     # remote evaluators: reachable and returning prompt log-probs, checked before any model loads
-    state["remote"] = remote_evaluators(cfg) if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else {}
+    state["remote"] = remote_evaluators(cfg, passes) if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else {}
 
     # the policy and its prompts; a prompt over the length limit is dropped and counted. Under LoRA
     # (model.lora) the base always comes from model.policy and the adapters from the checkpoint.
@@ -803,7 +819,7 @@ def setup(cfg):
     if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
         push_weights(state["engine"], policy)
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
-    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, remote=state["remote"]) if rlme else []
+    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, passes, remote=state["remote"]) if rlme else []
     state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and lora and tc["fast_paths"]:
         state["ref_model"] = BaseModelView(policy)  # pi_ref = the initial policy = the policy with adapters off
@@ -831,7 +847,7 @@ def setup(cfg):
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
         state["mrm"], mrm_source, _ = metarm.setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
                                                           judge=state["judge"], device=device, rank=rank,
-                                                          world=world)
+                                                          world=world, generate=passes["generate"])
 
     # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
     state["pbar"], state["trackers"] = None, []
@@ -1023,7 +1039,7 @@ def items_from_rows(ds, cfg, source):
     return items
 
 
-def remote_evaluators(cfg):
+def remote_evaluators(cfg, passes):
     """The `kind: remote` evaluators, {index: reward.remote_evaluator dict}, each probed with one
     scoring request (one-line SystemExit naming reward.evaluators[i] if it cannot score)."""
     out = {}
@@ -1034,12 +1050,13 @@ def remote_evaluators(cfg):
                                         tokenizer=ev["path"], chat_template=ev["chat_template"],
                                         system_prompt=ev["system_prompt"], chat_template_kwargs=ev["chat_template_kwargs"],
                                         where=f"config key reward.evaluators[{i}] ({ev['name']})",
-                                        config_key=f"reward.evaluators[{i}]", **settings)
+                                        config_key=f"reward.evaluators[{i}]", answer_stub=cfg["reward"]["answer_stub"],
+                                        score_requests=passes["score_remote"], **settings)
     return out
 
 
-def load_evaluators(cfg, policy, tokenizer, device, remote=None):
-    """The J evaluators as dicts {name, model, tokenizer, chat, weight}. `live` shares the
+def load_evaluators(cfg, policy, tokenizer, device, passes, remote=None):
+    """The J evaluators as reward.local_evaluator dicts {name, weight, score}. `live` shares the
     policy's weights (scored without grad); `frozen_self` is a frozen copy of the initial policy
     (under LoRA with train.fast_paths: the policy with its adapters off, BaseModelView, which is
     that initial policy without a second copy; its plain twin loads the copy); `frozen` loads
@@ -1047,7 +1064,7 @@ def load_evaluators(cfg, policy, tokenizer, device, remote=None):
     probed here). live / frozen_self share the policy's chat template, so their chat_template
     "auto" is model.chat_template and they take model.chat_template_kwargs unless they set their
     own (not its system prompt: that instructs the policy)."""
-    remote = remote_evaluators(cfg) if remote is None else remote
+    remote = remote_evaluators(cfg, passes) if remote is None else remote
     evaluators = []
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         kind = ev.get("kind", "live")
@@ -1072,8 +1089,10 @@ def load_evaluators(cfg, policy, tokenizer, device, remote=None):
                 template_kwargs = cfg["model"]["chat_template_kwargs"]
         chat = rollout.use_chat_template(tok, setting, model_path=path, system=ev.get("system_prompt"),
                                          template_kwargs=template_kwargs, key=f"reward.evaluators[{i}]")
-        evaluators.append({"name": ev.get("name", f"{kind}{i}"), "model": model, "tokenizer": tok, "chat": chat,
-                           "weight": float(ev.get("weight", 1.0))})
+        evaluators.append(R.local_evaluator(model, tok, chat=chat, name=ev.get("name", f"{kind}{i}"),
+                                            weight=ev.get("weight", 1.0), answer_stub=cfg["reward"]["answer_stub"],
+                                            micro_batch_size=cfg["reward"]["micro_batch_size"],
+                                            score=passes["score_targets"]))
     return evaluators
 
 
@@ -1251,33 +1270,6 @@ def grad_sync(model, world, sync):
             yield
     else:
         yield
-
-
-def clip_grad_norm_plain(policy, max_norm):
-    """Clip the global gradient norm to `max_norm` (<= 0: measure only); returns the norm before
-    clipping as a float. torch's clip_grad_norm_; under FSDP2 the gradients are DTensor shards
-    and the norm it returns is reduced over the mesh, i.e. the global one (tests/test_scale.py)."""
-    from torch.distributed.tensor import DTensor
-    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
-
-
-def clip_grad_norm(policy, max_norm, fast=True):
-    """`clip_grad_norm_plain`, with the norm of CPU gradients taken over 64K-element chunks
-    (fast=False: the plain twin; tests/test_train.py compares both with float64).
-
-    Why: torch's float32 CPU norm of one long tensor drifts (torch 2.13: ~1e-3 relative at a
-    28M-element tied embedding, so the logged norm and the clip coefficient were off); chunked
-    partial norms keep it within ~1e-6. GPU and FSDP2 (DTensor) gradients take the plain path.
-    """
-    from torch.distributed.tensor import DTensor
-    grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    if not fast or not grads or any(isinstance(g, DTensor) or g.device.type != "cpu" for g in grads):
-        return clip_grad_norm_plain(policy, max_norm)
-    gn = torch.nn.utils.get_total_norm([c for g in grads for c in g.reshape(-1).split(1 << 16)])
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(policy.parameters(), max_norm, gn)
-    return float(gn)
 
 
 @contextlib.contextmanager
@@ -1801,3 +1793,12 @@ def check_wandb_credentials():
 
 if __name__ == "__main__":
     main()
+
+
+def clip_grad_norm(policy, max_norm):
+    """Clip the global gradient norm to `max_norm` (<= 0: measure only); returns the norm before
+    clipping as a float. torch's clip_grad_norm_; under FSDP2 the gradients are DTensor shards
+    and the norm it returns is reduced over the mesh, i.e. the global one (tests/test_scale.py)."""
+    from torch.distributed.tensor import DTensor
+    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)

@@ -94,10 +94,11 @@ def self_evaluation_reward(model, tok, chat, cfg, questions, completions, micro_
     Returns FloatTensor [N]."""
     import reward as R
     rw = cfg["reward"]
-    ev = [{"name": "live", "model": model, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+    import fast
+    ev = [R.local_evaluator(model, tok, chat=chat, name="live", weight=1.0, answer_stub=rw["answer_stub"],
+                            micro_batch_size=micro_batch, score=fast.score_targets)]
     return R.rlme_reward(ev, rw["meta_questions"], questions, completions,
-                         template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE,
-                         answer_stub=rw["answer_stub"], micro_batch_size=micro_batch)["reward"]
+                         template=rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE)["reward"]
 
 
 def trl_args(a, cfg):
@@ -124,6 +125,7 @@ def run_trl_child(a):
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
+    import fast
     import rollout
     import train
 
@@ -220,6 +222,7 @@ def check_loss(a):
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    import fast
     import rollout
     import train
 
@@ -236,7 +239,7 @@ def check_loss(a):
     items = rollout.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], rank=0, world=1)
     prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                   for it in items]
-    out = rollout.generate(policy, tok, prompt_ids, group_size=a.G, max_new_tokens=a.N, temperature=ro["temperature"],
+    out = fast.generate(policy, tok, prompt_ids, group_size=a.G, max_new_tokens=a.N, temperature=ro["temperature"],
                            top_p=ro["top_p"], top_k=ro["top_k"], seed=train.sampling_seed(cfg["run"]["seed"], 0, 0))
     questions = [it["question"] for it in items for _ in range(a.G)]
     rewards = self_evaluation_reward(policy, tok, chat, cfg, questions=questions, completions=out["completions"],

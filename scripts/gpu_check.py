@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
+import fast  # noqa: E402
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ def vllm_score(llm, ids, start):
 
 
 def trainer_score(model, ids, start):
-    lp = rollout.completion_logprobs(model, [ids[:start]], torch.tensor([ids[start:]]), 0)
+    lp = fast.completion_logprobs(model, [ids[:start]], torch.tensor([ids[start:]]), 0)
     return lp[0].float().cpu()
 
 
@@ -92,7 +93,7 @@ def engine_checks(model_path, out_path):
     n = 32
     width = int(r["completion_mask"][:n].sum(-1).max())
     with torch.no_grad():
-        tr = rollout.completion_logprobs(model, r["prompt_ids"][:n], r["completion_ids"][:n, :width], tok.pad_token_id).float().cpu()
+        tr = fast.completion_logprobs(model, r["prompt_ids"][:n], r["completion_ids"][:n, :width], tok.pad_token_id).float().cpu()
     m = r["completion_mask"][:n, :width]
     res["gen"]["logp_gap_mean"] = float(((tr - r["logprobs"][:n, :width]).abs() * m).sum() / m.sum())
 
@@ -307,7 +308,7 @@ def versions():
 
 def consistency(model_dir, device, out_path):
     """The project's fast paths against their plain twins on this machine's transformers, float32:
-    greedy rollout.generate (prefill once per group, static cache) vs rollout.generate_plain
+    greedy fast.generate (prefill once per group, static cache) vs rollout.generate
     (model.generate), token for token; completion_logprobs (prompt pass shared, KV cache reused)
     vs completion_logprobs_plain (one forward per row). A transformers version whose forward
     ignores the cache argument the fast paths pass would show up here as a large gap, not as an
@@ -324,18 +325,18 @@ def consistency(model_dir, device, out_path):
     G, new = 2, 24
     pad = tok.pad_token_id
     res["ok"] = False
-    plain = rollout.generate_plain(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
+    plain = rollout.generate(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
     try:
-        fast = rollout.generate(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
+        fast_out = fast.generate(model, tok, prompts, group_size=G, max_new_tokens=new, temperature=0.0, seed=0)
     except Exception as e:  # e.g. a transformers whose forward does not take the cache argument
-        res["error"] = f"rollout.generate (fast): {type(e).__name__}: {e}"
-        fast = None
-    if fast is None:
+        res["error"] = f"fast.generate (fast): {type(e).__name__}: {e}"
+        fast_out = None
+    if fast_out is None:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps(res), flush=True)
         raise SystemExit(f"[gpu_check] consistency: {res['error']}")
-    a, b = fast["completion_ids"], plain["completion_ids"]
+    a, b = fast_out["completion_ids"], plain["completion_ids"]
     w = max(a.shape[1], b.shape[1])
     a = torch.nn.functional.pad(a, (0, w - a.shape[1]), value=pad)
     b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=pad)
@@ -343,10 +344,10 @@ def consistency(model_dir, device, out_path):
     first = [int((a[i] != b[i]).nonzero()[0]) for i in range(len(a)) if not same[i]]
     res["greedy"] = {"rows": len(a), "rows_identical": int(same.sum()), "first_mismatch_positions": first}
     with torch.no_grad():
-        ids = fast["completion_ids"]
-        mask = fast["completion_mask"].to(dev)
-        lp_fast = rollout.completion_logprobs(model, fast["prompt_ids"], ids, pad_id=pad, temperature=1.0, fast=True)
-        lp_plain = rollout.completion_logprobs_plain(model, fast["prompt_ids"], ids, pad_id=pad, temperature=1.0)
+        ids = fast_out["completion_ids"]
+        mask = fast_out["completion_mask"].to(dev)
+        lp_fast = fast.completion_logprobs(model, fast_out["prompt_ids"], ids, pad_id=pad, temperature=1.0)
+        lp_plain = rollout.completion_logprobs(model, fast_out["prompt_ids"], ids, pad_id=pad, temperature=1.0)
     diff = ((lp_fast - lp_plain).abs() * mask).max().item()
     res["logprobs"] = {"max_abs_diff_fast_vs_plain": diff, "tokens": int(mask.sum()),
                        "mean_logp": float((lp_plain * mask).sum() / mask.sum())}
@@ -401,7 +402,6 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
     of prompt_len + completion_len tokens in groups of group_size (each group's prompt shared),
     through train.update_policy with config.yaml's algo/optim settings. Nothing is generated.
     Writes peak memory and seconds to out_path."""
-    import inspect
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
     import train

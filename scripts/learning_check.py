@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
+import fast  # noqa: E402
 
 
 def per_step(records, quantity):
@@ -82,12 +83,12 @@ def heldout(run_dir, n_problems, samples, data):
         chat = rollout.policy_chat(tok, cfg["model"])
         prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=p["question"]), chat)
                    for p in problems]
-        out = rollout.generate(model, tok, prompts, group_size=samples, max_new_tokens=ro["max_new_tokens"],
+        out = fast.generate(model, tok, prompts, group_size=samples, max_new_tokens=ro["max_new_tokens"],
                                temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
                                seed=cfg["run"]["seed"], micro_batch_size=16)
-        evaluators = train.load_evaluators(cfg, model, tok, "cpu")
+        evaluators = train.load_evaluators(cfg, model, tok, "cpu", train.fast_or_plain(True))
         r = R.rlme_reward(evaluators, rw["meta_questions"], [p["question"] for p in problems for _ in range(samples)],
-                          out["completions"], answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"])
+                          out["completions"])
         per_model[name] = {"reward": r["reward"].view(-1, samples),                  # [N, samples]
                            "p_yes": r["logp"].exp().mean(1).view(-1, samples, r["logp"].shape[-1]),
                            "length": out["completion_mask"].sum(-1).view(-1, samples),

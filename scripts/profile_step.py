@@ -4,7 +4,7 @@
     python scripts/profile_step.py --K 1 4 --ops 8 rollout.max_new_tokens=64
 
 Runs the three stages of train.py's step on one batch with the same functions train.py calls
-(rollout.generate, reward.rlme_reward, train.update_policy), after one untimed warm-up step:
+(fast.generate, reward.rlme_reward, train.update_policy), after one untimed warm-up step:
   1. seconds per stage and generated tokens/s;
   2. the top `--ops` operators of each stage (torch.profiler, self CPU time);
   3. the reward stage with K = 1 and K = 4 meta-questions on the same completions (issue 6 asks
@@ -42,7 +42,8 @@ def main(argv=None):
     policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
     chat = rollout.policy_chat(tok, cfg["model"])
     items = train.load_train_items(cfg)
-    evaluators = train.load_evaluators(cfg, policy, tok, device)
+    passes = train.fast_or_plain(cfg["train"]["fast_paths"])  # train.fast_paths=false profiles the plain twins
+    evaluators = train.load_evaluators(cfg, policy, tok, device, passes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
 
@@ -67,18 +68,16 @@ def main(argv=None):
             times[name] = time.perf_counter() - t
             return out
 
-        fast = cfg["train"]["fast_paths"]  # train.fast_paths=false profiles the plain twins
-        out = timed("rollout", lambda: rollout.generate(policy, tok, prompts, group_size=ro["group_size"],
-                                                        max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
-                                                        top_p=ro["top_p"], top_k=ro["top_k"], seed=s, fast=fast))
+        out = timed("rollout", lambda: passes["generate"](policy, tok, prompts, group_size=ro["group_size"],
+                                                          max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
+                                                          top_p=ro["top_p"], top_k=ro["top_k"], seed=s))
         rew = timed("reward", lambda: R.rlme_reward(evaluators, rw["meta_questions"], [it["question"] for it in samples],
-                                                    out["completions"], template=template, answer_stub=rw["answer_stub"],
-                                                    micro_batch_size=rw["micro_batch_size"], fast=fast))
+                                                    out["completions"], template=template))
         adv = train.group_advantages(rew["reward"], ro["group_size"])
         b = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
              "completion_mask": out["completion_mask"], "advantages": adv}
         timed("update", lambda: train.update_policy(policy, policy, optimizer, b, cfg=cfg, world=1, device=device,
-                                                        pad_id=tok.pad_token_id))
+                                                        pad_id=tok.pad_token_id, passes=passes))
         return times, ops, out, samples
 
     step(0)  # warm-up: allocator, caches, AdamW state
@@ -96,8 +95,7 @@ def main(argv=None):
     for k in a.K:
         t = time.perf_counter()
         R.rlme_reward(evaluators, questions(k), [it["question"] for it in samples], out["completions"],
-                      template=template, answer_stub=rw["answer_stub"], micro_batch_size=rw["micro_batch_size"],
-                      fast=cfg["train"]["fast_paths"])
+                      template=template)
         dt = time.perf_counter() - t
         base = base or dt
         print(f"  K={k}: {dt:.1f} s  ({dt / base:.2f} x K={a.K[0]})")

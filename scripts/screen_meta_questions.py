@@ -27,6 +27,7 @@ import evaluate  # noqa: E402
 import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+import fast  # noqa: E402
 
 CANDIDATES = {
     "steps": ("Is the solution written as numbered steps?",
@@ -80,14 +81,14 @@ def main(argv=None):
     items = train.load_train_items(cfg)[:a.n_prompts]
     prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                for it in items]
-    out = rollout.generate(policy, tok, prompts, group_size=a.samples, max_new_tokens=ro["max_new_tokens"],
+    out = fast.generate(policy, tok, prompts, group_size=a.samples, max_new_tokens=ro["max_new_tokens"],
                            temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
                            seed=cfg["run"]["seed"], micro_batch_size=16)
     problems = [it["question"] for it in items for _ in range(a.samples)]
-    evaluator = [{"name": "live", "model": policy, "tokenizer": tok, "chat": chat, "weight": 1.0}]
+    evaluator = [R.local_evaluator(policy, tok, chat=chat, name="live", weight=1.0, answer_stub=rw["answer_stub"],
+                                   micro_batch_size=rw["micro_batch_size"], score=fast.score_targets)]
     mq = [{"question": CANDIDATES[n][0], "weight": 1.0, "target": "Yes"} for n in names]
-    logp = R.rlme_reward(evaluator, mq, problems, out["completions"], answer_stub=rw["answer_stub"],
-                         micro_batch_size=rw["micro_batch_size"])["logp"][:, 0, :]  # [N, K]
+    logp = R.rlme_reward(evaluator, mq, problems, out["completions"])["logp"][:, 0, :]  # [N, K]
     print(f"{len(out['completions'])} completions, max {ro['max_new_tokens']} new tokens, "
           f"truncated {out['truncated'].float().mean():.2f}")
     print(f"{'candidate':>10} {'base rate':>9} {'AUROC':>6} {'logP yes|has':>13} {'logP yes|not':>13}  question")

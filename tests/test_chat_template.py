@@ -194,10 +194,10 @@ def test_live_and_frozen_self_evaluators_follow_the_policy_format(qwen3_style):
     cfg = config.load_config([], [f"model.policy={path}", "model.chat_template=false", "model.dtype=float32",
                                   f"reward.evaluators=[{{kind: live}}, {{kind: frozen_self}}, {{kind: frozen, path: {path}}}]"])
     policy, _ = rollout.load_model(path)
-    evs = train.load_evaluators(cfg, policy, tok, "cpu")
+    evs = train.load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
     assert [ev["chat"] for ev in evs] == [False, False, {"system": None, "kwargs": {}}]
     cfg["model"].update(chat_template="auto", chat_template_kwargs={"enable_thinking": False})
-    evs = train.load_evaluators(cfg, policy, tok, "cpu")
+    evs = train.load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
     assert [ev["chat"]["kwargs"] for ev in evs] == [{"enable_thinking": False}] * 2 + [{}]
 
 

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from conftest import REPO, TINY_MODEL_FIXTURE, data_path
+import fast
 
 # name (relative to the repo) -> the --config layers a user runs it with, and whether its runs
 # go through the command line (`python train.py --config ...`) instead of train.main in-process
@@ -286,10 +287,9 @@ def force_answers(monkeypatch):
     own loader read). Why: a random tiny model never writes one, so every RLVR reward would be 0,
     every advantage 0 and nothing would move ((c) would be vacuous). Greedy validation (group
     size 1) is left alone. Ids and masks are rebuilt from the text, as test_e2e_nlhf.force_verdicts."""
-    import rollout
     import train
     from test_e2e_nlhf import with_completions
-    real_generate, real_load = rollout.generate, train.load_train_items
+    real_generate, real_load = fast.generate, train.load_train_items
     seen = []
 
     def load(cfg):
@@ -308,7 +308,7 @@ def force_answers(monkeypatch):
             rows.append((g * group_size, f"The answer is \\boxed{{{it['answer_text']}}}."))
         return with_completions(out, tok, rows)
     monkeypatch.setattr(train, "load_train_items", load)
-    monkeypatch.setattr(rollout, "generate", generate)
+    monkeypatch.setattr(fast, "generate", generate)  # train.fast_paths true: train.fast_or_plain reads it
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import metarm
 import reward
 import rollout
 import train
+import fast
 
 CPU_PRESET = os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")
 NLHF_METRICS = {"nlhf/format_error_rate", "nlhf/outcome_acc", "nlhf/process_rate", "judge/fail_rate", "judge/calls",
@@ -203,7 +204,7 @@ def force_verdicts(monkeypatch, pairs):
     the text, so the update trains on exactly what is logged."""
     def find(text):  # the pair whose context and both responses all appear in the decoded prompt
         return next(it for it in pairs if all(it[k].strip()[:300] in text for k in ("context", "response_a", "response_b")))
-    real = rollout.generate
+    real = fast.generate
 
     def generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw):
         out = real(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw)
@@ -215,7 +216,7 @@ def force_verdicts(monkeypatch, pairs):
             rows.append((g * group_size, verdict(crit, it["winner"])))
         return with_completions(out, tok, rows)
 
-    monkeypatch.setattr(rollout, "generate", generate)
+    monkeypatch.setattr(fast, "generate", generate)  # train.fast_paths true: train.fast_or_plain reads it
 
 
 def nlhf_args(out, model, extra=()):

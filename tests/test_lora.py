@@ -8,6 +8,7 @@ import torch
 
 import train as T
 from conftest import REPO, SMOLLM2, data_path
+import fast
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}
 CPU = torch.device("cpu")
@@ -137,13 +138,13 @@ def test_frozen_self_under_lora_scores_what_a_frozen_copy_scores(tiny_model_path
     exactly; the live evaluator (adapters on) scores differently."""
     import reward as R
     policy, tok = lora_policy(tiny_model_path)
-    fast, plain = _cfg(True), _cfg(False)
-    fast["model"]["policy"] = plain["model"]["policy"] = tiny_model_path
-    evs_view = T.load_evaluators(fast, policy, tok, CPU)
-    evs_copy = T.load_evaluators(plain, policy, tok, CPU)
+    fast_cfg, plain = _cfg(True), _cfg(False)
+    fast_cfg["model"]["policy"] = plain["model"]["policy"] = tiny_model_path
+    evs_view = T.load_evaluators(fast_cfg, policy, tok, CPU, T.fast_or_plain(True))
+    evs_copy = T.load_evaluators(plain, policy, tok, CPU, T.fast_or_plain(False))
     assert isinstance(evs_view[1]["model"], T.BaseModelView) and evs_view[1]["model"].policy is policy
     assert not isinstance(evs_copy[1]["model"], T.BaseModelView)
-    kw = dict(meta_questions=fast["reward"]["meta_questions"], problems=["What is 2+3?"] * 2 + ["What is 7*6?"] * 2,
+    kw = dict(meta_questions=fast_cfg["reward"]["meta_questions"], problems=["What is 2+3?"] * 2 + ["What is 7*6?"] * 2,
               solutions=["5", "It is \\boxed{6}.", "42", "I think 41"])
     a = R.rlme_reward(evs_view, **kw)["logp"]  # [N, J, K]
     b = R.rlme_reward(evs_copy, **kw)["logp"]
@@ -169,8 +170,8 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
 
 # ---- dropout: only the gradient pass sees it ------------------------------------------------------
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_path, fast):
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_path, use_fast):
     """With model.lora.dropout > 0 and the policy in train mode (as it is between updates), the
     live evaluator's scores, the rollout and the behaviour log-probs are computed with dropout
     off (rollout.eval_mode): the same under any global RNG state and equal to eval mode's, and
@@ -179,17 +180,18 @@ def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_pa
     import rollout
     from test_train import _layout_batch, _layout_cfg
     policy, tok = lora_policy(tiny_model_path, dict(LORA, dropout=0.5))
-    evs = [{"name": "self", "model": policy, "tokenizer": tok, "chat": False, "weight": 1.0}]
+    evs = [R.local_evaluator(policy, tok, chat=False, name="self", weight=1.0,
+                             score=fast.score_targets if use_fast else R.score_targets)]
     kw = dict(meta_questions=R.meta_question_dicts(["Is the answer correct?"]),
               problems=["What is 2+3?"] * 2, solutions=["5", "It is \\boxed{6}."])
     cfg, batch = _layout_cfg(2, "seq_sum"), _layout_batch()
-    cfg["train"]["fast_paths"] = fast  # each pass and its plain twin
+    cfg["train"]["fast_paths"] = use_fast  # each pass and its plain twin
 
     def passes(seed):
         torch.manual_seed(seed)
-        ro = rollout.generate(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0, fast=fast)
-        return (R.rlme_reward(evs, **kw, fast=fast)["logp"], ro["completion_ids"],
-                T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU))
+        ro = (fast.generate if use_fast else rollout.generate)(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0)
+        return (R.rlme_reward(evs, **kw)["logp"], ro["completion_ids"],
+                T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU, T.fast_or_plain(use_fast)))
 
     policy.eval()
     want = passes(0)

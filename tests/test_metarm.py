@@ -197,11 +197,10 @@ def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
                       "no format at all"]                                                      # invalid, skipped
         return {"completions": texts}
 
-    monkeypatch.setattr(metarm.rollout, "generate", fake_generate)
     mrm = fresh(tiny_model_path)
     judge = make_judge({"backend": "proxy"})
     stats = metarm.cold_start(mrm, tiny_model_path, items, judge, rollouts_per_prompt=3, epochs=1, lr=1e-4,
-                              log=lambda s: None)
+                              log=lambda s: None, generate=fake_generate)
     assert seen["prompts"] == 2 and seen["g"] == 3 and "[Response A]" in seen["first"] and "<critics>" in seen["first"]
     # first-line critique vs the full human critique: recall is low, so R depends on the proxy F1;
     # recompute the expected targets with the same public functions

@@ -29,6 +29,7 @@ import config
 import reward as R
 import rollout
 from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
+import fast
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1
 # weights: llama.cpp multiplies them in quantized form (its activations rounded to 8 bits for the
@@ -187,12 +188,12 @@ def test_failures_are_none_with_a_reason(fake_server, mode, why, requests):
 def test_batched_requests_equal_one_request_per_prompt(fake_server):
     fulls = [(f"Problem {i} {'x' * i}\nAnswer: Yes", " Yes") for i in range(7)]
     ev = fake_evaluator(fake_server, batch_size=3, concurrency=2)
-    fast = R.score_remote(ev, fulls, fast=True)
+    fast_out = fast.score_remote(ev["remote"], fulls)
     assert sorted(len(p) for p in fake_server.requests) == [1, 3, 3]  # 3 requests for 7 prompts
     fake_server.requests.clear()
-    plain = R.score_remote(ev, fulls, fast=False)
+    plain = R.score_remote(ev["remote"], fulls)
     assert len(fake_server.requests) == 7
-    assert fast == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
+    assert fast_out == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
 
 
 def test_a_failed_sample_is_masked_never_scored(fake_server):
@@ -278,7 +279,7 @@ def test_remote_logp_matches_in_process(llama_server, smollm2):
     SmolLM2 in-process (reward.score_targets): within REMOTE_TOLERANCE; then the concurrent
     requests equal the one-by-one plain twin on the real server."""
     model, tok = smollm2
-    local = {"name": "local", "model": model, "tokenizer": tok, "chat": True, "weight": 1.0}
+    local = R.local_evaluator(model, tok, chat=True, name="local", weight=1.0)
     remote = R.remote_evaluator(llama_server, "smollm2", name="remote", tokenizer=SMOLLM2, concurrency=2, **LLAMA)
     assert remote["chat"]  # SmolLM2's chat prompt starts with <|im_start|>, its BOS: see docs/scale-out.md
     problems = ["Tom has 3 apples and buys 4 more. How many apples does he have?", "What is 12 times 5?",
@@ -293,8 +294,8 @@ def test_remote_logp_matches_in_process(llama_server, smollm2):
     assert diff.max() <= REMOTE_TOLERANCE, diff
     short = [(R.evaluator_prompt_text(tok, f"{p}\n{s}\nIs it right?", "Yes", chat=True)[1], "Yes")
              for p, s in zip(problems, solutions)]
-    fast, plain = R.score_remote(remote, short, fast=True), R.score_remote(remote, short, fast=False)
-    assert plain[1] == ["", "", ""] and fast[0] == pytest.approx(plain[0], abs=1e-4)
+    fast_out, plain = fast.score_remote(remote["remote"], short), R.score_remote(remote["remote"], short)
+    assert plain[1] == ["", "", ""] and fast_out[0] == pytest.approx(plain[0], abs=1e-4)
 
 
 def tiny_gsm8k(path, n=4):

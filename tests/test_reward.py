@@ -1,5 +1,4 @@
 """reward.py: extraction, labels, RLVR, RLME evaluator prompt, target ids, weighting, scoring."""
-import math
 
 import pytest
 import torch
@@ -7,6 +6,7 @@ import torch
 import reward as R
 import rollout
 from conftest import SMOLLM2
+import fast
 
 
 # --- boxed extraction (docs/method.md §4.3) ---------------------------------------------------------------
@@ -141,12 +141,10 @@ def test_target_ids_after_colon_and_chat_header(smol_tok):
 
 
 def test_nonfinite_logp_replaced(monkeypatch):
-    monkeypatch.setattr(R, "score_targets", lambda *a, **k: torch.tensor([[float("nan")], [-1.0]]))
-
     class Tok:
         pad_token_id = 0
-    ev = [{"name": "e", "model": None, "tokenizer": Tok(), "chat": False, "weight": 1.0}]
     monkeypatch.setattr(R, "evaluator_prompt_and_target_ids", lambda *a, **k: ([1, 2], [3]))
+    ev = [R.local_evaluator(None, Tok(), name="e", score=lambda *a, **k: torch.tensor([[float("nan")], [-1.0]]))]
     out = R.rlme_reward(ev, [{"question": "q?", "weight": 1.0, "target": "Yes"}], ["p", "p"], ["s", ""],
                         nonfinite_logp=-50.0)
     assert out["reward"].tolist() == [-50.0, -1.0] and out["nonfinite"] == 1
@@ -173,13 +171,13 @@ def test_score_targets_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_
     tails = [[7, 8], [7, 9, 9]]
     prompts = [[problem[g] + s + t for t in tails] for g, s in zip(keys, sols)]
     targets = [[[30], [31, 32]] for _ in sols]
-    plain = R.score_targets_plain(model, prompts, targets, tok.pad_token_id)
+    plain = R.score_targets(model, prompts, targets, tok.pad_token_id)
     assert plain.shape == (5, 2) and plain.dtype == torch.float32 and plain.device.type == "cpu"
-    assert torch.equal(R.score_targets(model, prompts, targets, tok.pad_token_id, groups=keys, fast=False), plain)
+    assert torch.equal(R.score_targets(model, prompts, targets, tok.pad_token_id, groups=keys), plain)
     for mb in (2, 5):
         for groups in (keys, None):
-            fast = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=mb, groups=groups)
-            assert torch.allclose(fast, plain, atol=1e-5), (mb, groups, fast, plain)
+            fast_lp = fast.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=mb, groups=groups)
+            assert torch.allclose(fast_lp, plain, atol=1e-5), (mb, groups, fast_lp, plain)
     # the plain twin by hand for one entry: log p(31 | prompt) + log p(32 | prompt, 31)
     with torch.no_grad():
         ids = torch.tensor([prompts[3][1] + [31, 32]])
@@ -189,21 +187,25 @@ def test_score_targets_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_
 
 
 def test_rlme_reward_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_path):
-    """rlme_reward passes `fast` through to score_targets: the same log-probs and rewards with the
-    shared-prefix scoring and with one forward per (prompt + target) row; two evaluators (one a
-    chat-template one), K = 2 questions, a multi-token target, groups of samples per problem."""
-    evs = []
+    """Evaluators built on fast.score_targets and on reward.score_targets give rlme_reward the same
+    log-probs and rewards (shared-prefix scoring vs one forward per (prompt + target) row); two
+    evaluators (one a chat-template one), K = 2 questions, a multi-token target, groups of samples
+    per problem."""
+    evs = {True: [], False: []}
     for path, chat, weight in ((tiny_model_path, False, 1.0), (frozen_evaluator_path, True, 0.5)):
         model, tok = rollout.load_model(path)
-        evs.append({"name": path, "model": model.eval(), "tokenizer": tok, "chat": chat, "weight": weight})
+        for use_fast in (True, False):
+            evs[use_fast].append(R.local_evaluator(model.eval(), tok, chat=chat, name=path, weight=weight,
+                                                   micro_batch_size=3,
+                                                   score=fast.score_targets if use_fast else R.score_targets))
     mq = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"},
           {"question": "Is the final answer boxed?", "weight": 0.5, "target": "Yes, it is"}]
     problems = ["What is 2+3?", "What is 2+3?", "What is 2+3?", "What is 7*6?"]
     solutions = [r"2 + 3 = 5, so \boxed{5}.", r"\boxed{6}", "", "7*6 = 42"]
-    fast = R.rlme_reward(evs, mq, problems, solutions, micro_batch_size=3)
-    plain = R.rlme_reward(evs, mq, problems, solutions, micro_batch_size=3, fast=False)
-    assert torch.allclose(fast["logp"], plain["logp"], atol=1e-5)
-    assert torch.allclose(fast["reward"], plain["reward"], atol=1e-5)
+    fast_out = R.rlme_reward(evs[True], mq, problems, solutions)
+    plain = R.rlme_reward(evs[False], mq, problems, solutions)
+    assert torch.allclose(fast_out["logp"], plain["logp"], atol=1e-5)
+    assert torch.allclose(fast_out["reward"], plain["reward"], atol=1e-5)
 
 
 @pytest.mark.slow
@@ -222,10 +224,10 @@ def test_shared_prefix_scoring_equals_plain(smollm2):
             prompts.append(list(ps))
             targets.append(list(ts))
         # micro-batches of 3 samples; samples 0-2 are one group (same problem), 3 its own
-        fast = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3, groups=[0, 0, 0, 1])
-        alone = R.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3)
-        plain = R.score_targets_plain(model, prompts, targets, tok.pad_token_id)
-        assert torch.allclose(fast, plain, atol=1e-4) and torch.allclose(alone, plain, atol=1e-4)
+        fast_lp = fast.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3, groups=[0, 0, 0, 1])
+        alone = fast.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=3)
+        plain = R.score_targets(model, prompts, targets, tok.pad_token_id)
+        assert torch.allclose(fast_lp, plain, atol=1e-4) and torch.allclose(alone, plain, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -233,8 +235,8 @@ def test_rlme_reward_two_evaluators_two_questions(smollm2):
     model, tok = smollm2
     mq = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"},
           {"question": "Is the answer a whole number?", "weight": 0.5, "target": "Yes"}]
-    evs = [{"name": "chat", "model": model, "tokenizer": tok, "chat": True, "weight": 1.0},
-           {"name": "plain", "model": model, "tokenizer": tok, "chat": False, "weight": 2.0}]
+    evs = [R.local_evaluator(model, tok, chat=True, name="chat", weight=1.0),
+           R.local_evaluator(model, tok, chat=False, name="plain", weight=2.0)]
     out = R.rlme_reward(evs, mq, ["What is 2+3?"], [r"\boxed{5}"])
     lp = out["logp"][0]
     assert out["reward"].item() == pytest.approx(

@@ -36,10 +36,14 @@ def expected(evaluators, problems=PROBLEMS, completions=COMPLETIONS, **kw):
 
 def test_load_evaluator_builds_a_frozen_evaluator(evaluators):
     ev, plain = evaluators
-    assert set(ev) == {"name", "model", "tokenizer", "chat", "weight"}
+    assert set(ev) == {"name", "weight", "score", "model", "tokenizer", "chat"}  # reward.local_evaluator's dict
     # "chat": the template options (rollout.use_chat_template), False for plain text
     assert (ev["name"], ev["chat"], ev["weight"]) == ("chat", {"system": None, "kwargs": {}}, 1.0)
     assert (plain["chat"], plain["weight"]) == (False, 0.5)
+    # the chat template and the plain-text prompt score the same text differently
+    texts, targets = [["Is 2 + 2 = 4?"]], ["Yes"]
+    assert ev["score"](texts, targets).shape == (1, 1)
+    assert not torch.equal(ev["score"](texts, targets), plain["score"](texts, targets))
     assert not ev["model"].training
     assert not any(p.requires_grad for p in ev["model"].parameters())
 
@@ -74,9 +78,9 @@ def test_trl_function_reads_the_problem_from_a_dataset_column(evaluators):
 
 def test_trl_function_logs_every_mean_logp_through_log_metric(evaluators):
     logged = []
-    fn = R.trl_reward_function(evaluators, QUESTIONS, micro_batch_size=3)
+    fn = R.trl_reward_function(evaluators, QUESTIONS)
     fn(PROBLEMS, COMPLETIONS, log_metric=lambda name, value: logged.append((name, value)))
-    means = expected(evaluators, micro_batch_size=3)["logp"].mean(0)  # [J, K]
+    means = expected(evaluators)["logp"].mean(0)  # [J, K]
     want = {f"rlme/{ev['name']}/{q['question']}/logp": means[j, k].item()
             for j, ev in enumerate(evaluators) for k, q in enumerate(QUESTIONS)}
     want["rlme/nonfinite"] = 0.0
@@ -84,15 +88,19 @@ def test_trl_function_logs_every_mean_logp_through_log_metric(evaluators):
     assert len(logged) == len(want)  # each once per call
 
 
-def test_trl_function_name_transform_and_options(evaluators):
+def test_trl_function_name_transform_and_options(evaluators, tiny_model_path):
     from trl.trainer.utils import get_callable_name  # how GRPOTrainer names the reward column
     assert get_callable_name(R.trl_reward_function(evaluators, QUESTIONS)) == "rlme_reward"
-    fn = R.trl_reward_function(evaluators, ["Is the answer correct?"], name="rlme_correct", transform="prob",
-                               answer_stub="\nReply:")
+    # the answer stub of plain-text prompts and the scoring micro-batch are the evaluator's own
+    reply = [R.load_evaluator(tiny_model_path, name="plain", chat_template=False, answer_stub="\nReply:",
+                              micro_batch_size=3)]
+    fn = R.trl_reward_function(reply, ["Is the answer correct?"], name="rlme_correct", transform="prob")
     assert fn.__name__ == "rlme_correct" and get_callable_name(fn) == "rlme_correct"
     plain_q = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"}]
-    want = R.rlme_reward(evaluators, plain_q, PROBLEMS, COMPLETIONS, transform="prob", answer_stub="\nReply:")
+    want = R.rlme_reward(reply, plain_q, PROBLEMS, COMPLETIONS, transform="prob")
     assert fn(PROBLEMS, COMPLETIONS) == want["reward"].tolist()
+    stub = R.rlme_reward(evaluators[1:], plain_q, PROBLEMS, COMPLETIONS, transform="prob")
+    assert want["reward"].tolist() != stub["reward"].tolist()  # "\nReply:" is not the default "\nAnswer:"
 
 
 def test_factories_fail_at_once_on_bad_settings(evaluators):
@@ -155,7 +163,7 @@ def test_cli_round_trip_equals_rlme_reward(tmp_path, tiny_model_path, capsys):
     ev = R.load_evaluator(tiny_model_path, name="tiny")
     qs = R.meta_question_dicts(["Is the answer correct?", "Is the solution concise?"])
     want = R.rlme_reward([ev], qs, PROBLEMS, COMPLETIONS, references=[None, None, "3", None],
-                         anchored=[False, False, True, False], micro_batch_size=3)
+                         anchored=[False, False, True, False])
     assert len(got) == len(rows)
     for i, (row, g) in enumerate(zip(rows, got)):
         assert {k: v for k, v in g.items() if k not in ("logp", "reward")} == \

@@ -3,15 +3,13 @@ the critique judge (tag parsing, retries against a real local HTTP server, failu
 offline proxy. Every expected number below is computed by hand in the comment next to it."""
 import http.server
 import json
-import os
 import socket
-import sys
 import threading
 import time
 
 import pytest
 
-from conftest import SMOLLM2, data_path, make_judge
+from conftest import data_path, make_judge
 import reward
 
 

@@ -190,13 +190,13 @@ def test_rlme_reward_prob_vs_log_tiny(tiny_model_path):
     template."""
     model, tok = rollout.load_model(tiny_model_path)
     model.eval()
-    evs = [{"name": "chat", "model": model, "tokenizer": tok, "chat": True, "weight": 1.0},
-           {"name": "plain", "model": model, "tokenizer": tok, "chat": False, "weight": 0.5}]
+    evs = [R.local_evaluator(model, tok, chat=True, name="chat", weight=1.0, micro_batch_size=2),
+           R.local_evaluator(model, tok, chat=False, name="plain", weight=0.5, micro_batch_size=2)]
     mq = [{"question": PAPER_QA_QUESTION, "weight": 1.0, "target": "Yes"},
           {"question": "Is the answer short?", "weight": 2.0, "target": "Yes, it is"}]
     problem = BLOOM_PROBLEM
     problems, solutions = [problem, problem, "Who wrote it?"], [r"\boxed{2018}", "in 2019", ""]
-    common = {"template": R.QA_EVALUATOR_TEMPLATE, "micro_batch_size": 2}
+    common = {"template": R.QA_EVALUATOR_TEMPLATE}
     log = R.rlme_reward(evs, mq, problems, solutions, **common)
     prob = R.rlme_reward(evs, mq, problems, solutions, transform="prob", **common)
     assert torch.equal(prob["logp"], log["logp"]) and log["logp"].shape == (3, 2, 2)
@@ -215,12 +215,12 @@ def test_rlme_reward_prob_vs_log_tiny(tiny_model_path):
 def test_prob_transform_after_nonfinite_replacement(monkeypatch):
     """A NaN log p is replaced by nonfinite_logp BEFORE the transform: "prob" gets exp(-50), not NaN,
     and the returned logp stays log p."""
-    monkeypatch.setattr(R, "score_targets", lambda *a, **k: torch.tensor([[float("nan")], [-1.0]]))
     monkeypatch.setattr(R, "evaluator_prompt_and_target_ids", lambda *a, **k: ([1, 2], [3]))
+    nan_score = lambda *a, **k: torch.tensor([[float("nan")], [-1.0]])  # noqa: E731
 
     class Tok:
         pad_token_id = 0
-    ev = [{"name": "e", "model": None, "tokenizer": Tok(), "chat": False, "weight": 2.0}]
+    ev = [R.local_evaluator(None, Tok(), chat=False, name="e", weight=2.0, score=nan_score)]
     mq = [{"question": "q?", "weight": 1.0, "target": "Yes"}]
     out = R.rlme_reward(ev, mq, ["p", "p"], ["s", ""], nonfinite_logp=-50.0, transform="prob")
     assert out["reward"].tolist() == pytest.approx([2.0 * math.exp(-50.0), 2.0 * math.exp(-1.0)])

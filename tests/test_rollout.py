@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import rollout
+import fast
 
 
 def test_mask_pad_equals_eos():
@@ -25,23 +26,23 @@ def test_mask_several_eos_ids():
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and truncated.tolist() == [False, False]
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_token_logprobs_temperature_by_hand(fast):
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_token_logprobs_temperature_by_hand(use_fast):
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     target = torch.tensor([2])
     # T = 2: logits/2 = [0.5, 1, 1.5]; log p(2) = 1.5 - log(e^0.5 + e^1 + e^1.5)
     expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
-    assert rollout.token_logprobs(logits, target, temperature=2.0, fast=fast).item() == pytest.approx(expected, abs=1e-6)
+    assert (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, target, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
     # T = 1 is the plain log-softmax
     expected1 = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
-    assert rollout.token_logprobs(logits, target, fast=fast).item() == pytest.approx(expected1, abs=1e-6)
+    assert (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, target).item() == pytest.approx(expected1, abs=1e-6)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_token_logprobs_gradient_by_hand(fast):
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_token_logprobs_gradient_by_hand(use_fast):
     # d log softmax(z)[t] / d logits = (onehot(t) - softmax(z)) / T with z = logits / T.
     logits = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
-    rollout.token_logprobs(logits, torch.tensor([2]), temperature=2.0, fast=fast).sum().backward()
+    (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, torch.tensor([2]), temperature=2.0).sum().backward()
     e = [math.exp(0.5), math.exp(1.0), math.exp(1.5)]
     p = [x / sum(e) for x in e]
     expected = [(-p[0]) / 2, (-p[1]) / 2, (1 - p[2]) / 2]
@@ -52,7 +53,7 @@ def test_token_logprobs_gradient_by_hand(fast):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_fast_equals_plain(temperature, dtype):
-    """The hand-written backward (rollout._TokenLogprob) against token_logprobs_plain (autograd's
+    """The hand-written backward (fast._TokenLogprob) against token_logprobs_plain (autograd's
     log_softmax + gather), values and gradients, on a non-contiguous view of an intermediate tensor
     (as completion_logprobs passes logits[:, :-1]) with an upstream weight, so the in-place
     backward path is the one exercised; bf16 logits are upcast to float32 by both."""
@@ -61,17 +62,17 @@ def test_token_logprobs_fast_equals_plain(temperature, dtype):
     targets = torch.randint(0, 50, (3, 4), generator=g)
     upstream = torch.randn(3, 4, generator=g)
 
-    def run(fast):
+    def run(use_fast):
         w.grad = None
         logits = (w * 3.0).to(dtype)[:, :-1]  # [3, 4, 50] view of a non-leaf
-        lp = rollout.token_logprobs(logits, targets, temperature, fast=fast)
+        lp = (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, targets, temperature)
         (lp * upstream).sum().backward()
         return lp.detach(), w.grad.clone()
 
     ours, ours_grad = run(True)
     ref, ref_grad = run(False)
     assert ours.dtype == ref.dtype == torch.float32
-    assert torch.equal(ref, rollout.token_logprobs_plain((w * 3.0).to(dtype)[:, :-1], targets, temperature))
+    assert torch.equal(ref, rollout.token_logprobs((w * 3.0).to(dtype)[:, :-1], targets, temperature))
     # float32 rounding of log-probs of magnitude ~10 and of gradients of magnitude ~1
     assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
     assert ours_grad.abs().sum() > 0
@@ -83,16 +84,16 @@ def test_left_pad_and_positions():
     assert rollout.positions_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_completion_logprobs_ignore_padding(tiny_model_path, fast):
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_completion_logprobs_ignore_padding(tiny_model_path, use_fast):
     """A row's log-probs must not depend on how much left padding its batch needed."""
     model, tok = rollout.load_model(tiny_model_path)
     model.eval()
     short, long = [1, 50, 60], [1, 50, 60, 70, 80, 90, 100]
     comp = torch.tensor([[11, 12, 13, 2], [21, 22, 2, 2]])
     with torch.no_grad():
-        both = rollout.completion_logprobs(model, [short, long], comp, tok.pad_token_id, temperature=0.7, fast=fast)
-        alone = rollout.completion_logprobs(model, [short], comp[:1], tok.pad_token_id, temperature=0.7, fast=fast)
+        both = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, [short, long], comp, tok.pad_token_id, temperature=0.7)
+        alone = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, [short], comp[:1], tok.pad_token_id, temperature=0.7)
         # the same thing by hand: one unpadded forward, logits / T, log-softmax
         full = torch.tensor([short + comp[0].tolist()])
         logits = model(input_ids=full).logits[0, len(short) - 1:-1] / 0.7
@@ -104,9 +105,9 @@ def test_completion_logprobs_ignore_padding(tiny_model_path, fast):
 def test_generate_groups_masks_and_seed(tiny_model_path):
     model, tok = rollout.load_model(tiny_model_path)
     prompts = [[1, 50, 60], [1, 70]]
-    a = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
-    b = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
-    c = rollout.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=124)
+    a = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
+    b = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
+    c = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=124)
     assert a["prompt_ids"] == [prompts[0]] * 3 + [prompts[1]] * 3  # groups are adjacent rows
     assert a["completion_ids"].shape[0] == 6 and a["completion_ids"].shape[1] <= 6
     assert torch.equal(a["completion_ids"], b["completion_ids"])      # same seed, same samples
@@ -117,14 +118,14 @@ def test_generate_groups_masks_and_seed(tiny_model_path):
 
 def test_prompt_runs():
     a, b = [1, 5], [1, 6]
-    assert rollout.prompt_runs([a, a, a, b, b, a]) == ([a, b, a], [3, 2, 1])
-    assert rollout.prompt_runs([a]) == ([a], [1])
+    assert fast.prompt_runs([a, a, a, b, b, a]) == ([a, b, a], [3, 2, 1])
+    assert fast.prompt_runs([a]) == ([a], [1])
 
 
 def _draw(probs, n, seed=0, **kw):
     logits = torch.log(torch.tensor(probs)).expand(n, -1)
     g = torch.Generator().manual_seed(seed)
-    return rollout.sample_next(logits, kw.pop("temperature", 1.0), kw.pop("top_p", 1.0), kw.pop("top_k", 0), g)
+    return fast.sample_next(logits, kw.pop("temperature", 1.0), kw.pop("top_p", 1.0), kw.pop("top_k", 0), g)
 
 
 def test_sample_next_inverse_cdf_by_hand():
@@ -185,12 +186,12 @@ def test_greedy_generate_fast_equals_plain(tiny_model_path, which, pad):
         assert tok.pad_token_id not in rollout.eos_ids(model, tok)
     prompts = [[1, 50, 60, 70, 80], [1, 90], [1, 5, 6]]
     kw = dict(group_size=3, max_new_tokens=12, temperature=0.0, micro_batch_size=4)
-    fast = rollout.generate(model, tok, prompts, **kw)
-    plain = rollout.generate(model, tok, prompts, fast=False, **kw)
-    assert torch.equal(fast["completion_ids"], plain["completion_ids"])
+    fast_out = fast.generate(model, tok, prompts, **kw)
+    plain = rollout.generate(model, tok, prompts, **kw)
+    assert torch.equal(fast_out["completion_ids"], plain["completion_ids"])
     for key in ("completion_mask", "truncated"):
-        assert torch.equal(fast[key], plain[key]), key
-    assert fast["completions"] == plain["completions"] and fast["prompt_ids"] == plain["prompt_ids"]
+        assert torch.equal(fast_out[key], plain[key]), key
+    assert fast_out["completions"] == plain["completions"] and fast_out["prompt_ids"] == plain["prompt_ids"]
     if which == "small_vocab":  # the case that tests the stopping rule: some rows end early, some do not
         ends = plain["completion_mask"].sum(1)
         assert plain["truncated"].any() and (ends < 12).any()
@@ -253,12 +254,12 @@ def test_sampled_generate_fast_and_plain_follow_the_softmax(tiny_model_path, set
     top_p = settings.get("top_p", 1.0)
     assert top_p == 1.0 or (cum - top_p).abs().min() > 1e-3  # a well-posed top_p: not on a boundary
     assert (probs > 0).sum() > 3 and probs.max() < 0.9  # a distribution worth testing
-    for fast in (True, False):
-        out = rollout.generate(model, tok, [prompt], group_size=n, max_new_tokens=1, seed=7, fast=fast,
+    for use_fast in (True, False):
+        out = (fast.generate if use_fast else rollout.generate)(model, tok, [prompt], group_size=n, max_new_tokens=1, seed=7,
                                top_k=settings.get("top_k", 0), top_p=top_p, temperature=settings["temperature"])
         counts = torch.bincount(out["completion_ids"][:, 0], minlength=probs.shape[0]).double()
         ok, stat, threshold = _chi_square_ok(counts, probs, n)
-        assert ok, (fast, stat, threshold)
+        assert ok, (use_fast, stat, threshold)
 
 
 def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
@@ -269,12 +270,12 @@ def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
     probs, _ = _sampling_probs(logits, temperature=0.5, top_k=4)
-    for fast in (True, False):
-        out = rollout.generate(model, tok, [prompt], group_size=n, max_new_tokens=1, temperature=0.5, top_k=4,
-                               seed=3, fast=fast)
+    for use_fast in (True, False):
+        out = (fast.generate if use_fast else rollout.generate)(model, tok, [prompt], group_size=n, max_new_tokens=1, temperature=0.5, top_k=4,
+                               seed=3)
         counts = torch.bincount(out["completion_ids"][:, 0], minlength=probs.shape[0]).double()
         ok, stat, threshold = _chi_square_ok(counts, probs, n)
-        assert ok, (fast, stat, threshold)
+        assert ok, (use_fast, stat, threshold)
 
 
 def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
@@ -283,7 +284,7 @@ def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
     _, tok = rollout.load_model(tiny_model_path)
     model = _small_vocab_model(tok, sharpen=20.0)
     prompts = [[1, 50, 60], [1, 70]]
-    kw = dict(group_size=4, max_new_tokens=6, fast=False)
+    kw = dict(group_size=4, max_new_tokens=6)
     torch.manual_seed(99)
     before = torch.random.get_rng_state()
     a = rollout.generate(model, tok, prompts, seed=5, **kw)
@@ -299,7 +300,7 @@ def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
 
 @torch.no_grad()
 def test_decode_cache_logits_equal_full_forward(tiny_model_path):
-    """Decoding token by token into rollout.decode_cache (attention over the filled part only, left
+    """Decoding token by token into fast.decode_cache (attention over the filled part only, left
     padding masked) gives the logits of one full forward over prompt + continuation."""
     model, tok = rollout.load_model(tiny_model_path)
     ids, attn = rollout.left_pad([[1, 50, 60, 70, 80], [1, 90]], tok.pad_token_id)
@@ -307,7 +308,7 @@ def test_decode_cache_logits_equal_full_forward(tiny_model_path):
     full_attn = torch.cat([attn, torch.ones_like(cont)], dim=1)
     ref = model(input_ids=torch.cat([ids, cont], dim=1), attention_mask=full_attn,
                 position_ids=rollout.positions_from_mask(full_attn)).logits[:, ids.shape[1]:]  # [2, 3, V]
-    cache = rollout.decode_cache(model.config, max_cache_len=ids.shape[1] + 3)
+    cache = fast.decode_cache(model.config, max_cache_len=ids.shape[1] + 3)
     model(input_ids=ids, attention_mask=attn, position_ids=rollout.positions_from_mask(attn), cache=cache, use_cache=True)
     pos = rollout.positions_from_mask(attn)[:, -1:]
     for t in range(3):
@@ -334,15 +335,15 @@ def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout):
     prompts = LAYOUTS[layout]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
     out = {}
-    for fast in (False, True):
+    for use_fast in (False, True):
         model.zero_grad()
         with torch.set_grad_enabled(grad):
-            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
+            lp = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, prompts, comp, tok.pad_token_id, temperature=0.7)
         if grad:
             (lp * torch.arange(1.0, 31.0).view(6, 5)).sum().backward()
-        out[fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()] if grad else [])
+        out[use_fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()] if grad else [])
     with torch.no_grad():
-        direct = rollout.completion_logprobs_plain(model, prompts, comp, tok.pad_token_id, temperature=0.7)
+        direct = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7)
     assert torch.equal(out[False][0], direct)  # fast=False is the plain twin itself
     assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
     for g1, g0 in zip(out[True][1], out[False][1]):  # float32 summation order: ~5e-6 of the largest entry
@@ -356,12 +357,12 @@ def test_completion_logprobs_fast_equals_plain_bf16_autocast(tiny_model_path):
     prompts = LAYOUTS["groups"]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
     out = {}
-    for fast in (False, True):
+    for use_fast in (False, True):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
+            lp = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, prompts, comp, tok.pad_token_id, temperature=0.7)
         (lp * torch.arange(1.0, 31.0).view(6, 5)).sum().backward()
-        out[fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+        out[use_fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
     assert out[True][0].dtype == torch.float32
     # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3) and the two paths round at
     # different places (a cached prompt pass vs one pass): 1e-2 on log-probs of magnitude ~11, and
@@ -425,7 +426,7 @@ def test_read_jsonl_lines_and_errors(tmp_path):
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
 def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_path, checkpointing):
-    """Under activation checkpointing (train.wrap_policy) the fast path still runs each group's
+    """Under activation checkpointing (train.wrap_policy) the use_fast path still runs each group's
     prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache),
     and both paths, with or without checkpointing, compute the log-probs and gradients of the
     plain twin without checkpointing."""
@@ -436,20 +437,20 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
     weights = torch.arange(1.0, 31.0).view(5, 6)
     out = {}
     for mode in ("none", checkpointing):
-        for fast in (False, True):
+        for use_fast in (False, True):
             model, tok = rollout.load_model(tiny_model_path)
             model = train.wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
             model.train()
             calls = []
             model.register_forward_hook(lambda m, args, kwargs, o: calls.append(kwargs["input_ids"].shape),
                                         with_kwargs=True)
-            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, fast=fast)
+            lp = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, prompts, comp, tok.pad_token_id, temperature=0.7)
             (lp * weights).sum().backward()
-            if fast:  # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
+            if use_fast:  # the 2 distinct prompts once (less their last token), then the 5 rows: last prompt token + completion
                 assert calls == [torch.Size([2, 3]), torch.Size([5, 6])]
             else:  # one pass over [left-padded prompt | completion]
                 assert calls == [torch.Size([5, 4 + 6])]
-            out[mode, fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+            out[mode, use_fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
     assert rollout.checkpointed_modules(model)
     ref_lp, ref_grads = out["none", False]
     for key, (lp, grads) in out.items():
@@ -457,12 +458,12 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
         for g1, g0 in zip(grads, ref_grads):  # float32 summation order
             assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max(), key
     # checkpointing replays the same computation: same path, same rounding
-    for fast in (False, True):
-        assert torch.allclose(out[checkpointing, fast][0], out["none", fast][0], atol=1e-6)
-        for g1, g0 in zip(out[checkpointing, fast][1], out["none", fast][1]):
+    for use_fast in (False, True):
+        assert torch.allclose(out[checkpointing, use_fast][0], out["none", use_fast][0], atol=1e-6)
+        for g1, g0 in zip(out[checkpointing, use_fast][1], out["none", use_fast][1]):
             assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
     # the cache of the completion pass is read-only: the prompt's keys keep their length
-    cache, _, _ = rollout.prefill(model, [a, b], [3, 2], tok.pad_token_id)
-    ro = rollout.read_only_cache(cache)
+    cache, _, _ = fast.prefill(model, [a, b], [3, 2], tok.pad_token_id)
+    ro = fast.read_only_cache(cache)
     k, v = ro.layers[0].update(torch.zeros(5, 2, 6, 16), torch.zeros(5, 2, 6, 16), 0)
     assert k.shape[2] == 4 + 6 and ro.get_seq_length() == 4

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 import rollout
 import train as T
 from test_train import _free_port, _layout_batch, _layout_cfg
+import fast
 
 CPU = torch.device("cpu")
 
@@ -48,7 +49,7 @@ def _flat(model):
 def _fsdp_layout_worker(rank, world, port, model_path, out):
     _init(rank, world, port)
     results = {}
-    for agg, fast in (("seq_sum", True), ("token_mean", True), ("seq_sum", False)):
+    for agg, use_fast in (("seq_sum", True), ("token_mean", True), ("seq_sum", False)):
         torch.manual_seed(0)
         policy, tok = rollout.load_model(model_path)
         before = _flat(policy)
@@ -59,9 +60,9 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
-                              _layout_cfg(2, agg, fast_paths=fast, parallel="fsdp2"), world=world, device=CPU,
+                              _layout_cfg(2, agg, fast_paths=use_fast, parallel="fsdp2"), world=world, device=CPU,
                               pad_id=tok.pad_token_id)
-        results[agg if fast else agg + " plain"] = {"loss": T.all_sum(upd["loss"], world),
+        results[agg if use_fast else agg + " plain"] = {"loss": T.all_sum(upd["loss"], world),
                                                     "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
     if rank == 0:
         torch.save(results, out)
@@ -133,7 +134,7 @@ def _fsdp_ckpt_worker(rank, world, port, ckpt_in, out_dir, gen_out):
     # with per-layer all-gathers this would deadlock, unsharded() gathers once.
     prompts = [[1, 50, 60, 70], [1, 80]] if rank == 0 else [[1, 90, 91]]
     with T.unsharded(model):
-        r = rollout.generate(policy, tok, prompts, 2, 3 if rank == 0 else 7, seed=T.sampling_seed(0, 2, rank))
+        r = fast.generate(policy, tok, prompts, 2, 3 if rank == 0 else 7, seed=T.sampling_seed(0, 2, rank))
     from torch.distributed.tensor import DTensor
     assert all(isinstance(p, DTensor) for p in policy.parameters())  # sharded again afterwards
     gathered = [None] * world
@@ -184,7 +185,7 @@ def test_checkpoint_round_trip_single_fsdp2_single(tiny_model_path, tmp_path):
     saved = torch.load(gen_out)
     single, _ = rollout.load_model(ckpt_b)
     for part in saved["gen"]:
-        r = rollout.generate(single, tok, part["prompts"], 2, 3 if part["rank"] == 0 else 7,
+        r = fast.generate(single, tok, part["prompts"], 2, 3 if part["rank"] == 0 else 7,
                              seed=T.sampling_seed(0, 2, part["rank"]))
         assert torch.equal(r["completion_ids"], part["ids"])
     # the tensors a vLLM weight push sends are the full, current weights
@@ -201,9 +202,9 @@ def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
     assert T.sampling_seed(0, 5, 1) == 5 * 10_007 + 1  # resume: a pure function of (seed, step, rank)
     model, tok = rollout.load_model(tiny_model_path)
     prompt = [[1, 50, 60, 70]]
-    a = rollout.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 0))["completion_ids"]
-    b = rollout.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 1))["completion_ids"]
-    again = rollout.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 0))["completion_ids"]
+    a = fast.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 0))["completion_ids"]
+    b = fast.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 1))["completion_ids"]
+    again = fast.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 0))["completion_ids"]
     assert torch.equal(a, again) and not torch.equal(a, b)
 
 
@@ -384,7 +385,7 @@ def test_gpu_vllm_generate_and_weight_sync(smollm2_path):
     prompt = rollout.build_prompt_ids(tok, "What is 2 + 3?", True)
     r = rollout.generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
     assert r["completion_ids"].shape[0] == 4 and r["logprobs"].shape == r["completion_ids"].shape
-    trainer = rollout.completion_logprobs(model, r["prompt_ids"], r["completion_ids"].cuda(), tok.pad_token_id).cpu()
+    trainer = fast.completion_logprobs(model, r["prompt_ids"], r["completion_ids"].cuda(), tok.pad_token_id).cpu()
     m = r["completion_mask"]
     assert ((trainer - r["logprobs"]).abs() * m).sum() / m.sum() < 0.02
     engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": bool(model.config.tie_word_embeddings)}

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp  # spawn: a fresh interpreter per rank
 import rollout
 import train as T
 from conftest import data_path
+import fast
 
 ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "clip_eps": 0.2,
         "kl_coef": 0.0, "aggregation": "seq_sum", "updates_per_batch": 1, "minibatches": 1,
@@ -206,13 +207,13 @@ def _free_port():
 def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
     # reference: 1 rank x 1 micro-batch through the plain twins (one forward over prompt +
     # completion per row, log_softmax + gather, clip_grad_norm_); the others share each group's
-    # prompt (rollout.completion_logprobs, fast) and must give the same update
+    # prompt (fast.completion_logprobs, fast) and must give the same update
     results = {}
-    for name, world, micro, fast in [("1x1 plain", 1, 8, False), ("1x1", 1, 8, True), ("1x4", 1, 2, True),
+    for name, world, micro, use_fast in [("1x1 plain", 1, 8, False), ("1x1", 1, 8, True), ("1x4", 1, 2, True),
                                      ("2x2", 2, 2, True)]:
         out = str(tmp_path / f"{name}.pt")
         if world == 1:
-            _run_layout(tiny_model_path, 0, 1, micro, agg, out, fast_paths=fast)
+            _run_layout(tiny_model_path, 0, 1, micro, agg, out, fast_paths=use_fast)
         else:
             ctx = mp.get_context("spawn")
             port = _free_port()
@@ -420,9 +421,9 @@ def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():
     short.grad = torch.tensor([3e-3, -4e-3, 12e-3])  # 3-4-12-13: norm 0.013
     policy = torch.nn.ParameterList([long, short])
     exact = float((long.grad.double().pow(2).sum() + 0.013 ** 2) ** 0.5)
-    assert T.clip_grad_norm(policy, 0.0) == pytest.approx(exact, rel=1e-6)
+    assert fast.clip_grad_norm(policy, 0.0) == pytest.approx(exact, rel=1e-6)
     assert short.grad.tolist() == pytest.approx([3e-3, -4e-3, 12e-3])  # measure only: unchanged
-    assert T.clip_grad_norm(policy, exact / 2) == pytest.approx(exact, rel=1e-6)
+    assert fast.clip_grad_norm(policy, exact / 2) == pytest.approx(exact, rel=1e-6)
     coef = (exact / 2) / (exact + 1e-6)
     assert short.grad.tolist() == pytest.approx([3e-3 * coef, -4e-3 * coef, 12e-3 * coef], rel=1e-6)
     clipped = float((long.grad.double().pow(2).sum() + short.grad.double().pow(2).sum()) ** 0.5)
@@ -484,13 +485,13 @@ def test_update_passes_fast_equal_plain(tiny_model_path, other_model_path, case)
         batch = _grm_batch(rollout.load_model(tiny_model_path)[1])
     checkpointing = case if case in ("full", "selective") else "none"
     cfg["optim"]["grad_clip"] = 1e-3  # clipping active: the norm itself is compared through the update
-    fast = _update(tiny_model_path, cfg, batch, ref, checkpointing)
+    fast_run = _update(tiny_model_path, cfg, batch, ref, checkpointing)
     plain = _update(tiny_model_path, copy.deepcopy(cfg) | {"train": dict(cfg["train"], fast_paths=False)}, batch, ref,
                     checkpointing)
-    assert fast["delta"].abs().max() > 1e-6  # a real update
-    assert fast["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-6)
-    assert fast["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
-    assert (fast["delta"] - plain["delta"]).abs().max().item() < 1e-6 + 1e-4 * plain["delta"].abs().max().item()
+    assert fast_run["delta"].abs().max() > 1e-6  # a real update
+    assert fast_run["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-6)
+    assert fast_run["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert (fast_run["delta"] - plain["delta"]).abs().max().item() < 1e-6 + 1e-4 * plain["delta"].abs().max().item()
 
 
 def test_reference_pass_is_the_reference_model_alone(tiny_model_path, other_model_path):
@@ -505,9 +506,9 @@ def test_reference_pass_is_the_reference_model_alone(tiny_model_path, other_mode
     ref, _ = rollout.load_model(other_model_path)
     got = T.frozen_logprobs(ref, batch, tok.pad_token_id, cfg, torch.device("cpu"))
     with torch.no_grad():
-        want = rollout.completion_logprobs_plain(ref, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
+        want = rollout.completion_logprobs(ref, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
                                                  temperature=0.8)
-        pol = rollout.completion_logprobs_plain(policy, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
+        pol = rollout.completion_logprobs(policy, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
                                                 temperature=0.8)
     m = batch["completion_mask"]
     for i, row in enumerate(got):
@@ -556,10 +557,10 @@ def test_clip_grad_norm_fast_equals_plain():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1 << 18, 7)]
     grads = [torch.randn(1 << 18) * 1e-3, torch.randn(7)]
     norms = []
-    for fast in (True, False):
+    for use_fast in (True, False):
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        norms.append(T.clip_grad_norm(torch.nn.ParameterList(params), 0.5, fast=fast))
+        norms.append((fast.clip_grad_norm if use_fast else T.clip_grad_norm)(torch.nn.ParameterList(params), 0.5))
         clipped = [p.grad.clone() for p in params]
         norms.append(clipped)
     assert norms[0] == pytest.approx(norms[2], rel=1e-6)

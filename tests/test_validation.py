@@ -2,7 +2,6 @@
 the single-pass guard, {context} / {answer} prompts, held-out items, the hybrid reward step, the
 in-run validation with its reward-hacking monitor and early-stop rule. Expected numbers are
 worked out by hand in the comments."""
-import io
 import json
 import os
 
@@ -13,6 +12,7 @@ from conftest import data_path
 import reward as R
 import rollout
 import train as T
+import fast
 
 
 def cfg_with(*overrides):
@@ -118,7 +118,7 @@ def test_no_labels_for_pure_rlme(tmp_path):
 
 def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
     model, tok = rollout.load_model(tiny_model_path)
-    evs = [{"name": "self", "model": model, "tokenizer": tok, "chat": False, "weight": 1.0}]
+    evs = [R.local_evaluator(model, tok, chat=False, name="self", weight=1.0)]
     items = [{"index": 0, "question": "2+2?", "problem": "2+2?", "label": "4", "answer_text": "4", "anchored": False}] * 2
     ro = {"completions": ["so \\boxed{4}", "so \\boxed{5}"]}
     out = {}
@@ -188,13 +188,13 @@ def run_args(tmp_path, model, *extra):
 
 def test_validation_metrics_and_the_injected_wrong_answer(tmp_path, tiny_model_path, monkeypatch):
     seen = []
-    real = rollout.generate
+    real = fast.generate
 
     def spy(model, tok, prompt_ids, group_size, *a, **kw):
         if group_size == 1:
             seen.extend(tok.decode(p) for p in prompt_ids)
         return real(model, tok, prompt_ids, group_size, *a, **kw)
-    monkeypatch.setattr(rollout, "generate", spy)
+    monkeypatch.setattr(fast, "generate", spy)
     T.main(run_args(tmp_path, tiny_model_path, "run.eval_every=2",
                     "data.prompt_template='{question} The answer is {answer}. Box it: \\boxed{{}}'"))
     ms = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
