@@ -20,8 +20,6 @@ import concurrent.futures
 import torch
 from transformers import DynamicCache
 
-import rollout
-from reward import remote_request
 from rollout import (checkpointed_modules, completion_logits, eos_ids, eval_mode, is_fsdp, left_pad,
                      positions_from_mask, rollout_dict, set_attribute)
 
@@ -480,7 +478,7 @@ def score_remote(r, fulls):
     flight."""
     chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
-        out = list(pool.map(lambda c: remote_request(r, c), chunks))
+        out = list(pool.map(lambda c: r["request"](r, c), chunks))  # remote_request (plumbing/services.py)
     return [v for o in out for v in o[0]], [w for o in out for w in o[1]]
 
 

@@ -39,19 +39,14 @@ It is trained, so its parameters and AdamW state are float32 whatever `metarm.dt
 Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
             where train.py picks it up instead of cold-starting itself)
 """
-import importlib
-import json
 import math
-import os
 import random
-import shutil
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import config
 import reward
 import rollout
 
@@ -70,7 +65,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
 
     Args:
         items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated).
-        completions: list[str] (N). judge: reward.make_judge dict. mrm: MetaRM dict or None (mode none).
+        completions: list[str] (N). judge: make_judge dict. mrm: MetaRM dict or None (mode none).
         cfg: the full config (nlhf, metarm.mode, run.seed). world: number of ranks. step: 0-based.
         t0: time.perf_counter() at the start of the step; the "order/*" metrics are seconds since it.
     Returns:
@@ -370,25 +365,29 @@ def _batches(n, batch_size, seed):
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
+def broadcast_parameters(model, src=0):
+    """Copy rank `src`'s parameters and buffers into every rank's model (in place)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src)
+
+
 # ----------------------------------------------------------------------------------------------
 # Cold start (Algorithm 1, lines 2-10): N rollouts per D_H prompt from the base GRM, judge, train
 
 
-def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
-               epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, nlhf=None, chat_template="auto",
-               system_prompt=None, chat_template_kwargs=None, seed=0, micro_batch_size=None, log=print, grm=None, compute_dtype="float32",
-               generate=rollout.generate):
+def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
+               epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, micro_batch_size=None, log=print,
+               compute_dtype="float32", generate=rollout.generate):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     Args:
-        mrm: load_metarm(...) dict. grm_path: the base GRM (model.policy).
-        grm: optional (model, tokenizer) of the base GRM already in memory (train.py passes its
-            policy at step 0); None = load grm_path on the CPU.
-        dh_items: pairwise dicts with human critiques. judge: reward.make_judge(...) dict.
+        mrm: the MetaRM dict (plumbing/run.py's load_metarm).
+        grm: (model, tokenizer) of the base GRM (train.py passes its policy at step 0).
+        dh_items: pairwise dicts with human critiques. judge: a judge dict (reward.judge_scores).
+        chat: the GRM's prompt format, as in training (False, or rollout-style chat options:
+            plumbing/data.py's policy_chat).
         nlhf: the config's `nlhf:` section (lam, threshold, gate_on_outcome, max_critique_lines,
-            max_critique_chars); None = config.yaml's.
-        chat_template, system_prompt, chat_template_kwargs: the GRM's prompt format (model.*,
-            rollout.use_chat_template), as in training.
+            max_critique_chars, similarity, threshold_rule, grm_prompt).
         compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
         generate: rollout.generate or its fast twin fast.generate (train.fast_paths; the same distribution).
     Returns:
@@ -396,11 +395,9 @@ def cold_start(mrm, grm_path, dh_items, judge, rollouts_per_prompt=4, max_new_to
         judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
         MetaRM keeps its initial head; the numbers say so.
     """
-    nl = nlhf if nlhf is not None else config.load_config([])["nlhf"]
+    nl = nlhf
     t0 = time.time()
-    grm, tok = grm or rollout.load_model(grm_path)
-    chat = rollout.use_chat_template(tok, chat_template, model_path=grm_path, system=system_prompt,
-                                     template_kwargs=chat_template_kwargs)
+    grm, tok = grm
     prompts = [reward.grm_prompt_ids(tok, it, chat, nl) for it in dh_items]
     device = next(grm.parameters()).device
     with rollout.autocast(compute_dtype, device.type):
@@ -464,199 +461,6 @@ def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_deca
     return losses
 
 
-# ==============================================================================================
-# PLUMBING: skip on first read (the MetaRM of a training run, ranks, save / load, CLI)
-# ==============================================================================================
-
-
-def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world, generate=rollout.generate):
-    """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
-    (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
-    (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
-    from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
-    metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
-    Rank 0 does (3) and saves; the other ranks then load the same folder, so all ranks start equal.
-
-    Args:
-        cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
-        policy, tokenizer: the GRM (train.py's policy, float32). dh: D_H items. judge: reward.make_judge dict.
-        generate: the cold start's sampler (cold_start).
-    Returns:
-        (mrm dict or None, source str, cold-start stats dict or None).
-    Raises:
-        SystemExit when a resumed checkpoint has no MetaRM (the GRM and its MetaRM move together).
-    """
-    m, nl = cfg["metarm"], cfg["nlhf"]
-    if m["mode"] == "none":
-        return None, "none", None
-    path = m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
-    if ckpt:
-        if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
-            raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
-        return load(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
-    if os.path.isfile(os.path.join(path, "metarm.json")):
-        return load(path, device, m["dtype"]), path, None
-    base = m["model"] or cfg["model"]["policy"]
-
-    def fresh():
-        return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
-                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
-                           online_epochs=m["online_epochs"])
-
-    stats = None
-    if rank == 0:
-        mrm = fresh()
-        if m["cold_start"]:
-            items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
-            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
-            # a plain copy of the same base weights, freed after the cold start)
-            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
-                rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-            stats = cold_start(mrm, cfg["model"]["policy"], items, judge, grm=grm, **cold_start_settings(cfg), generate=generate,
-                               micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
-                               log=lambda s: print(f"[train] {s}", flush=True))
-            del grm
-            save(mrm, path)
-    if world > 1:
-        dist.barrier()
-        if not m["cold_start"]:  # a fresh head is random: take rank 0's
-            mrm = mrm if rank == 0 else fresh()
-            broadcast_parameters(mrm["model"])
-        elif rank != 0:
-            mrm = load(path, device, m["dtype"])
-    return mrm, "cold_start" if m["cold_start"] else "fresh", stats
-
-
-def cold_start_settings(cfg):
-    """cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.*, run.seed): one
-    place, for train.py's cold start and the CLI's."""
-    m = cfg["metarm"]
-    return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
-                temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
-                weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat_template=cfg["model"]["chat_template"],
-                system_prompt=cfg["model"]["system_prompt"], chat_template_kwargs=cfg["model"]["chat_template_kwargs"],
-                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"])
-
-
-def broadcast_parameters(model, src=0):
-    """Copy rank `src`'s parameters and buffers into every rank's model (in place)."""
-    for t in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(t.data, src)
-
-
-# ----------------------------------------------------------------------------------------------
-# Model, save / load (atomic)
-
-
-def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01, online_epochs=1):
-    """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
-
-    Args:
-        path: HF folder, hub id or gguf:<package>/<file> (see rollout.resolve_model_path).
-        mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
-        dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
-            an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
-    Returns:
-        the mrm dict (see the top of this file).
-    Raises:
-        SystemExit with one line when the path cannot be loaded or mode is unknown.
-    """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    if mode not in reward.METARM_MODES or mode == "none":
-        raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
-    resolved = rollout.resolve_model_path(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(resolved)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    # the sequence classifier pools the last non-pad token and needs the pad id in its config
-    model.config.pad_token_id = tok.pad_token_id
-    tok.padding_side = "right"
-    tok.truncation_side = "left"  # keep the critique, which comes last
-    return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
-            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
-            "online_epochs": int(online_epochs), "truncated": 0,
-            "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
-
-
-_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates")
-
-
-def save(mrm, path):
-    """Write the MetaRM to `path` atomically: everything goes to `<path>.tmp` first, then renames.
-    A crash leaves either the old folder, or `<path>.old` (which load() falls back to).
-    Contents: HF model + tokenizer, metarm.json (settings), optimizer.pt (online AdamW state)."""
-    path = os.path.abspath(path)
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    mrm["model"].save_pretrained(tmp)
-    mrm["tokenizer"].save_pretrained(tmp)
-    with open(os.path.join(tmp, "metarm.json"), "w") as f:
-        json.dump({k: mrm[k] for k in _META}, f, indent=1)
-    if mrm["optimizer"] is not None:
-        torch.save(mrm["optimizer"].state_dict(), os.path.join(tmp, "optimizer.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load(path, device="cpu", dtype="float32"):
-    """Load a MetaRM written by save() (settings from metarm.json, optimizer state if any).
-    Raises SystemExit when neither `path` nor `<path>.old` holds one."""
-    for p in (path, os.path.abspath(path) + ".old"):
-        if os.path.isfile(os.path.join(p, "metarm.json")):
-            with open(os.path.join(p, "metarm.json")) as f:
-                meta = json.load(f)
-            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
-                              max_length=meta["max_length"], online_lr=meta["online_lr"],
-                              online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
-                              weight_decay=meta["weight_decay"])
-            mrm["updates"] = meta["updates"]
-            opt_path = os.path.join(p, "optimizer.pt")
-            if os.path.isfile(opt_path):
-                mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
-                                                     weight_decay=mrm["weight_decay"])
-                mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
-            return mrm
-    raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-
-def main(argv=None):
-    ap = rollout.ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
-    ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
-    ap.add_argument("command", choices=["cold-start"])
-    ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), as for train.py")
-    a = ap.parse_args(argv)
-    cfg = config.load_config(a.config, a.overrides)  # config.yaml is the schema: metarm.* is checked there
-    m, nl = cfg["metarm"], cfg["nlhf"]
-    if m["mode"] == "none":
-        raise SystemExit("metarm.mode is 'none': there is no MetaRM to cold-start")
-    out = a.out or m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
-    judge = reward.make_judge(cfg["judge"])  # start-up checks (key variable, model name) first
-    items = reward.load_dh_items(cfg)
-    if m["cold_start_items"]:
-        items = items[:m["cold_start_items"]]
-    mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
-                      batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
-                      online_epochs=m["online_epochs"],
-                      weight_decay=m["weight_decay"])
-    generate = importlib.import_module("fast").generate if cfg["train"]["fast_paths"] else rollout.generate
-    stats = cold_start(mrm, cfg["model"]["policy"], items, judge, **cold_start_settings(cfg), generate=generate)
-    save(mrm, out)
-    print(json.dumps(dict(stats, saved=out)))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's metarm_main
+    import importlib
+    importlib.import_module("plumbing.cli").metarm_main()

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 import types
+from plumbing.data import load_model, load_train_items, policy_chat
+from plumbing.scale import wrap_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -128,13 +130,14 @@ def run_trl_child(a):
     import fast
     import rollout
     import train
+    from plumbing import config
 
     cfg = train.load_config([a.config], [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}",
                                          f"rollout.max_new_tokens={a.N}"])
-    policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
-    chat = rollout.policy_chat(tok, cfg["model"])
+    policy, tok = load_model(cfg["model"]["policy"], "float32", "cpu")
+    chat = policy_chat(tok, cfg["model"])
     # the same prompts in the same order as our run: step_items for steps 0..S-1
-    items = train.load_train_items(cfg)
+    items = load_train_items(cfg)
     rows = []
     for step in range(a.steps):
         for it in rollout.step_items(items, step, a.P, cfg["run"]["seed"], rank=0, world=1):
@@ -225,18 +228,19 @@ def check_loss(a):
     import fast
     import rollout
     import train
+    from plumbing import config
 
     over = [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
             f"train.micro_batch_size={a.micro_batch}", *a.ours_override, "optim.grad_clip=0", *OURS_AS_TRL]
     cfg = train.load_config([a.config], over)
-    train.validate_config(cfg)
+    config.validate_config(cfg)
     ro = cfg["rollout"]
-    policy, tok = rollout.load_model(cfg["model"]["policy"], "float32", "cpu")
+    policy, tok = load_model(cfg["model"]["policy"], "float32", "cpu")
     # as train.py wraps it (one process: activation checkpointing if the overrides ask for it)
-    model = train.wrap_policy(policy, "ddp", 1, torch.device("cpu"),
+    model = wrap_policy(policy, "ddp", 1, torch.device("cpu"),
                               gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
-    chat = rollout.policy_chat(tok, cfg["model"])
-    items = rollout.step_items(train.load_train_items(cfg), 0, a.P, cfg["run"]["seed"], rank=0, world=1)
+    chat = policy_chat(tok, cfg["model"])
+    items = rollout.step_items(load_train_items(cfg), 0, a.P, cfg["run"]["seed"], rank=0, world=1)
     prompt_ids = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                   for it in items]
     out = fast.generate(policy, tok, prompt_ids, group_size=a.G, max_new_tokens=a.N, temperature=ro["temperature"],

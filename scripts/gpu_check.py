@@ -43,6 +43,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import fast  # noqa: E402
+from plumbing.data import load_dataset_rows, load_model, resolve_model_path, use_chat_template
+from plumbing.run import latest_checkpoint
+from plumbing.scale import compute_context, generate_vllm, keep_matmul_outputs, make_vllm_engine, peak_memory_mb, vllm_push_weights, vllm_sleep, vllm_token_logprobs, wrap_policy
 
 GIB = 2**30
 
@@ -59,7 +62,7 @@ def vllm_score(llm, ids, start):
     from vllm import SamplingParams
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
                        use_tqdm=False)[0]
-    return torch.tensor(rollout.vllm_token_logprobs(ids[start:], out.prompt_logprobs[start:]))
+    return torch.tensor(vllm_token_logprobs(ids[start:], out.prompt_logprobs[start:]))
 
 
 def trainer_score(model, ids, start):
@@ -70,11 +73,11 @@ def trainer_score(model, ids, start):
 def engine_checks(model_path, out_path):
     from vllm import SamplingParams
     res = {"model": model_path, "gpu": torch.cuda.get_device_name(0)}
-    model, tok = rollout.load_model(model_path, "bfloat16", "cuda")
+    model, tok = load_model(model_path, "bfloat16", "cuda")
     model.eval()
     eos = rollout.eos_ids(model, tok)
     t = time.perf_counter()
-    llm = rollout.make_vllm_engine(model_path, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048,
+    llm = make_vllm_engine(model_path, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048,
                                    enforce_eager=False, seed=0)
     res["engine_start_s"] = time.perf_counter() - t
     res["used_gib_after_start"] = used_gib()
@@ -84,7 +87,7 @@ def engine_checks(model_path, out_path):
                  for a in range(3, 67) for b in (5,)]
     prompts = [rollout.build_prompt_ids(tok, q + "\nPut the final answer within \\boxed{}.", True) for q in questions]
     t = time.perf_counter()
-    r = rollout.generate_vllm(llm, tok, prompts, group_size=8, max_new_tokens=256, seed=1, eos=eos)
+    r = generate_vllm(llm, tok, prompts, group_size=8, max_new_tokens=256, seed=1, eos=eos)
     dt = time.perf_counter() - t
     res["gen"] = {"prompts": len(prompts), "group_size": 8, "max_new_tokens": 256, "seconds": dt,
                   "tokens": int(r["completion_mask"].sum()), "tokens_per_s": float(r["completion_mask"].sum()) / dt,
@@ -122,9 +125,9 @@ def engine_checks(model_path, out_path):
         perturbed = trainer_score(model, ids, start)
         res["gap_sync_skipped"] = float((vllm_score(llm, ids, start) - perturbed).abs().mean())
         engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": bool(model.config.tie_word_embeddings)}
-        rollout.vllm_sleep(engine)
+        vllm_sleep(engine)
         t = time.perf_counter()
-        rollout.vllm_push_weights(engine, model.state_dict().items())
+        vllm_push_weights(engine, model.state_dict().items())
         res["push_s"] = time.perf_counter() - t
         res["gap_after_sync"] = float((vllm_score(llm, ids, start) - perturbed).abs().mean())
     res["checks"] = {"sync_below_0.02": res["gap_after_sync"] < 0.02 and res["gap_same_weights"] < 0.02,
@@ -209,7 +212,7 @@ def make_config(cls, shape, **extra):
 def save_tokenizer(out, model=SMOLLM2_GGUF):
     """The real SmolLM2 tokenizer as plain files (a few MB) that can travel to the GPU machine."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(model))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     tok.save_pretrained(out)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     print(f"[gpu_check] tokenizer ({len(tok)} tokens, chat template: {bool(tok.chat_template)}) -> {out} "
@@ -218,7 +221,7 @@ def save_tokenizer(out, model=SMOLLM2_GGUF):
 
 def bare_model(tokenizer_dir, out, smoke=False, seed=0):
     """A random-init Llama with SmolLM2-135M's shape (tiny with smoke) and the real SmolLM2
-    tokenizer, saved in bf16 as an HF folder that rollout.load_model opens."""
+    tokenizer, saved in bf16 as an HF folder that load_model opens."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     if len(tok) > 49152:
@@ -260,7 +263,7 @@ def pairwise_data(out_dir, n=32):
 
 
 DATASETS_SHIM = '''"""Stand-in for the `datasets` package, written by scripts/gpu_check.py for a machine without it
-(the GPU machine has none and cannot install it). Only what train.load_dataset_rows uses on a local
+(the GPU machine has none and cannot install it). Only what load_dataset_rows uses on a local
 JSON-lines file: load_dataset("json", data_files=PATH, split="train"), disable_progress_bars()."""
 import json
 
@@ -315,9 +318,9 @@ def consistency(model_dir, device, out_path):
     error (a random-weight model makes no other symptom visible)."""
     res = {"versions": versions(), "model": model_dir, "dtype": "float32"}
     dev = torch.device(device)
-    model, tok = rollout.load_model(model_dir, "float32", dev)
+    model, tok = load_model(model_dir, "float32", dev)
     model.eval()
-    chat = rollout.use_chat_template(tok, "auto")
+    chat = use_chat_template(tok, "auto")
     questions = ["Tom has 3 apples and buys 5 more. How many apples does he have now?",
                  "A box holds 12 pens. How many pens are in 4 boxes?",
                  "What is 100 minus 37?"]
@@ -375,7 +378,7 @@ def dist_probe(device):
 
 
 def enable_checkpointing(policy, mode):
-    """Activation checkpointing as train.wrap_policy sets it (non-reentrant; selective keeps the
+    """Activation checkpointing as wrap_policy sets it (non-reentrant; selective keeps the
     matmul outputs), through whichever entry point this transformers has:
     `activation_checkpointing_enable` (5.24) or `gradient_checkpointing_enable` (5.17)."""
     if mode == "none":
@@ -386,7 +389,7 @@ def enable_checkpointing(policy, mode):
     import train
     kw = {"use_reentrant": False}
     if mode == "selective":
-        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, train.keep_matmul_outputs)
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmul_outputs)
     if hasattr(policy, "activation_checkpointing_enable"):
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
         return "activation_checkpointing_enable"
@@ -444,7 +447,7 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
     batch = {"prompt_ids": [p for p in groups for _ in range(group_size)],
              "completion_ids": torch.randint(0, V, (rows, completion_len), generator=g),
              "completion_mask": torch.ones(rows, completion_len), "advantages": adv}
-    # train.update_policy runs its forwards in bf16 itself (train.compute_context) where it has
+    # train.update_policy runs its forwards in bf16 itself (compute_context) where it has
     # that; an older update_policy gets an autocast around the call from here
     own_autocast = not hasattr(train, "compute_context")
     res["bf16_compute_by"] = "gpu_check autocast" if own_autocast else "train.update_policy (compute_context)"
@@ -470,7 +473,7 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
         res["allocated_after_update_gib"] = torch.cuda.memory_allocated(dev) / GIB
         res["peak_kind"] = "torch.cuda.max_memory_allocated during the update"
     else:
-        res["peak_gib"] = train.peak_memory_mb(dev) / 1024
+        res["peak_gib"] = peak_memory_mb(dev) / 1024
         res["peak_kind"] = "process peak RSS (CPU)"
     res["ok"] = bool(all(map(math.isfinite, [res["loss"], res["grad_norm"]])) and res["param_dtypes"] == ["torch.float32"])
     with open(out_path, "w") as f:
@@ -503,7 +506,7 @@ def checkpoint_dtypes(run_dir):
     """What the run's last checkpoint holds: the weights' dtype(s) and the AdamW state's, i.e.
     whether train.py kept float32 master weights under model.dtype=bfloat16."""
     import train
-    ckpt = train.latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return None
     out = {"path": ckpt, "weights": safetensors_dtypes(ckpt)}

@@ -36,6 +36,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
 import fast  # noqa: E402
+from plumbing.cli import ema
+from plumbing.data import jsonl_rows, load_math_problems, load_model, policy_chat
+from plumbing.run import latest_checkpoint
+from plumbing.services import load_evaluators
 
 
 def per_step(records, quantity):
@@ -71,22 +75,22 @@ def heldout(run_dir, n_problems, samples, data):
     import rollout
     import train
     cfg = train.load_config([os.path.join(run_dir, "config.yaml")])
-    ckpt = train.latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise SystemExit(f"{run_dir}: no checkpoint to compare with the initial policy")
     ro, rw = cfg["rollout"], cfg["reward"]
     data = os.path.normpath(data)
-    problems = evaluate.load_math_problems(data, n_problems)
+    problems = load_math_problems(data, n_problems)
     per_model = {}
     for name, path in (("initial", cfg["model"]["policy"]), (os.path.basename(ckpt), ckpt)):
-        model, tok = rollout.load_model(path, cfg["model"]["dtype"], "cpu")
-        chat = rollout.policy_chat(tok, cfg["model"])
+        model, tok = load_model(path, cfg["model"]["dtype"], "cpu")
+        chat = policy_chat(tok, cfg["model"])
         prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=p["question"]), chat)
                    for p in problems]
         out = fast.generate(model, tok, prompts, group_size=samples, max_new_tokens=ro["max_new_tokens"],
                                temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
                                seed=cfg["run"]["seed"], micro_batch_size=16)
-        evaluators = train.load_evaluators(cfg, model, tok, "cpu", train.fast_or_plain(True))
+        evaluators = load_evaluators(cfg, model, tok, "cpu", train.fast_or_plain(True))
         r = R.rlme_reward(evaluators, rw["meta_questions"], [p["question"] for p in problems for _ in range(samples)],
                           out["completions"])
         per_model[name] = {"reward": r["reward"].view(-1, samples),                  # [N, samples]
@@ -129,7 +133,7 @@ def main():
     print(f"{'run':24s} {'quantity':10s} {'steps':>5s} {'first':>15s} {'last':>15s}   "
           f"(mean ± s.e. of the first / last {a.window} step means)")
     for run in a.runs:
-        records = evaluate.read_jsonl(os.path.join(run, "samples.jsonl"))
+        records = jsonl_rows(os.path.join(run, "samples.jsonl"))
         series = [per_step(records, lambda rec: rec["reward"])] + [per_step(records, BEHAVIOURS[b][1]) for b in a.behaviour]
         steps = list(series[0])
         w = max(1, min(a.window, len(steps) // 2))
@@ -137,7 +141,7 @@ def main():
             ys = [data[s] for s in steps]
             print(f"{run:24s} {name:10s} {len(steps):5d} {window(ys[:w]):>15s} {window(ys[-w:]):>15s}")
             line, = ax.plot(steps, ys, alpha=0.3)
-            ax.plot(steps, evaluate.ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
+            ax.plot(steps, ema(ys), color=line.get_color(), label=os.path.basename(run.rstrip("/")))
     for ax, title in zip(axes[0], titles):
         ax.set(title=title, xlabel="step")
     axes[0][0].legend()

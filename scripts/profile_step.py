@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from plumbing.data import load_model, load_train_items, policy_chat
+from plumbing.services import load_evaluators
 
 EXTRA_QUESTIONS = ["Is the reasoning free of arithmetic mistakes?", "Does the solution answer the question that was asked?",
                    "Is the final answer stated clearly?", "Is every step justified?", "Is the solution concise?",
@@ -39,11 +41,11 @@ def main(argv=None):
     cfg = train.load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
     device = torch.device("cpu")
-    policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-    chat = rollout.policy_chat(tok, cfg["model"])
-    items = train.load_train_items(cfg)
+    policy, tok = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+    chat = policy_chat(tok, cfg["model"])
+    items = load_train_items(cfg)
     passes = train.fast_or_plain(cfg["train"]["fast_paths"])  # train.fast_paths=false profiles the plain twins
-    evaluators = train.load_evaluators(cfg, policy, tok, device, passes)
+    evaluators = load_evaluators(cfg, policy, tok, device, passes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
 

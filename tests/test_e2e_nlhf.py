@@ -16,6 +16,9 @@ import reward
 import rollout
 import train
 import fast
+from plumbing.data import keep_short, load_pairwise, prompt_token_limit
+from plumbing.run import load_metarm, load_saved_metarm, setup_metarm
+from plumbing.services import JUDGE_KEYS
 
 CPU_PRESET = os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")
 NLHF_METRICS = {"nlhf/format_error_rate", "nlhf/outcome_acc", "nlhf/process_rate", "judge/fail_rate", "judge/calls",
@@ -54,7 +57,7 @@ def small_cfg(**over):
 def test_config_schema_has_the_nlhf_sections():
     cfg = train.load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
     assert cfg["task"] == "rm_nlhf" and cfg["algo"]["loss"] == "grpo" and cfg["algo"]["kl_coef"] == 0.001
-    assert set(cfg["judge"]) == set(reward.JUDGE_KEYS)
+    assert set(cfg["judge"]) == set(JUDGE_KEYS)
     with pytest.raises(SystemExit, match=r"config key task: 'rlhf' is not one of \['rlme', 'rm_nlhf'\]"):
         train.load_config([], ["task=rlhf"])
     with pytest.raises(SystemExit, match="config key nlhf.dh_schema: 'nope' is not one of"):
@@ -89,24 +92,24 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
     n0 = len(reward.grm_prompt_ids(tok, items[0], True, nl))
     overhead = len(rollout.build_prompt_ids(tok, "", True))
     ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
-    kept, dropped = rollout.keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
+    kept, dropped = keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
     assert [it["id"] for it in kept] == ["p0"] and dropped == 1
-    assert rollout.keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
+    assert keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
     n1 = len(ids(items[1], False))
     with pytest.raises(SystemExit, match=rf"config key nlhf.max_prompt_tokens: every prompt is over {n0 - 1} tokens "
                                          rf"\(the shortest has {n0}\)"):
-        rollout.keep_short(items, ids, n0 - 1, "nlhf.max_prompt_tokens", overhead)
+        keep_short(items, ids, n0 - 1, "nlhf.max_prompt_tokens", overhead)
     assert n1 > n0
     # a GSM8K-style question of 200,000 characters (the issue's 64k-token prompt) among short ones
     model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_path))  # context 2048
-    limit = rollout.prompt_token_limit(0, model, 12, "data.max_prompt_tokens")
+    limit = prompt_token_limit(0, model, 12, "data.max_prompt_tokens")
     assert limit == 2048 - 12
     qs = [{"question": "What is 2+3?"}, {"question": "How many? " * 20_000}, {"question": "What is 4+4?"}]
     pids = lambda it, text_only: rollout.policy_prompt_ids(tok, it, True, "{question}\nAnswer.", text_only=text_only)
-    kept, dropped = rollout.keep_short(qs, pids, limit, "data.max_prompt_tokens", overhead)
+    kept, dropped = keep_short(qs, pids, limit, "data.max_prompt_tokens", overhead)
     assert [q["question"] for q in kept] == ["What is 2+3?", "What is 4+4?"] and dropped == 1
     with pytest.raises(SystemExit, match="config key data.max_prompt_tokens: no prompt fits"):
-        rollout.prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
+        prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
 
 
 def test_rewards_without_metarm_hand_numbers():
@@ -140,7 +143,7 @@ def test_train_on_do_adds_the_valid_do_verdicts_to_the_metarm_update(tiny_model_
     cfg = small_cfg()
     cfg["metarm"]["train_on_do"] = True
     h = "Response B adds 2 and 3 wrongly. Response A is right."
-    mrm = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
+    mrm = load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
     out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
@@ -157,7 +160,7 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     on the D_H samples, not before; D_O reward = 1 + clip(R̂ - 1, 0, λ) for a right verdict."""
     cfg = small_cfg()
     h = "Response B adds 2 and 3 wrongly. Response A is right."
-    mrm = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
+    mrm = load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
     before = copy.deepcopy(mrm)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
@@ -227,8 +230,8 @@ def nlhf_args(out, model, extra=()):
 
 
 def load_pairs():
-    return (reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"), seed=0)
-            + [dict(it, critique=None) for it in reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), seed=0)])
+    return (load_pairwise(data_path("mr_ben_math", "math.jsonl"), seed=0)
+            + [dict(it, critique=None) for it in load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), seed=0)])
 
 
 @pytest.mark.slow
@@ -280,11 +283,11 @@ def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
     # MetaRM before step 2 (in the step-1 checkpoint) predicts something else
     by_id = {it["id"]: it for it in pairs}
     s2 = next(s for s in samples if s["step"] == 2 and s["set"] == "do" and s["valid"])
-    after = metarm.load(os.path.join(out, "checkpoints", "step_000002", "metarm"))
+    after = load_saved_metarm(os.path.join(out, "checkpoints", "step_000002", "metarm"))
     item = by_id[s2["item"]]
     assert metarm.predict(after, [item], [s2["critique"]])[0] == pytest.approx(s2["r_hat"], abs=1e-4)
     # the step-1 checkpoint was deleted by keep_checkpoints=2? no: 2 kept; compare with it
-    earlier = metarm.load(os.path.join(out, "checkpoints", "step_000001", "metarm"))
+    earlier = load_saved_metarm(os.path.join(out, "checkpoints", "step_000001", "metarm"))
     assert abs(metarm.predict(earlier, [item], [s2["critique"]])[0] - s2["r_hat"]) > 1e-4
     cfg_text = open(os.path.join(out, "config.yaml")).read()
     assert "task: rm_nlhf" in cfg_text
@@ -344,8 +347,8 @@ def _metarm_rank(rank, world, model_path, port, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)  # the same fresh head on both ranks (metarm.setup_metarm loads one saved folder)
-    mrm = metarm.load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    torch.manual_seed(0)  # the same fresh head on both ranks (setup_metarm loads one saved folder)
+    mrm = load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
     items, samples = _rank_samples(rank)
     m = metarm.online_update(mrm, items, samples, world=world, seed=5)
     pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
@@ -374,7 +377,7 @@ def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_pa
     s.close()
     mp.spawn(_metarm_rank, args=(2, tiny_model_path, port, str(tmp_path)), nprocs=2, join=True)
     torch.manual_seed(0)
-    ref = metarm.load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    ref = load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
     (i0, s0), (i1, s1) = _rank_samples(0), _rank_samples(1)
     m = metarm.update(ref, i0 + i1, s0 + s1, seed=5)
     want = metarm.predict(ref, [pair(9)], ["Response B is wrong."])[0]

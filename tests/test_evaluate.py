@@ -12,9 +12,12 @@ import pytest
 import evaluate
 import reward
 from conftest import REPO, SMOLLM2, data_path
+from plumbing import cli
+from plumbing.cli import curve, ema, evaluate_main, load_or_sample, parse_curve, prompt_template
+from plumbing.data import BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems, load_model, load_pairwise, load_qa_items, passes_contamination_rule, select_benchmarks
 
 HAS_PAIRWISE = all(hasattr(reward, f) for f in ("load_pairwise", "build_grm_prompt", "parse_grm_output"))
-needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="reward.load_pairwise & co. not merged yet (nlhf)")
+needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="load_pairwise & co. not merged yet (nlhf)")
 
 
 def run_cli(*args, timeout=600, **env_vars):
@@ -74,9 +77,9 @@ def test_reliability_table_and_ece():
 
 
 def test_ema_exact():
-    assert evaluate.ema([1.0, 0.0, 0.0, 10.0], 0.9) == pytest.approx([1.0, 0.9, 0.81, 1.729])
-    assert evaluate.ema([4.0, 2.0], 0.5) == pytest.approx([4.0, 3.0])
-    assert evaluate.ema([], 0.9) == []
+    assert ema([1.0, 0.0, 0.0, 10.0], 0.9) == pytest.approx([1.0, 0.9, 0.81, 1.729])
+    assert ema([4.0, 2.0], 0.5) == pytest.approx([4.0, 3.0])
+    assert ema([], 0.9) == []
 
 
 def test_mean_std_population():
@@ -182,7 +185,7 @@ def test_pairwise_accuracy_both_orders_and_format_failure():
 @needs_pairwise
 def test_grm_judge_real_generation_and_too_long_prompt(tiny_model_path):
     import rollout
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, max_prompt_tokens=1)
     assert judge([("q", "a", "b")]) == [{"critique": None, "choice": None, "valid": False,
                                           "why": "prompt too long", "text": ""}]
@@ -218,16 +221,16 @@ def test_rm_bench_grid():
 
 @needs_pairwise
 def test_load_benchmark_subset_and_helpsteer3(tmp_path):
-    items = evaluate.load_benchmark(data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)
+    items = load_benchmark(data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)
     assert len(items) == 5 and all(it["winner"] in ("A", "B") for it in items)
-    assert [it["id"] for it in items] == [it["id"] for it in evaluate.load_benchmark(
+    assert [it["id"] for it in items] == [it["id"] for it in load_benchmark(
         data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)]  # seeded subset is reproducible
     hs = write_jsonl(tmp_path / "hs3.jsonl", [
         {"context": [{"role": "user", "content": "hi"}], "response1": "r1", "response2": "r2",
          "overall_preference": -2, "individual_preference": [{"reasoning": "@Response 1 is kinder."}]},
         {"context": "q", "response1": "x", "response2": "y", "overall_preference": 0},  # tie: dropped
         {"context": "q2", "response1": "x", "response2": "good", "overall_preference": 3}])
-    items = evaluate.load_benchmark(hs, 0, seed=0)
+    items = load_benchmark(hs, 0, seed=0)
     assert len(items) == 2
     s, _ = evaluate.pairwise_accuracy(items, fake_judge)
     assert s["acc_ab"] + s["acc_ba"] >= 0.5  # item 2's 'good' response is found in both orders
@@ -270,7 +273,7 @@ def test_registry_is_table_7():
                "href": ("2024-12", "used"), "wq_arena": ("2025-04", "used"), "scan_hpd": ("2025-05", "used"),
                "helpsteer3": ("2025-05", "used"), "reward_bench_2": ("2025-06", "used"),
                "litbench": ("2025-07", "used"), "wpb": ("2025-10", "used")}
-    reg = evaluate.BENCHMARK_REGISTRY
+    reg = BENCHMARK_REGISTRY
     assert {k: (reg[k]["release"], reg[k]["paper"]) for k in table_7} == table_7
     used = [b["title"] for b in reg.values() if b["paper"] == "used"]
     assert used == ["HelpSteer3", "RewardBench 2", "SCAN-HPD", "HREF", "LitBench", "WQ-Arena", "WPB"]
@@ -289,24 +292,24 @@ def test_registry_is_table_7():
 def test_contamination_rule_default_sets():
     """Released no earlier than one month before the base model (App. G.1): base 2025-01 -> 2024-12
     or later, so Table 7's seven pass (HREF 2024-12 just), the 2024-10 ones do not."""
-    reg = evaluate.BENCHMARK_REGISTRY
-    passing = {k for k, b in reg.items() if evaluate.passes_contamination_rule(b["release"], "2025-01")}
+    reg = BENCHMARK_REGISTRY
+    passing = {k for k, b in reg.items() if passes_contamination_rule(b["release"], "2025-01")}
     assert passing == {"helpsteer3", "reward_bench_2", "scan_hpd", "href", "litbench", "wq_arena", "wpb"}
-    assert evaluate.earliest_allowed("2025-01") == "2024-12"  # across the year boundary
-    assert not evaluate.passes_contamination_rule("2024-12", "2025-02")
-    sel = evaluate.select_benchmarks(None, (), "2025-01")
+    assert earliest_allowed("2025-01") == "2024-12"  # across the year boundary
+    assert not passes_contamination_rule("2024-12", "2025-02")
+    sel = select_benchmarks(None, (), "2025-01")
     assert sel["chosen"] == ["helpsteer3", "reward_bench_2"] and sel["mode"] == "default" and not sel["warnings"]
     assert sel["left_out"]["href"].startswith("not supported here")
     assert sel["left_out"]["judgebench"].startswith("not released 2024-12 or later")
     assert set(sel["left_out"]) == set(reg) - {"helpsteer3", "reward_bench_2"}
     # a base model of 2024-10: the 2024-10 benchmarks we can read join (RM-Bench, JudgeBench); PPE, RMB cannot
-    passing = {k for k, b in reg.items() if evaluate.passes_contamination_rule(b["release"], "2024-10")}
+    passing = {k for k, b in reg.items() if passes_contamination_rule(b["release"], "2024-10")}
     assert passing == {"helpsteer3", "reward_bench_2", "scan_hpd", "href", "litbench", "wq_arena", "wpb",
                        "rm_bench", "ppe", "judgebench", "rmb"}
-    assert evaluate.select_benchmarks(None, (), "2024-10")["chosen"] == ["helpsteer3", "reward_bench_2", "rm_bench",
+    assert select_benchmarks(None, (), "2024-10")["chosen"] == ["helpsteer3", "reward_bench_2", "rm_bench",
                                                                         "judgebench"]
     with pytest.raises(SystemExit, match=r"^--base-release '2025/01': expected a month as YYYY-MM"):
-        evaluate.select_benchmarks(None, (), "2025/01")
+        select_benchmarks(None, (), "2025/01")
 
 
 def test_nothing_left_and_bad_names_are_one_line_errors(tmp_path):
@@ -318,7 +321,7 @@ def test_nothing_left_and_bad_names_are_one_line_errors(tmp_path):
              (["--source", f"helpsteer3={tmp_path}/none.jsonl"], r"^--source helpsteer3=.*none.jsonl does not exist")]
     for args, msg in cases:
         with pytest.raises(SystemExit, match=msg) as e:  # before any model is loaded ('x' is no model)
-            evaluate.main(["pairwise", "--model", "x", "--out", str(tmp_path), *args])
+            evaluate_main(["pairwise", "--model", "x", "--out", str(tmp_path), *args])
         assert "\n" not in str(e.value.code)
 
 
@@ -343,7 +346,7 @@ def test_reward_bench_2_best_of_4_hand_computed():
                  -> acc_ab 1, acc_ba 1/2, acc 0.75
     RewardBench 2 = mean over subsets: acc_ab (0.25 + 1) / 2 = 0.625, acc_ba (0.5 + 0.5) / 2 = 0.5,
     acc 0.5625 (pooling the 6 rows instead would give 0.5; per pair, 30 of 36 judgements are right)."""
-    items = evaluate.load_benchmark(RB2_FIXTURE, 0, seed=0)
+    items = load_benchmark(RB2_FIXTURE, 0, seed=0)
     assert len(items) == 18 and {it["meta"]["subset"] for it in items} == {"Factuality", "Focus"}
     s, records = evaluate.score_unit(items, marker_judge)
     assert s["n"] == 6 and s["n_pairs"] == 18
@@ -363,21 +366,22 @@ def test_subsample_keeps_reward_bench_2_rows_whole():
     """--n counts RewardBench 2 rows: n=2 gives 2 rows x 3 pairs, never a split row."""
     picks = set()
     for seed in range(6):
-        items = evaluate.load_benchmark(RB2_FIXTURE, 2, seed=seed)
+        items = load_benchmark(RB2_FIXTURE, 2, seed=seed)
         groups = [it["meta"]["group"] for it in items]
         assert len(items) == 6 and len(set(groups)) == 2 and all(groups.count(g) == 3 for g in groups)
-        assert [it["id"] for it in items] == [it["id"] for it in evaluate.load_benchmark(RB2_FIXTURE, 2, seed=seed)]
+        assert [it["id"] for it in items] == [it["id"] for it in load_benchmark(RB2_FIXTURE, 2, seed=seed)]
         picks.add(frozenset(groups))
     assert len(picks) > 1  # a seeded random choice of rows, not the first two
-    assert len(evaluate.load_benchmark(RB2_FIXTURE, 99, seed=0)) == 18
-    assert len(evaluate.load_benchmark(HS3_FIXTURE, 2, seed=0)) == 2  # ungrouped: n counts items
+    assert len(load_benchmark(RB2_FIXTURE, 99, seed=0)) == 18
+    assert len(load_benchmark(HS3_FIXTURE, 2, seed=0)) == 2  # ungrouped: n counts items
 
 
 def fake_grm(monkeypatch, seen):
     """Replace model loading and the GRM judge of cmd_pairwise by marker_judge; `seen` gets the
     keyword arguments make_grm_judge was called with."""
-    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(evaluate, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
 
 
 @needs_pairwise
@@ -388,7 +392,7 @@ def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, c
     Overall = (0.5 + 0.5625) / 2 = 0.53125 (by items it would be (3*0.5 + 6*0.5625) / 9 = 0.5417)."""
     seen = {}
     fake_grm(monkeypatch, seen)
-    r = evaluate.main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--n", "0", "--out", str(tmp_path)])
+    r = evaluate_main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--n", "0", "--out", str(tmp_path)])
     out = capsys.readouterr()
     bench = {b["benchmark"]: b for b in r["benchmarks"]}
     assert list(bench) == ["HelpSteer3", "RewardBench 2"]
@@ -407,7 +411,7 @@ def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, c
     assert "left out, not supported here: " in left[0] and "SCAN-HPD (2025-05), HREF (2024-12)" in left[0]
     assert left[2].startswith("  left out, not released 2024-12 or later") and "JudgeBench (2024-10)" in left[2]
     assert "Ties excluded" in out.out and "Overall (mean of 2)" in out.out and "warning" not in out.err
-    r = evaluate.main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--grm-prompt", "authors",
+    r = evaluate_main(["pairwise", "--model", "fake", *FIXTURE_SOURCES, "--grm-prompt", "authors",
                        "--out", str(tmp_path)])
     assert r["grm_prompt"] == "authors" and seen["style"] == "authors"
 
@@ -418,7 +422,7 @@ def test_cli_pairwise_explicit_old_benchmark_warns(tmp_path, monkeypatch, capsys
     an explicit RM-Bench file: the same; HelpSteer3 (2025-05): no warning."""
     fake_grm(monkeypatch, {})
     rm_file = data_path("rm_bench", "chat_filtered.jsonl")
-    r = evaluate.main(["pairwise", "--model", "fake", "--benchmarks", "helpsteer3,judgebench", *FIXTURE_SOURCES,
+    r = evaluate_main(["pairwise", "--model", "fake", "--benchmarks", "helpsteer3,judgebench", *FIXTURE_SOURCES,
                        rm_file, "--n", "2", "--out", str(tmp_path)])
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 2
@@ -435,12 +439,11 @@ def test_grm_judge_authors_prompt_and_parser(monkeypatch):
     <choice>; ours would not."""
     import types
     prompts = []
-    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat, **kw: False)
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [1, 2])
     monkeypatch.setattr(evaluate, "generate_texts", lambda model, tok, ids, **kw: [
         [{"completion": "<critics>\nB adds wrongly.\n</critics>\n<choice>A</choice>", "truncated": False}] for _ in ids])
     model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=4096))
-    item = [it for it in evaluate.load_benchmark(HS3_FIXTURE, 0, seed=0) if len(it["meta"]["turns"]) == 3][0]
+    item = [it for it in load_benchmark(HS3_FIXTURE, 0, seed=0) if len(it["meta"]["turns"]) == 3][0]
     turns = item["meta"]["turns"]
     query = (item["context"], item["response_a"], item["response_b"], turns)
     out = evaluate.make_grm_judge(model, None, style="authors")([query])
@@ -475,19 +478,19 @@ def test_gsm8k_grading_numeric():
 
 
 def test_load_math_problems_schemas(tmp_path):
-    g = evaluate.load_math_problems(data_path("gsm8k", "test.jsonl"), 2)
+    g = load_math_problems(data_path("gsm8k", "test.jsonl"), 2)
     assert [x["label"] for x in g] == ["18", "3"] and g[0]["kind"] == "gsm8k"
-    m = evaluate.load_math_problems(data_path("math500", "test.jsonl"), 1)
+    m = load_math_problems(data_path("math500", "test.jsonl"), 1)
     assert m[0]["kind"] == "math" and m[0]["id"] == "test/precalculus/807.json"
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "target": "y"}])
     with pytest.raises(SystemExit, match=r"bad.jsonl.*fields found: \['prompt', 'target'\]"):
-        evaluate.load_math_problems(bad)
+        load_math_problems(bad)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(SystemExit, match="empty.jsonl: file is empty"):
-        evaluate.load_math_problems(str(tmp_path / "empty.jsonl"))
+        load_math_problems(str(tmp_path / "empty.jsonl"))
     two = write_jsonl(tmp_path / "two.jsonl", [{"question": "q", "answer": "#### 1"}] * 2)
     with pytest.raises(SystemExit, match=r"--n-problems 3: .*two.jsonl has only 2 problems"):
-        evaluate.load_math_problems(two, 3)
+        load_math_problems(two, 3)
 
 
 def test_prompt_template_is_the_training_one(tmp_path):
@@ -498,10 +501,10 @@ def test_prompt_template_is_the_training_one(tmp_path):
     run_cfg = tmp_path / "config.yaml"
     run_cfg.write_text('data:\n  prompt_template: "Q: {question}\\nA:"\n')
     ns = argparse.Namespace(prompt_template=None, config=str(run_cfg))
-    assert evaluate.prompt_template(ns) == "Q: {question}\nA:"
+    assert prompt_template(ns) == "Q: {question}\nA:"
     ns = argparse.Namespace(prompt_template="no field", config=None)
     with pytest.raises(SystemExit, match="must contain {question}"):
-        evaluate.prompt_template(ns)
+        prompt_template(ns)
 
 
 def test_math_summary_pass1_mean_std():
@@ -550,11 +553,11 @@ def test_load_or_sample_bad_files(tmp_path):
     import argparse
     ns = argparse.Namespace(samples=write_jsonl(tmp_path / "x.jsonl", [{"question": "q"}]), n_problems=None, policy=None)
     with pytest.raises(SystemExit, match=r"not a `evaluate.py math` items file.*fields found: \['question'\]"):
-        evaluate.load_or_sample(ns, 1)
+        load_or_sample(ns, 1)
     ns.samples = write_jsonl(tmp_path / "y.jsonl", [bon_item(0, 3), bon_item(1, 2)])
-    assert len(evaluate.load_or_sample(ns, 2)) == 2
+    assert len(load_or_sample(ns, 2)) == 2
     with pytest.raises(SystemExit, match=r"N=3 is larger than the samples available \(2 per problem"):
-        evaluate.load_or_sample(ns, 3)
+        load_or_sample(ns, 3)
 
 
 def test_reference_solution_control():
@@ -586,15 +589,15 @@ def test_majority_vote():
 def test_curve_mean_std_across_runs(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"step": 0, "r": 0.0}, {"step": 1, "r": 1.0}, {"step": 2, "r": 5.0}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"step": 0, "r": 2.0}, {"step": 1, "r": 3.0}])  # shorter run
-    c = evaluate.curve([a, b], "r", 0.9)
+    c = curve([a, b], "r", 0.9)
     # EMA a: [0, 0.1, 0.59], b: [2, 2.1]; common steps 0, 1
     assert c["x"] == [0, 1] and c["runs"] == 2
     assert c["mean"] == pytest.approx([1.0, 1.1]) and c["std"] == pytest.approx([1.0, 1.0])
     nan = write_jsonl(tmp_path / "n.jsonl", [{"step": 0, "r": 1.0}, {"step": 1}, {"step": 2, "r": 0.0}])
-    assert evaluate.curve([nan], "r", 0.5) == {"x": [0, 2], "mean": [1.0, 0.5], "std": [0.0, 0.0], "runs": 1}
+    assert curve([nan], "r", 0.5) == {"x": [0, 2], "mean": [1.0, 0.5], "std": [0.0, 0.0], "runs": 1}
     with pytest.raises(SystemExit, match=r"no numeric values for metric 'acc'; keys found: \['r', 'step'\]"):
-        evaluate.curve([a], "acc")
-    assert evaluate.parse_curve("rlme=x/m.jsonl,y/m.jsonl") == ("rlme", ["x/m.jsonl", "y/m.jsonl"])
+        curve([a], "acc")
+    assert parse_curve("rlme=x/m.jsonl,y/m.jsonl") == ("rlme", ["x/m.jsonl", "y/m.jsonl"])
 
 
 def test_cli_plot_end_to_end(tmp_path):
@@ -654,8 +657,8 @@ def fake_generation(monkeypatch, answer_for):
     """Replace model loading and generation: a prompt's 'ids' are its text; answer_for(prompt,
     temperature) gives the completion. Returns the list the prompts are appended to."""
     prompts = []
-    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(evaluate.rollout, "use_chat_template", lambda tok, chat, **kw: False)
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cli, "use_chat_template", lambda tok, chat, **kw: False)
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [text])
 
     def generate(model, tok, ids, n=1, temperature=0.0, **kw):
@@ -698,7 +701,7 @@ def test_math_inject_wrong_shows_a_wrong_answer_and_grades_against_the_truth(tmp
                                               {"question": "Q3 profit?", "answer": "#### 70"}])
     prompts = fake_generation(monkeypatch, copy_shown_except({"Q2 bolts?": "so \\boxed{3}"}))
     out = tmp_path / "out"
-    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
+    r = evaluate_main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
                        "--n-problems", "3", "--n-samples", "0", "--out", str(out)])
     assert len(prompts) == 3
     for p, truth, shown in zip(prompts, ("18", "3", "70"), ("19", "4", "71")):
@@ -712,7 +715,7 @@ def test_math_inject_wrong_shows_a_wrong_answer_and_grades_against_the_truth(tmp
     printed = capsys.readouterr().out
     assert "COUNTERFACTUAL accuracy" in printed and "counterfactual_acc" in printed
     prompts.clear()
-    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject",
+    r = evaluate_main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject",
                        "reference", "--n-problems", "3", "--n-samples", "0", "--out", str(out)])
     assert [f"The answer is {t}." in p for p, t in zip(prompts, ("18", "3", "70"))] == [True, True, True]
     assert r["greedy_acc"] == 1.0 and "counterfactual_acc" not in r and r["inject"] == "reference"
@@ -725,7 +728,7 @@ def test_math_inject_text_labels_take_the_next_answer(tmp_path, monkeypatch):
     data = write_jsonl(tmp_path / "m.jsonl", [{"problem": "P1", "answer": "(1,2)"}, {"problem": "P2", "answer": "(3,4)"},
                                               {"problem": "P3", "answer": "(3,4)"}])
     prompts = fake_generation(monkeypatch, copy_shown_except({}))
-    r = evaluate.main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
+    r = evaluate_main(["math", "--model", "fake", "--data", data, "--prompt-template", NOCHEAT, "--inject", "wrong",
                        "--n-problems", "3", "--n-samples", "0", "--out", str(tmp_path)])
     assert ["The answer is (3,4)." in prompts[0], "The answer is none." in prompts[1],
             "The answer is (1,2)." in prompts[2]] == [True, True, True]
@@ -771,7 +774,7 @@ def test_wrong_answer_is_the_training_rule():
 def test_math_inject_errors_are_one_line_before_the_model(tmp_path, args, message):
     data = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "#### 1"}])
     with pytest.raises(SystemExit) as e:  # 'x' is no model: these stop before loading one
-        evaluate.main(["math", "--model", "x", "--data", data, "--out", str(tmp_path), *args])
+        evaluate_main(["math", "--model", "x", "--data", data, "--out", str(tmp_path), *args])
     assert message in str(e.value.code) and "\n" not in str(e.value.code)
 
 
@@ -786,28 +789,28 @@ def test_math_inject_from_a_run_config(tmp_path):
 # Context QA: `qa` (RLME §4 Tables 1-2; FaithEval-Counterfactual)
 
 FE_FIXTURE = os.path.join(FIXTURES, "faitheval_counterfactual_sample.jsonl")
-FE_FIELDS = {k: v for k, v in evaluate.QA_PRESETS["faitheval"].items() if k.endswith("_field")}
+FE_FIELDS = {k: v for k, v in QA_PRESETS["faitheval"].items() if k.endswith("_field")}
 
 
 def test_qa_prompt_template_is_the_qa_rlvr_one():
     import yaml
     cfg = yaml.safe_load(open(os.path.join(REPO, "configs", "paper", "rlme", "qa_rlvr.yaml")))
     assert evaluate.QA_PROMPT_TEMPLATE == cfg["data"]["prompt_template"]
-    assert evaluate.QA_PRESETS["faitheval"]["data"] == "Salesforce/FaithEval-counterfactual-v1.0"
-    assert evaluate.QA_PRESETS["faitheval"]["split"] == "test"
+    assert QA_PRESETS["faitheval"]["data"] == "Salesforce/FaithEval-counterfactual-v1.0"
+    assert QA_PRESETS["faitheval"]["split"] == "test"
 
 
 def test_load_qa_items_faitheval_schema():
     """Options listed under the question; gold = the key's option text; letters = its label and
     the key (row 3 is labelled 1-4 with key 'A', as some ARC-derived rows: the first option)."""
-    items = evaluate.load_qa_items(FE_FIXTURE, **FE_FIELDS)
+    items = load_qa_items(FE_FIXTURE, **FE_FIELDS)
     assert len(items) == 4 and items[0]["id"] == "cf_1" and items[0]["kind"] == "qa"
     assert items[0]["question"] == ("Which planet is closest to the Sun?\nOptions:\nA) Mercury\nB) Venus\nC) Earth\n"
                                     "D) Mars")
     assert items[0]["context"].startswith("Recent observations established that Venus")
     assert [it["label"] for it in items] == [["Venus"], ["100 degrees Celsius"], ["It decreases."], ["green"]]
     assert [it["choice_letters"] for it in items] == [["B"], ["C"], ["1", "A"], ["B"]]
-    assert evaluate.load_qa_items(FE_FIXTURE, n=2, **FE_FIELDS)[1]["answer_text"] == "100 degrees Celsius"
+    assert load_qa_items(FE_FIXTURE, n=2, **FE_FIELDS)[1]["answer_text"] == "100 degrees Celsius"
 
 
 def test_grade_qa_letters_text_and_the_article_trap():
@@ -840,7 +843,7 @@ def test_cli_qa_faitheval_preset_on_the_fixture_hand_computed(tmp_path, monkeypa
     def answer_for(prompt, temperature):
         return next(a for (word, t), a in answers.items() if word in prompt and t == (temperature > 0))
     prompts = fake_generation(monkeypatch, answer_for)
-    r = evaluate.main(["qa", "--model", "fake", "--preset", "faitheval", "--data", FE_FIXTURE, "--n-samples", "1",
+    r = evaluate_main(["qa", "--model", "fake", "--preset", "faitheval", "--data", FE_FIXTURE, "--n-samples", "1",
                        "--out", str(tmp_path)])
     assert r["greedy_em"] == 0.5 and r["greedy_f1"] == pytest.approx(0.7) and r["greedy_no_box"] == 0.0
     assert r["sampled_em_mean"] == 0.25 and r["sampled_f1_mean"] == pytest.approx(0.45) and r["sampled_em_std"] == 0.0
@@ -863,7 +866,7 @@ def test_cli_qa_generic_fields_on_qa_feedback(tmp_path, monkeypatch):
     rows = [json.loads(ln) for ln in open(path)][:2]
     prompts = fake_generation(monkeypatch, lambda prompt, t: "\\boxed{%s}" % (
         rows[0]["gold"] if "bloom by troye" in prompt else "Tarzana, California"))
-    r = evaluate.main(["qa", "--model", "fake", "--data", path, "--context-field", "passages", "--answer-field", "gold",
+    r = evaluate_main(["qa", "--model", "fake", "--data", path, "--context-field", "passages", "--answer-field", "gold",
                        "--context-max-chars", "300", "--n-problems", "2", "--out", str(tmp_path)])
     assert r["greedy_em"] == 0.5 and r["greedy_f1"] == pytest.approx(0.54) and not r["multiple_choice"]
     ctx = reward.render_context(rows[0]["passages"], 300)
@@ -874,7 +877,7 @@ def test_cli_qa_generic_fields_on_qa_feedback(tmp_path, monkeypatch):
 
 def test_cli_qa_real_generation_on_the_tiny_model(tiny_model_path, tmp_path):
     """The whole path with a real (random) model: 2 FaithEval fixture rows, greedy + 1 sample."""
-    r = evaluate.main(["qa", "--model", tiny_model_path, "--preset", "faitheval", "--data", FE_FIXTURE,
+    r = evaluate_main(["qa", "--model", tiny_model_path, "--preset", "faitheval", "--data", FE_FIXTURE,
                        "--n-problems", "2", "--n-samples", "1", "--max-new-tokens", "4", "--out", str(tmp_path)])
     assert r["n_problems"] == 2 and r["n_samples"] == 1 and 0.0 <= r["greedy_f1"] <= 1.0
     items = read_items(tmp_path, "qa_fixtures-faitheval_counterfactual_sample")
@@ -902,7 +905,7 @@ def test_cli_qa_real_generation_on_the_tiny_model(tiny_model_path, tmp_path):
 def test_qa_bad_input_is_one_line_before_the_model(tmp_path, rows, args, message):
     data = ["--data", write_jsonl(tmp_path / "d.jsonl", rows)] if rows is not None else []
     with pytest.raises(SystemExit) as e:  # 'x' is no model: these stop before loading one
-        evaluate.main(["qa", "--model", "x", *data, "--out", str(tmp_path), *args])
+        evaluate_main(["qa", "--model", "x", *data, "--out", str(tmp_path), *args])
     assert message in str(e.value.code) and "\n" not in str(e.value.code)
 
 
@@ -922,12 +925,13 @@ def test_bon_passes_the_grm_prompt_style(tmp_path, monkeypatch):
 
     def text_judge(queries):  # picks the answer saying 'right'
         return [{"choice": "B" if b == "right" else "A", "valid": True} for _, a, b in queries]
-    monkeypatch.setattr(evaluate.rollout, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(evaluate, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or text_judge)
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or text_judge)
     samples = write_jsonl(tmp_path / "items.jsonl", [bon_item(1, 2), bon_item(0, 2)])
-    r = evaluate.main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--out", str(tmp_path)])
+    r = evaluate_main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--out", str(tmp_path)])
     assert seen["style"] == "ours" and r["grm_prompt"] == "ours" and r["rows"][0]["knockout_acc"] == 1.0
-    r = evaluate.main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--grm-prompt", "authors",
+    r = evaluate_main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--grm-prompt", "authors",
                        "--out", str(tmp_path)])
     assert seen["style"] == "authors" and r["grm_prompt"] == "authors"
     assert json.load(open(tmp_path / "bon.json"))["grm_prompt"] == "authors"
@@ -1075,16 +1079,16 @@ def test_judge_check_proxy_and_bad_input(tmp_path):
     unrelated one 0; labels 1 and 0 -> accuracy 1. Bad files stop with one line naming the line."""
     data = _judge_check_file(tmp_path / "ok.jsonl", [{"critique": "Response B adds 2 and 3 wrongly.", "label": 1},
                                                      {"critique": "Both responses are polite.", "label": 0}])
-    s = evaluate.main(["judge-check", "--data", data, "--backend", "proxy", "--out", str(tmp_path / "out")])
+    s = evaluate_main(["judge-check", "--data", data, "--backend", "proxy", "--out", str(tmp_path / "out")])
     assert s["n"] == 2 and s["n_failed"] == 0 and s["acc_f1"] == 1.0 and s["variant"] == "core"
     rows = [json.loads(ln) for ln in open(tmp_path / "out" / "judge_check.items.jsonl")]
     assert [r["f1"] for r in rows] == [1.0, 0.0] and [r["id"] for r in rows] == ["line1", "line2"]
     bad = _judge_check_file(tmp_path / "bad.jsonl", [{"critique": "c", "label": 1}, {"critique": "c", "label": 2}])
     with pytest.raises(SystemExit, match=r"bad.jsonl line 2: field 'label' must be 0 or 1, got 2"):
-        evaluate.main(["judge-check", "--data", bad, "--backend", "proxy"])
+        evaluate_main(["judge-check", "--data", bad, "--backend", "proxy"])
     (tmp_path / "missing.jsonl").write_text(json.dumps({"critique": "c", "label": 1}) + "\n")
     with pytest.raises(SystemExit, match=r"missing.jsonl line 1: missing field 'context'"):
-        evaluate.main(["judge-check", "--data", str(tmp_path / "missing.jsonl"), "--backend", "proxy"])
+        evaluate_main(["judge-check", "--data", str(tmp_path / "missing.jsonl"), "--backend", "proxy"])
 
 
 @pytest.mark.slow
@@ -1097,7 +1101,7 @@ def test_judge_check_against_transformers_serve(tiny_judge_server, tmp_path):
                                                     {"critique": "Response A is wrong.", "label": 0}])
     for variant in ("core", "meta_judge"):
         out = tmp_path / variant
-        s = evaluate.main(["judge-check", "--data", data, "--base-url", tiny_judge_server["base_url"],
+        s = evaluate_main(["judge-check", "--data", data, "--base-url", tiny_judge_server["base_url"],
                            "--model", tiny_judge_server["model"], "--variant", variant, "--max-tokens", "8",
                            "--max-retries", "0", "--out", str(out)])
         rows = [json.loads(ln) for ln in open(out / "judge_check.items.jsonl")]

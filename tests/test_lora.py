@@ -9,6 +9,9 @@ import torch
 import train as T
 from conftest import REPO, SMOLLM2, data_path
 import fast
+from plumbing.data import load_model, load_pairwise
+from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_push_weights, vllm_weight_name, wrap_policy
+from plumbing.services import load_evaluators
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}
 CPU = torch.device("cpu")
@@ -18,8 +21,8 @@ def lora_policy(model_path, lora=LORA, seed=0, perturb=True):
     """A LoRA policy on `model_path`; perturb=True gives B random values (peft starts B at 0, when
     the adapters change nothing and a test comparing with the base could not fail)."""
     import rollout
-    policy, tok = rollout.load_model(model_path)
-    policy = T.apply_lora(policy, lora, seed=seed)
+    policy, tok = load_model(model_path)
+    policy = apply_lora(policy, lora, seed=seed)
     if perturb:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -42,14 +45,14 @@ def lora_policy(model_path, lora=LORA, seed=0, perturb=True):
     ("model.lora=3", "config key model.lora: expected a mapping or null"),
 ])
 def test_lora_config_errors_are_one_line(override, message):
-    from config import load_config
+    from plumbing.config import load_config
     with pytest.raises(SystemExit) as e:
         load_config([os.path.join(REPO, "configs", "cpu.yaml")], [override])
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
 def test_lora_config_layers_and_switches_off():
-    from config import load_config
+    from plumbing.config import load_config
     layers = [os.path.join(REPO, "configs", "cpu.yaml"), os.path.join(REPO, "configs", "cpu_lora.yaml")]
     cfg = load_config(layers, ["model.lora.r=8"])  # one field over the preset's mapping
     assert cfg["model"]["lora"]["r"] == 8 and cfg["model"]["lora"]["alpha"] == 32
@@ -61,20 +64,20 @@ def test_lora_config_layers_and_switches_off():
 
 def test_missing_or_non_linear_target_module_is_one_line(tiny_model_path):
     import rollout
-    policy, _ = rollout.load_model(tiny_model_path)
+    policy, _ = load_model(tiny_model_path)
     with pytest.raises(SystemExit) as e:
-        T.apply_lora(policy, dict(LORA, target_modules=["q_proj", "qkv_proj"]), seed=0)
+        apply_lora(policy, dict(LORA, target_modules=["q_proj", "qkv_proj"]), seed=0)
     msg = str(e.value)
     assert msg.startswith("config key model.lora.target_modules: no module named 'qkv_proj' in LlamaForCausalLM")
     assert "q_proj" in msg and "\n" not in msg
     # a tied lm_head is no Linear layer a user may name, so the lists in these messages leave it out
     assert "lm_head" not in msg
     with pytest.raises(SystemExit, match="'input_layernorm' is a LlamaRMSNorm, not a Linear layer"):
-        T.apply_lora(policy, dict(LORA, target_modules=["input_layernorm"]), seed=0)
+        apply_lora(policy, dict(LORA, target_modules=["input_layernorm"]), seed=0)
     with pytest.raises(SystemExit, match="'embed_tokens' is an Embedding, not a Linear layer"):
-        T.apply_lora(policy, dict(LORA, target_modules=["embed_tokens"]), seed=0)
+        apply_lora(policy, dict(LORA, target_modules=["embed_tokens"]), seed=0)
     with pytest.raises(SystemExit, match="lm_head is tied"):
-        T.apply_lora(policy, dict(LORA, target_modules=["lm_head"]), seed=0)
+        apply_lora(policy, dict(LORA, target_modules=["lm_head"]), seed=0)
 
 
 # ---- the merge (vLLM push, merged/ folder) against peft's own ------------------------------------
@@ -82,7 +85,7 @@ def test_missing_or_non_linear_target_module_is_one_line(tiny_model_path):
 def test_merged_state_items_equal_peft_merge_and_unload(tiny_model_path):
     """W' = W + (alpha/r) B A under the plain model's names, as peft's merge_and_unload gives."""
     policy, _ = lora_policy(tiny_model_path, dict(LORA, target_modules=["q_proj", "v_proj", "down_proj"]))
-    ours = dict(T.merged_state_items(policy))
+    ours = dict(merged_state_items(policy))
     # the formula by hand on one layer
     q = policy.base_model.model.model.layers[0].self_attn.q_proj
     want_q = q.base_layer.weight + (8 / 4) * q.lora_B["default"].weight @ q.lora_A["default"].weight
@@ -96,7 +99,7 @@ def test_merged_state_items_equal_peft_merge_and_unload(tiny_model_path):
 
 def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
     """train.push_weights into a stand-in vLLM engine (the attribute path and load_weights that
-    rollout.vllm_push_weights uses): under LoRA it sends the plain model's weights under vLLM's
+    vllm_push_weights uses): under LoRA it sends the plain model's weights under vLLM's
     names (no lora_A / lora_B, no base_layer) with the adapters merged in, so a plain model given
     exactly those weights computes what the adapted policy computes."""
     from types import SimpleNamespace
@@ -109,14 +112,14 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
     llm = SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
         driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
     tied = bool(policy.config.tie_word_embeddings)
-    T.push_weights({"llm": llm, "asleep": False, "sleep_level": 1, "tied": tied}, policy)
-    plain, _ = rollout.load_model(tiny_model_path)
-    assert set(loaded) == {rollout.vllm_weight_name(n, tied) for n in plain.state_dict()} - {None}
+    push_weights({"llm": llm, "asleep": False, "sleep_level": 1, "tied": tied}, policy)
+    plain, _ = load_model(tiny_model_path)
+    assert set(loaded) == {vllm_weight_name(n, tied) for n in plain.state_dict()} - {None}
     plain.load_state_dict(loaded, strict=False)  # strict=False: buffers vLLM computes itself
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
     with torch.no_grad(), rollout.eval_mode(policy):
         want, got = policy(input_ids=ids).logits, plain.eval()(input_ids=ids).logits
-        base = rollout.load_model(tiny_model_path)[0].eval()(input_ids=ids).logits
+        base = load_model(tiny_model_path)[0].eval()(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5)
     assert (base - want).abs().max() > 1e-3  # the adapters weigh: an unmerged push would fail
 
@@ -124,7 +127,7 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
 # ---- the base model with adapters off == a separately loaded frozen copy -------------------------
 
 def _cfg(fast_paths=True, evaluators=None):
-    from config import load_config
+    from plumbing.config import load_config
     cfg = load_config([os.path.join(REPO, "configs", "cpu.yaml")], [f"model.lora={json.dumps(LORA)}"])
     cfg["train"]["fast_paths"] = fast_paths
     cfg["reward"]["evaluators"] = evaluators or [{"name": "self", "kind": "live", "weight": 1.0},
@@ -140,10 +143,10 @@ def test_frozen_self_under_lora_scores_what_a_frozen_copy_scores(tiny_model_path
     policy, tok = lora_policy(tiny_model_path)
     fast_cfg, plain = _cfg(True), _cfg(False)
     fast_cfg["model"]["policy"] = plain["model"]["policy"] = tiny_model_path
-    evs_view = T.load_evaluators(fast_cfg, policy, tok, CPU, T.fast_or_plain(True))
-    evs_copy = T.load_evaluators(plain, policy, tok, CPU, T.fast_or_plain(False))
-    assert isinstance(evs_view[1]["model"], T.BaseModelView) and evs_view[1]["model"].policy is policy
-    assert not isinstance(evs_copy[1]["model"], T.BaseModelView)
+    evs_view = load_evaluators(fast_cfg, policy, tok, CPU, T.fast_or_plain(True))
+    evs_copy = load_evaluators(plain, policy, tok, CPU, T.fast_or_plain(False))
+    assert isinstance(evs_view[1]["model"], BaseModelView) and evs_view[1]["model"].policy is policy
+    assert not isinstance(evs_copy[1]["model"], BaseModelView)
     kw = dict(meta_questions=fast_cfg["reward"]["meta_questions"], problems=["What is 2+3?"] * 2 + ["What is 7*6?"] * 2,
               solutions=["5", "It is \\boxed{6}.", "42", "I think 41"])
     a = R.rlme_reward(evs_view, **kw)["logp"]  # [N, J, K]
@@ -159,9 +162,9 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
     import rollout
     from test_train import _layout_batch, _layout_cfg
     policy, tok = lora_policy(tiny_model_path)
-    base, _ = rollout.load_model(tiny_model_path)
+    base, _ = load_model(tiny_model_path)
     cfg, batch = _layout_cfg(2, "seq_sum"), _layout_batch()
-    got = T.frozen_logprobs(T.BaseModelView(policy), batch, tok.pad_token_id, cfg, CPU)
+    got = T.frozen_logprobs(BaseModelView(policy), batch, tok.pad_token_id, cfg, CPU)
     want = T.frozen_logprobs(base, batch, tok.pad_token_id, cfg, CPU)
     live = T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
@@ -213,7 +216,7 @@ def _lora_update(model_path, checkpointing):
     from test_train import _layout_batch, _layout_cfg
     policy, tok = lora_policy(model_path)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    model = T.wrap_policy(policy, "ddp", 1, CPU, gradient_checkpointing=checkpointing)
+    model = wrap_policy(policy, "ddp", 1, CPU, gradient_checkpointing=checkpointing)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)  # update = -grad
     T.update_policy(model, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=CPU,
                     pad_id=tok.pad_token_id)
@@ -295,9 +298,9 @@ def test_lora_resume_is_exact(tiny_model_path, tmp_path):
     import yaml
     with open(os.path.join(full, "config.yaml")) as f:
         lora = yaml.safe_load(f)["model"]["lora"]  # the run's own, as resume reads it
-    policy, tok = rollout.load_model(tiny_model_path)
-    policy = T.apply_lora(policy, lora, seed=0, ckpt=ckpt)
-    merged, _ = rollout.load_model(os.path.join(ckpt, "merged"))
+    policy, tok = load_model(tiny_model_path)
+    policy = apply_lora(policy, lora, seed=0, ckpt=ckpt)
+    merged, _ = load_model(os.path.join(ckpt, "merged"))
     ids = torch.tensor([tok.encode("What is 2+3? The answer is 5.")])
     with torch.no_grad():
         assert torch.allclose(policy.eval()(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
@@ -307,10 +310,10 @@ def test_checkpoint_and_model_lora_must_agree(tmp_path):
     ck = tmp_path / "step_000001"
     ck.mkdir()
     with pytest.raises(SystemExit, match="holds a full model, no LoRA adapter"):
-        T.check_checkpoint_kind(str(ck), LORA)
+        check_checkpoint_kind(str(ck), LORA)
     (ck / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(SystemExit, match="holds a LoRA adapter: resume it with the run's model.lora"):
-        T.check_checkpoint_kind(str(ck), None)
+        check_checkpoint_kind(str(ck), None)
 
 
 @pytest.mark.slow
@@ -322,13 +325,15 @@ def test_lora_rm_nlhf_grpo_reference_and_metarm_run(tiny_model_path, tmp_path, m
     from test_configs import swaps
     from test_e2e_nlhf import force_verdicts
     cfg = T.load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")])
-    pairs = (reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"), "auto", seed=0)
-             + [dict(it, critique=None) for it in reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"),
+    pairs = (load_pairwise(data_path("mr_ben_math", "math.jsonl"), "auto", seed=0)
+             + [dict(it, critique=None) for it in load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"),
                                                                        "auto", seed=0)])
     force_verdicts(monkeypatch, pairs)
     loads = []
-    real_load = rollout.load_model
-    monkeypatch.setattr(rollout, "load_model", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
+    real_load = load_model
+    from plumbing import run, services
+    for module in (run, services):  # where setup and the evaluators load models
+        monkeypatch.setattr(module, "load_model", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
     out = str(tmp_path / "nlhf")
     args = swaps(cfg, tiny_model_path, out) + ["run.total_steps=1", f"model.lora={json.dumps(LORA)}"]
     T.main(["--config", os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml"), *args])

@@ -11,6 +11,14 @@ import torch
 from conftest import REPO, SMOLLM2, data_path, make_judge
 import metarm
 import reward
+from plumbing.cli import metarm_main
+from plumbing import config
+from plumbing.data import load_model, load_pairwise
+from plumbing.run import load_metarm, load_saved_metarm, save_metarm
+from plumbing.services import proxy_f1
+
+
+NLHF = config.load_config([])["nlhf"]  # config.yaml's nlhf: section
 
 
 def item(i=0, winner="A"):
@@ -21,11 +29,11 @@ def item(i=0, winner="A"):
 @pytest.fixture(scope="module")
 def tiny_mrm(tiny_model_path):
     """A MetaRM on the tiny random Llama (new scalar head), module-shared; tests that train copy it."""
-    return metarm.load_metarm(tiny_model_path, mode="online", batch_size=4, max_length=128)
+    return load_metarm(tiny_model_path, mode="online", batch_size=4, max_length=128)
 
 
 def fresh(path, **kw):
-    return metarm.load_metarm(path, **dict({"batch_size": 4, "max_length": 128}, **kw))
+    return load_metarm(path, **dict({"batch_size": 4, "max_length": 128}, **kw))
 
 
 def test_text_and_targets():
@@ -164,10 +172,10 @@ def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     mrm = fresh(tiny_model_path, online_lr=1e-3)
     metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
     out = str(tmp_path / "metarm")
-    metarm.save(mrm, out)
-    metarm.save(mrm, out)  # overwriting an existing save goes through <out>.old and leaves nothing behind
+    save_metarm(mrm, out)
+    save_metarm(mrm, out)  # overwriting an existing save goes through <out>.old and leaves nothing behind
     assert sorted(os.listdir(tmp_path)) == ["metarm"]
-    back = metarm.load(out)
+    back = load_saved_metarm(out)
     assert back["updates"] == 1 and back["mode"] == "online" and back["online_lr"] == 1e-3
     assert back["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id
     texts = ["abc", "longer text here"]
@@ -175,15 +183,15 @@ def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     a, b = mrm["optimizer"].state_dict()["state"], back["optimizer"].state_dict()["state"]
     assert torch.equal(a[0]["exp_avg"], b[0]["exp_avg"])
     os.replace(out, out + ".old")  # as if a crash hit between the two renames
-    assert metarm.load(out)["updates"] == 1
+    assert load_saved_metarm(out)["updates"] == 1
     with pytest.raises(SystemExit, match="no saved MetaRM"):
-        metarm.load(str(tmp_path / "nothing"))
+        load_saved_metarm(str(tmp_path / "nothing"))
 
 
 def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
     """cold_start's plumbing with known completions: the real prompt building and tiny GRM load,
     generation replaced so the rewards are known: proxy F1 of a copied human critique is 1."""
-    items = reward.load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
+    items = load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
     seen = {}
 
     def fake_generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature=1.0, **kw):
@@ -199,12 +207,12 @@ def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
 
     mrm = fresh(tiny_model_path)
     judge = make_judge({"backend": "proxy"})
-    stats = metarm.cold_start(mrm, tiny_model_path, items, judge, rollouts_per_prompt=3, epochs=1, lr=1e-4,
-                              log=lambda s: None, generate=fake_generate)
+    stats = metarm.cold_start(mrm, load_model(tiny_model_path), items, judge, chat=False, nlhf=NLHF,
+                              rollouts_per_prompt=3, epochs=1, lr=1e-4, log=lambda s: None, generate=fake_generate)
     assert seen["prompts"] == 2 and seen["g"] == 3 and "[Response A]" in seen["first"] and "<critics>" in seen["first"]
     # first-line critique vs the full human critique: recall is low, so R depends on the proxy F1;
     # recompute the expected targets with the same public functions
-    f1 = [reward.proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
+    f1 = [proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
     targets = [r for f in f1 for r in (1.0 + 0.5 * (f > 0.5), 0.0)]
     assert stats["rollouts"] == 6 and stats["invalid"] == 2 and stats["examples"] == 4
     assert stats["judge_failures"] == 0
@@ -217,8 +225,8 @@ def test_cold_start_real_generation_tiny(tiny_model_path):
     to train on; cold_start must say so instead of failing."""
     items = [item(0), item(1)]
     mrm = fresh(tiny_model_path)
-    stats = metarm.cold_start(mrm, tiny_model_path, items, make_judge({"backend": "proxy"}),
-                              rollouts_per_prompt=2, max_new_tokens=4, log=lambda s: None)
+    stats = metarm.cold_start(mrm, load_model(tiny_model_path), items, make_judge({"backend": "proxy"}), chat=False,
+                              nlhf=NLHF, rollouts_per_prompt=2, max_new_tokens=4, log=lambda s: None)
     assert stats["rollouts"] == 4 and stats["invalid"] == 4 and stats["examples"] == 0
     assert stats["loss_first"] is None and stats["target_mean"] is None
 
@@ -232,18 +240,18 @@ def test_cli_errors(tmp_path):
     """The CLI reads its config with train.load_config (config.yaml is the schema): one-line errors."""
     cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: onlien\n")
     with pytest.raises(SystemExit, match=r"config key metarm.mode: 'onlien' is not one of \['none'"):
-        metarm.main(["--config", cfg, "cold-start"])
+        metarm_main(["--config", cfg, "cold-start"])
     cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  lrr: 1\n")
     with pytest.raises(SystemExit, match=r"unknown config key metarm.lrr"):
-        metarm.main(["--config", cfg, "cold-start"])
+        metarm_main(["--config", cfg, "cold-start"])
     cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: none\n")
     with pytest.raises(SystemExit, match="metarm.mode is 'none'"):
-        metarm.main(["--config", cfg, "cold-start"])
+        metarm_main(["--config", cfg, "cold-start"])
     cfg = write_yaml(tmp_path / "c.yaml", f"nlhf:\n  dh: {tmp_path}/missing.jsonl\njudge:\n  backend: proxy\n")
     with pytest.raises(SystemExit, match="missing.jsonl: file does not exist"):
-        metarm.main(["--config", cfg, "cold-start"])
+        metarm_main(["--config", cfg, "cold-start"])
     with pytest.raises(SystemExit, match="invalid YAML"):
-        metarm.main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
+        metarm_main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
 
 
 @pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s
@@ -265,7 +273,7 @@ metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs
 
 @pytest.mark.slow
 def test_smollm2_as_sequence_classifier():
-    mrm = metarm.load_metarm(SMOLLM2, batch_size=2, max_length=256, online_lr=1e-5)
+    mrm = load_metarm(SMOLLM2, batch_size=2, max_length=256, online_lr=1e-5)
     assert mrm["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id == 2
     samples = [{"valid": True, "reward": 1.5, "critique": "Response B adds wrongly."},
                {"valid": True, "reward": 0.0, "critique": "Response A is wrong."}]

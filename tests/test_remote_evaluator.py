@@ -25,11 +25,15 @@ import time
 
 import pytest
 
-import config
+from plumbing import config
 import reward as R
 import rollout
 from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
 import fast
+from plumbing.cli import reward_main
+from plumbing.data import _gguf_location
+from plumbing.run import setup
+from plumbing.services import echo_target_logprob, remote_evaluator, remote_request, score_remote, trl_reward_function
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1
 # weights: llama.cpp multiplies them in quantized form (its activations rounded to 8 bits for the
@@ -53,22 +57,22 @@ def choice(tokens, logprobs, text=None):
 def test_echo_parser_sums_the_target_tokens_at_the_end():
     full = "Q?\nAnswer: Yes"
     c = choice(["Q", "?", "\n", "Answer", ":", " Yes"], [None, -1.0, -2.0, -3.0, -0.5, -0.25])
-    assert R.echo_target_logprob(c, full, " Yes") == (-0.25, "")
+    assert echo_target_logprob(c, full, " Yes") == (-0.25, "")
     # a target of two tokens: both log-probs, -0.25 + -0.125
     c = choice(["Answer", ":", " Y", "es"], [None, -0.5, -0.25, -0.125])
-    assert R.echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.375, "")
+    assert echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.375, "")
     # a BOS the server shows ("<s>") shifts every character offset but not the tokens at the end
     c = choice(["<s>", "Answer", ":", " Yes"], [None, -1.0, -0.5, -0.25], text="Answer: Yes")
-    assert R.echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
+    assert echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
 
 
 def test_echo_parser_drops_generated_tokens_listed_or_not():
     # vLLM with max_tokens >= 1 lists the generated token after the echo
     c = choice(["Answer", ":", " Yes", "."], [None, -0.5, -0.25, -3.0])
-    assert R.echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
+    assert echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
     # llama-cpp-python returns the generated text but lists only the echoed tokens
     c = choice(["Answer", ":", " Yes"], [None, -0.5, -0.25], text="Answer: Yes,")
-    assert R.echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
+    assert echo_target_logprob(c, "Answer: Yes", " Yes") == (-0.25, "")
 
 
 @pytest.mark.parametrize("c, reason", [
@@ -83,7 +87,7 @@ def test_echo_parser_drops_generated_tokens_listed_or_not():
     (choice(["Answer", ":", " Yes", ""], [None, -0.5, -0.25, -1.0]), "ends in an empty token"),
 ])
 def test_echo_parser_fails_rather_than_guess(c, reason):
-    value, why = R.echo_target_logprob(c, "Answer: Yes", " Yes")
+    value, why = echo_target_logprob(c, "Answer: Yes", " Yes")
     assert value is None and reason in why, why
 
 
@@ -157,17 +161,17 @@ def fake_server():
 
 def fake_evaluator(server, **settings):
     settings = dict({"backoff_base_s": 0.0, "backoff_max_s": 0.0}, **settings)
-    return R.remote_evaluator(server.base_url, "fake", name="far", probe=False, **settings)
+    return remote_evaluator(server.base_url, "fake", name="far", probe=False, **settings)
 
 
 def test_retries_then_scores_and_gives_up_with_the_reason(fake_server):
     fake_server.mode, fake_server.fails = "fail_first", 2
     ev = fake_evaluator(fake_server, max_retries=2)
-    assert R.remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([fake_yes("Answer: Yes")], [""])
+    assert remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([fake_yes("Answer: Yes")], [""])
     assert len(fake_server.requests) == 3  # two 503s, then the answer
     fake_server.requests.clear()
     ev = fake_evaluator(fake_server, max_retries=1)
-    assert R.remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([None], ["HTTP 503"])
+    assert remote_request(ev["remote"], [("Answer: Yes", " Yes")]) == ([None], ["HTTP 503"])
     assert len(fake_server.requests) == 2
 
 
@@ -180,7 +184,7 @@ def test_retries_then_scores_and_gives_up_with_the_reason(fake_server):
 def test_failures_are_none_with_a_reason(fake_server, mode, why, requests):
     fake_server.mode = mode
     ev = fake_evaluator(fake_server, max_retries=2, timeout_s=0.5)
-    vals, whys = R.remote_request(ev["remote"], [("Answer: Yes", " Yes")])
+    vals, whys = remote_request(ev["remote"], [("Answer: Yes", " Yes")])
     assert vals == [None] and why in whys[0], whys
     assert len(fake_server.requests) == requests
 
@@ -191,7 +195,7 @@ def test_batched_requests_equal_one_request_per_prompt(fake_server):
     fast_out = fast.score_remote(ev["remote"], fulls)
     assert sorted(len(p) for p in fake_server.requests) == [1, 3, 3]  # 3 requests for 7 prompts
     fake_server.requests.clear()
-    plain = R.score_remote(ev["remote"], fulls)
+    plain = score_remote(ev["remote"], fulls)
     assert len(fake_server.requests) == 7
     assert fast_out == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
 
@@ -210,7 +214,7 @@ def test_a_failed_sample_is_masked_never_scored(fake_server):
     assert out["reward"][[0, 2]].tolist() == pytest.approx([sum(fake_yes(t) for t in ts) for ts in texts])
     # the TRL reward function returns None for it (TRL leaves the sample out), never a number
     logged = {}
-    fn = R.trl_reward_function([ev], ["Is it right?"], template="{problem} {solution} {question}")
+    fn = trl_reward_function([ev], ["Is it right?"], template="{problem} {solution} {question}")
     assert fn(["p1", "p2 FAIL"], ["a", "b"], log_metric=logged.__setitem__) == [
         pytest.approx(fake_yes("p1 a Is it right?\nAnswer: Yes")), None]
     assert logged["evaluator/far/failed"] == 1.0
@@ -220,8 +224,8 @@ def test_the_probe_is_one_line(fake_server):
     fake_server.mode = "no_lists"  # llama-cpp-python's server takes one prompt per request
     with pytest.raises(SystemExit, match=r"^remote evaluator far: cannot score at http://127\.0\.0\.1:\d+/v1 "
                                          r"\(model fake\): HTTP 500 \(set batch_size: 1"):
-        R.remote_evaluator(fake_server.base_url, "fake", name="far", batch_size=2, max_retries=0)
-    R.remote_evaluator(fake_server.base_url, "fake", name="far", batch_size=1, max_retries=0)  # passes
+        remote_evaluator(fake_server.base_url, "fake", name="far", batch_size=2, max_retries=0)
+    remote_evaluator(fake_server.base_url, "fake", name="far", batch_size=1, max_retries=0)  # passes
 
 
 @pytest.mark.parametrize("override, message", [
@@ -245,7 +249,7 @@ def test_remote_config_errors_are_one_line(override, message):
 def start_llama_server(log_path, timeout=120):
     """`python -m llama_cpp.server` on the SmolLM2 GGUF, a free 127.0.0.1 port, 2 threads.
     Returns (Popen, base_url)."""
-    folder, filename = rollout._gguf_location(SMOLLM2)
+    folder, filename = _gguf_location(SMOLLM2)
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", os.path.join(folder, filename),
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
@@ -280,7 +284,7 @@ def test_remote_logp_matches_in_process(llama_server, smollm2):
     requests equal the one-by-one plain twin on the real server."""
     model, tok = smollm2
     local = R.local_evaluator(model, tok, chat=True, name="local", weight=1.0)
-    remote = R.remote_evaluator(llama_server, "smollm2", name="remote", tokenizer=SMOLLM2, concurrency=2, **LLAMA)
+    remote = remote_evaluator(llama_server, "smollm2", name="remote", tokenizer=SMOLLM2, concurrency=2, **LLAMA)
     assert remote["chat"]  # SmolLM2's chat prompt starts with <|im_start|>, its BOS: see docs/scale-out.md
     problems = ["Tom has 3 apples and buys 4 more. How many apples does he have?", "What is 12 times 5?",
                 "A coffee costs $3. How much do 4 coffees cost?"]
@@ -294,7 +298,7 @@ def test_remote_logp_matches_in_process(llama_server, smollm2):
     assert diff.max() <= REMOTE_TOLERANCE, diff
     short = [(R.evaluator_prompt_text(tok, f"{p}\n{s}\nIs it right?", "Yes", chat=True)[1], "Yes")
              for p, s in zip(problems, solutions)]
-    fast_out, plain = fast.score_remote(remote["remote"], short), R.score_remote(remote["remote"], short)
+    fast_out, plain = fast.score_remote(remote["remote"], short), score_remote(remote["remote"], short)
     assert plain[1] == ["", "", ""] and fast_out[0] == pytest.approx(plain[0], abs=1e-4)
 
 
@@ -323,15 +327,15 @@ def test_training_with_a_remote_evaluator_whose_server_dies(tiny_model_path, tmp
             f"model.policy={tiny_model_path}", f"run.out_dir={out}", "run.total_steps=2", "run.save_every=0",
             f"data.train={tiny_gsm8k(tmp_path / 'train.jsonl')}", "data.val=null", "run.eval_every=0",
             "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", ev])
-        cfg["reward"]["evaluator_template"] = SHORT_TEMPLATE  # checked again by train.setup
-        real_log_step = train.log_step
+        cfg["reward"]["evaluator_template"] = SHORT_TEMPLATE  # checked again by setup
+        real_emit = train.emit
 
-        def log_then_kill(state, *args, **kwargs):
-            metrics = real_log_step(state, *args, **kwargs)
+        def emit_then_kill(state, *args, **kwargs):
+            metrics = real_emit(state, *args, **kwargs)
             stop_server(proc)  # after step 1: step 2's requests meet a dead server
             return metrics
 
-        monkeypatch.setattr(train, "log_step", log_then_kill)
+        monkeypatch.setattr(train, "emit", emit_then_kill)
         train.train(cfg)
     finally:
         stop_server(proc)
@@ -373,22 +377,22 @@ def test_transformers_serve_is_refused_at_start_up(tiny_judge_server):
     (transformers/cli/serving/completion.py, UNUSED_LEGACY_COMPLETION_FIELDS): the probe says so
     (with max_tokens 0 it answers HTTP 500, also one line)."""
     with pytest.raises(SystemExit, match=r"^remote evaluator tf: cannot score at .*: no prompt log-probs in the answer"):
-        R.remote_evaluator(tiny_judge_server["base_url"], tiny_judge_server["model"], name="tf", max_retries=0,
+        remote_evaluator(tiny_judge_server["base_url"], tiny_judge_server["model"], name="tf", max_retries=0,
                            max_tokens=1)
 
 
 def test_bad_tokenizer_path_and_unset_key_are_one_line(monkeypatch):
     with pytest.raises(SystemExit, match=r"^remote evaluator remote: path: model path '/no/such' does not exist$"):
-        R.remote_evaluator("http://127.0.0.1:1/v1", "m", tokenizer="/no/such", probe=False)
+        remote_evaluator("http://127.0.0.1:1/v1", "m", tokenizer="/no/such", probe=False)
     monkeypatch.delenv("RLME_TEST_NO_KEY", raising=False)
     with pytest.raises(SystemExit, match=r"^remote evaluator remote: api_key_env: environment variable RLME_TEST_NO_KEY"):
-        R.remote_evaluator("http://127.0.0.1:1/v1", "m", api_key_env="RLME_TEST_NO_KEY", probe=False)
+        remote_evaluator("http://127.0.0.1:1/v1", "m", api_key_env="RLME_TEST_NO_KEY", probe=False)
 
 
 def test_reward_cli_scores_with_a_remote_evaluator(fake_server, tmp_path, capsys):
     rows = [{"problem": "p1", "completion": "a"}, {"problem": "p2 FAIL", "completion": "b"}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    R.main(["--evaluator", f"remote:{fake_server.base_url}", "--remote-model", "fake", "--in", str(tmp_path / "in.jsonl"),
+    reward_main(["--evaluator", f"remote:{fake_server.base_url}", "--remote-model", "fake", "--in", str(tmp_path / "in.jsonl"),
             "--out", str(tmp_path / "out.jsonl"), "--question", "Is it right?", "--evaluator-name", "far",
             "--remote-max-retries", "0"])
     out = [json.loads(line) for line in open(tmp_path / "out.jsonl")]

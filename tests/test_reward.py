@@ -7,6 +7,7 @@ import reward as R
 import rollout
 from conftest import SMOLLM2
 import fast
+from plumbing.data import load_model, resolve_model_path
 
 
 # --- boxed extraction (docs/method.md §4.3) ---------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_template_check():
 @pytest.fixture(scope="module")
 def smol_tok():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(rollout.resolve_model_path(SMOLLM2))
+    return AutoTokenizer.from_pretrained(resolve_model_path(SMOLLM2))
 
 
 def test_target_ids_after_colon_and_chat_header(smol_tok):
@@ -163,7 +164,7 @@ def test_score_targets_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_
     score_targets_plain (one forward per prompt + target), with uneven groups and prompt lengths,
     a group split across micro-batches, identical solutions in a group, K = 2 questions and
     multi-token targets; on the policy and on a differently-seeded frozen evaluator."""
-    model, tok = rollout.load_model(tiny_model_path if which == "policy" else frozen_evaluator_path)
+    model, tok = load_model(tiny_model_path if which == "policy" else frozen_evaluator_path)
     model.eval()
     problem = {0: [1, 11, 12, 13, 14, 15], 1: [1, 21, 22]}
     sols = [[40, 41, 42], [40, 43], [40, 41, 42], [50, 51, 52, 53], [60]]
@@ -193,7 +194,7 @@ def test_rlme_reward_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_pa
     per problem."""
     evs = {True: [], False: []}
     for path, chat, weight in ((tiny_model_path, False, 1.0), (frozen_evaluator_path, True, 0.5)):
-        model, tok = rollout.load_model(path)
+        model, tok = load_model(path)
         for use_fast in (True, False):
             evs[use_fast].append(R.local_evaluator(model.eval(), tok, chat=chat, name=path, weight=weight,
                                                    micro_batch_size=3,

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import reward as R
+from plumbing.cli import reward_main
+from plumbing.services import load_evaluator, trl_reward_function, verl_compute_score
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,8 +28,8 @@ COMPLETIONS = [r"2 + 3 = 5, so \boxed{5}.", r"\boxed{6}", r"4 - 1 = 3. \boxed{3}
 def evaluators(tiny_model_path):
     """J = 2 frozen evaluators: the tiny model with its chat template (v = 1) and as plain text
     with the answer stub (v = 0.5), so both prompt forms and the evaluator weights are exercised."""
-    return [R.load_evaluator(tiny_model_path, name="chat"),
-            R.load_evaluator(tiny_model_path, name="plain", weight=0.5, chat_template=False)]
+    return [load_evaluator(tiny_model_path, name="chat"),
+            load_evaluator(tiny_model_path, name="plain", weight=0.5, chat_template=False)]
 
 
 def expected(evaluators, problems=PROBLEMS, completions=COMPLETIONS, **kw):
@@ -49,7 +51,7 @@ def test_load_evaluator_builds_a_frozen_evaluator(evaluators):
 
 
 def test_trl_function_on_strings_equals_rlme_reward(evaluators):
-    fn = R.trl_reward_function(evaluators, QUESTIONS)
+    fn = trl_reward_function(evaluators, QUESTIONS)
     got = fn(prompts=PROBLEMS, completions=COMPLETIONS, completion_ids=[[1]] * 4, trainer_state=None)
     assert got == expected(evaluators)["reward"].tolist()
     assert all(isinstance(r, float) and r <= 0 for r in got)
@@ -62,14 +64,14 @@ def test_trl_function_on_conversational_inputs_equals_rlme_reward(evaluators):
                 {"role": "user", "content": "an earlier turn"}, {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": p}] for p in PROBLEMS]
     completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
-    fn = R.trl_reward_function(evaluators, QUESTIONS)
+    fn = trl_reward_function(evaluators, QUESTIONS)
     assert fn(prompts, completions) == expected(evaluators)["reward"].tolist()
 
 
 def test_trl_function_reads_the_problem_from_a_dataset_column(evaluators):
     """problem_key names a column: the prompt (with its instructions) is not what the evaluator sees."""
     prompts = [[{"role": "user", "content": f"Solve and box the answer: {p}"}] for p in PROBLEMS]
-    fn = R.trl_reward_function(evaluators, QUESTIONS, problem_key="question")
+    fn = trl_reward_function(evaluators, QUESTIONS, problem_key="question")
     got = fn(prompts, COMPLETIONS, question=PROBLEMS, answer=["5", "5", "3", "3"])
     assert got == expected(evaluators)["reward"].tolist()
     with pytest.raises(ValueError, match="problem_key 'question' is not a dataset column.*'answer'"):
@@ -78,7 +80,7 @@ def test_trl_function_reads_the_problem_from_a_dataset_column(evaluators):
 
 def test_trl_function_logs_every_mean_logp_through_log_metric(evaluators):
     logged = []
-    fn = R.trl_reward_function(evaluators, QUESTIONS)
+    fn = trl_reward_function(evaluators, QUESTIONS)
     fn(PROBLEMS, COMPLETIONS, log_metric=lambda name, value: logged.append((name, value)))
     means = expected(evaluators)["logp"].mean(0)  # [J, K]
     want = {f"rlme/{ev['name']}/{q['question']}/logp": means[j, k].item()
@@ -90,11 +92,11 @@ def test_trl_function_logs_every_mean_logp_through_log_metric(evaluators):
 
 def test_trl_function_name_transform_and_options(evaluators, tiny_model_path):
     from trl.trainer.utils import get_callable_name  # how GRPOTrainer names the reward column
-    assert get_callable_name(R.trl_reward_function(evaluators, QUESTIONS)) == "rlme_reward"
+    assert get_callable_name(trl_reward_function(evaluators, QUESTIONS)) == "rlme_reward"
     # the answer stub of plain-text prompts and the scoring micro-batch are the evaluator's own
-    reply = [R.load_evaluator(tiny_model_path, name="plain", chat_template=False, answer_stub="\nReply:",
+    reply = [load_evaluator(tiny_model_path, name="plain", chat_template=False, answer_stub="\nReply:",
                               micro_batch_size=3)]
-    fn = R.trl_reward_function(reply, ["Is the answer correct?"], name="rlme_correct", transform="prob")
+    fn = trl_reward_function(reply, ["Is the answer correct?"], name="rlme_correct", transform="prob")
     assert fn.__name__ == "rlme_correct" and get_callable_name(fn) == "rlme_correct"
     plain_q = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"}]
     want = R.rlme_reward(reply, plain_q, PROBLEMS, COMPLETIONS, transform="prob")
@@ -104,7 +106,7 @@ def test_trl_function_name_transform_and_options(evaluators, tiny_model_path):
 
 
 def test_factories_fail_at_once_on_bad_settings(evaluators):
-    for factory in (R.trl_reward_function, R.verl_compute_score):
+    for factory in (trl_reward_function, verl_compute_score):
         with pytest.raises(ValueError, match="transform 'logit'"):
             factory(evaluators, QUESTIONS, transform="logit")
         with pytest.raises(ValueError, match="distinct questions"):
@@ -118,7 +120,7 @@ def test_factories_fail_at_once_on_bad_settings(evaluators):
 
 
 def test_verl_compute_score_equals_the_per_sample_reward(evaluators):
-    score = R.verl_compute_score(evaluators, QUESTIONS)
+    score = verl_compute_score(evaluators, QUESTIONS)
     batched = expected(evaluators)["reward"]
     for i, (p, c) in enumerate(zip(PROBLEMS, COMPLETIONS)):
         # the keywords verl's reward managers pass; ground truth and data source are not read
@@ -131,7 +133,7 @@ def test_verl_compute_score_equals_the_per_sample_reward(evaluators):
         score("openai/gsm8k", "x", "5", {"index": 0})
     with pytest.raises(ValueError, match=r"extra_info\['question'\]"):
         score("openai/gsm8k", "x", "5")
-    by_key = R.verl_compute_score(evaluators, QUESTIONS, problem_key="problem")
+    by_key = verl_compute_score(evaluators, QUESTIONS, problem_key="problem")
     assert by_key("d", COMPLETIONS[0], "5", {"problem": PROBLEMS[0]}) == score("d", COMPLETIONS[0], "5",
                                                                                {"question": PROBLEMS[0]})
 
@@ -156,11 +158,11 @@ def samples_rows():
 def test_cli_round_trip_equals_rlme_reward(tmp_path, tiny_model_path, capsys):
     rows = samples_rows()
     inp, out = write_jsonl(tmp_path / "samples.jsonl", rows), str(tmp_path / "scored.jsonl")
-    R.main(["--evaluator", tiny_model_path, "--in", inp, "--out", out, "--question", "Is the answer correct?",
+    reward_main(["--evaluator", tiny_model_path, "--in", inp, "--out", out, "--question", "Is the answer correct?",
             "--question", "Is the solution concise?", "--evaluator-name", "tiny", "--micro-batch-size", "3"])
     assert f"{out}: 4 rows scored" in capsys.readouterr().out
     got = [json.loads(line) for line in open(out)]
-    ev = R.load_evaluator(tiny_model_path, name="tiny")
+    ev = load_evaluator(tiny_model_path, name="tiny")
     qs = R.meta_question_dicts(["Is the answer correct?", "Is the solution concise?"])
     want = R.rlme_reward([ev], qs, PROBLEMS, COMPLETIONS, references=[None, None, "3", None],
                          anchored=[False, False, True, False])
@@ -185,7 +187,7 @@ def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
     assert r.returncode == 0, r.stderr
     assert "2 rows scored" in r.stdout
     got = [json.loads(line) for line in open(out)]
-    ev = R.load_evaluator(tiny_model_path)
+    ev = load_evaluator(tiny_model_path)
     want = R.rlme_reward([ev], R.meta_question_dicts(["Is the answer correct?"]), PROBLEMS[:2], COMPLETIONS[:2],
                          transform="prob")
     for i, g in enumerate(got):  # another process (its own thread count): equal up to float sums
@@ -236,7 +238,7 @@ def test_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, case, ro
     extra = [x.replace("{tpl}", str(tpl)).replace("{tmp}", str(tmp_path)).replace("{latin}", str(latin)) for x in extra]
     argv = ["--evaluator", str(tmp_path / "no_model"), "--in", inp, "--out", str(tmp_path / "out.jsonl"), *extra]
     with pytest.raises(SystemExit) as e:
-        R.main(argv)
+        reward_main(argv)
     text = str(e.value)
     assert message in text and "\n" not in text, text
     assert not os.path.exists(tmp_path / "out.jsonl")
@@ -255,11 +257,11 @@ def test_trl_grpo_trainer_runs_two_steps_with_the_rlme_reward(tmp_path, smollm2_
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    ev = R.load_evaluator(smollm2_path, name="smol")  # frozen, a separate copy from the policy
+    ev = load_evaluator(smollm2_path, name="smol")  # frozen, a separate copy from the policy
     questions = ["What is 2 + 3?", "What is 7 - 4?", "What is 3 * 3?", "What is 8 / 2?"]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve, box the answer: {q}"}], "question": q}
                               for q in questions])
-    rlme = R.trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
+    rlme = trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
     calls = []
 
     def recorded(prompts, completions, **kwargs):

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import data_path, make_judge
 import reward
+from plumbing.data import load_pairwise, structured_critique
+from plumbing.services import backoff_delay, proxy_f1
 
 
 def write_jsonl(path, rows):
@@ -33,7 +35,7 @@ def hs3(pref, r1="first answer", r2="second answer", reasons=("@Response 1 is wr
 def test_helpsteer3_sign_and_ties(tmp_path):
     path = write_jsonl(tmp_path / "hs3.jsonl", [hs3(-2), hs3(0), hs3(3), hs3(-1, reasons=())])
     stats = {}
-    items = reward.load_pairwise(path, shuffle=False, stats=stats)
+    items = load_pairwise(path, shuffle=False, stats=stats)
     assert stats == {"rows": 4, "items": 3, "dropped": 1, "schema": ["helpsteer3"]}
     # -2: response1 better -> A (unshuffled); the tie (line 2) is dropped; +3: response2 -> B
     assert [it["winner"] for it in items] == ["A", "B", "A"]
@@ -48,7 +50,7 @@ def test_helpsteer3_sign_and_ties(tmp_path):
 def test_shuffle_flips_winner_and_critique_letters(tmp_path):
     rows = [hs3(-3, r1=f"good {i}", r2=f"bad {i}") for i in range(40)]
     path = write_jsonl(tmp_path / "hs3.jsonl", rows)
-    items = reward.load_pairwise(path, seed=7)
+    items = load_pairwise(path, seed=7)
     swapped = [it["meta"]["swapped"] for it in items]
     assert 5 < sum(swapped) < 35  # a fair coin per item, 40 flips
     for it in items:
@@ -56,11 +58,11 @@ def test_shuffle_flips_winner_and_critique_letters(tmp_path):
         assert winner_text.startswith("good")  # the winner follows its response through the swap
         # the human critique faults response1 ('@Response 1 is wrong.'), wherever it ended up
         assert it["critique"].splitlines()[0] == ("Response B is wrong." if it["meta"]["swapped"] else "Response A is wrong.")
-    again = reward.load_pairwise(path, seed=7)
+    again = load_pairwise(path, seed=7)
     assert [it["winner"] for it in again] == [it["winner"] for it in items]
     # the coin depends on (seed, id) only: loading a subset does not change an item's order
-    assert reward.load_pairwise(path, seed=7, max_items=5) == items[:5]
-    other = reward.load_pairwise(path, seed=8)
+    assert load_pairwise(path, seed=7, max_items=5) == items[:5]
+    other = load_pairwise(path, seed=8)
     assert [it["winner"] for it in other] != [it["winner"] for it in items]
 
 
@@ -69,23 +71,23 @@ def test_bad_rows_give_one_line_errors(tmp_path):
     del bad["response2"]
     path = write_jsonl(tmp_path / "hs3.jsonl", [hs3(-1), bad])
     with pytest.raises(SystemExit, match=r"hs3.jsonl:2: missing field 'response2' \(schema helpsteer3\)"):
-        reward.load_pairwise(path)
+        load_pairwise(path)
     path = write_jsonl(tmp_path / "pref.jsonl", [hs3(5)])
     with pytest.raises(SystemExit, match=r"pref.jsonl:1: field 'overall_preference' must be an integer in -3..3, got 5"):
-        reward.load_pairwise(path)
+        load_pairwise(path)
     path = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(SystemExit, match=r"odd.jsonl:1: unknown pairwise schema, fields found: \['answer', 'question'\]"):
-        reward.load_pairwise(path)
+        load_pairwise(path)
     path = write_jsonl(tmp_path / "cr.jsonl", [{"prompt": "p", "chosen": "x", "rejected": "y"}, {"prompt": "p", "chosen": "x"}])
     with pytest.raises(SystemExit, match=r"cr.jsonl:2: missing field 'rejected'"):
-        reward.load_pairwise(path)
+        load_pairwise(path)
     (tmp_path / "broken.jsonl").write_text('{"prompt": "p"}\n{not json\n')
     with pytest.raises(SystemExit, match=r"broken.jsonl:2: not valid JSON"):
-        reward.load_pairwise(str(tmp_path / "broken.jsonl"))
+        load_pairwise(str(tmp_path / "broken.jsonl"))
     with pytest.raises(SystemExit, match="does not exist"):
-        reward.load_pairwise(str(tmp_path / "nope.jsonl"))
+        load_pairwise(str(tmp_path / "nope.jsonl"))
     with pytest.raises(SystemExit, match="schema 'foo' unknown"):
-        reward.load_pairwise(path, schema="foo")
+        load_pairwise(path, schema="foo")
 
 
 def test_generic_chosen_rejected_with_optional_critique(tmp_path):
@@ -93,7 +95,7 @@ def test_generic_chosen_rejected_with_optional_critique(tmp_path):
         {"prompt": "Q1", "chosen": "good", "rejected": "bad", "critique": "Response 2 is rude."},
         {"prompt": [{"role": "user", "content": "Q2"}], "chosen": "c", "rejected": "r"},
         {"prompt": "Q3", "chosen": "same", "rejected": "same"}])  # identical responses: dropped
-    items = reward.load_pairwise(path, shuffle=False)
+    items = load_pairwise(path, shuffle=False)
     assert [(it["context"], it["response_a"], it["response_b"], it["winner"]) for it in items] == [
         ("Q1", "good", "bad", "A"), ("User: Q2", "c", "r", "A")]
     assert items[0]["critique"] == "Response B is rude." and items[1]["critique"] is None
@@ -102,7 +104,7 @@ def test_generic_chosen_rejected_with_optional_critique(tmp_path):
 def test_mr_ben_pairs_on_real_file():
     path = data_path("mr_ben_math", "math.jsonl")
     stats = {}
-    items = reward.load_pairwise(path, stats=stats)
+    items = load_pairwise(path, stats=stats)
     # 306 questions: 58 with 1 correct + 2 incorrect (2 pairs each), 38 with 2 + 1 (2 pairs each);
     # 205 all-incorrect and 5 all-correct questions give none: 116 + 76 = 192 pairs, 210*3 = 630 rows unused
     assert stats == {"rows": 918, "items": 192, "dropped": 630, "schema": ["mr_ben"]}
@@ -119,7 +121,7 @@ def test_mr_ben_pairs_on_real_file():
         assert lose == "\n".join(sols[bad]["Model_Solution_Steps"])
         loser = "B" if it["winner"] == "A" else "A"
         step = sols[bad]["Model_Solution_First_Error_Step"]
-        # kept per response, in the final A/B letters (reward.structured_critique)
+        # kept per response, in the final A/B letters (structured_critique)
         lines = it["critique"].splitlines()
         assert lines[["A", "B"].index(it["winner"]) * 2] == f"Response {it['winner']} strengths: Its solution is correct."
         assert lines[["A", "B"].index(loser) * 2 + 1].startswith(
@@ -131,7 +133,7 @@ def test_mr_ben_pairs_on_real_file():
 
 
 def test_offline_sets_load_with_expected_counts():
-    hh = reward.load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), shuffle=False)
+    hh = load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), shuffle=False)
     assert len(hh) == 2312 and all(it["critique"] is None and it["winner"] == "A" for it in hh)
     assert hh[0]["context"].startswith("Human: what are some pranks with a pen i can do?\n\nAssistant:")
     assert hh[0]["response_a"].startswith("No, sorry!  All of these involve a pen")
@@ -140,10 +142,10 @@ def test_offline_sets_load_with_expected_counts():
     assert hh[1254]["response_a"].startswith("No. Men who impersonate")
     assert hh[1254]["response_b"].startswith("A drag king is the opposite")
     # PandaLM: 999 rows, 105 without a 1-or-2 majority (e.g. (0,0,0), (2,0,0)) dropped
-    assert len(reward.load_pairwise(data_path("pandalm_testset", "testset-v1.jsonl"))) == 894
-    assert len(reward.load_pairwise(data_path("llmbar"))) == 885  # 8 files in the folder
-    assert len(reward.load_pairwise(data_path("judgebench"))) == 350 + 270
-    rm = reward.load_pairwise(data_path("rm_bench", "chat_filtered.jsonl"), shuffle=False)
+    assert len(load_pairwise(data_path("pandalm_testset", "testset-v1.jsonl"))) == 894
+    assert len(load_pairwise(data_path("llmbar"))) == 885  # 8 files in the folder
+    assert len(load_pairwise(data_path("judgebench"))) == 350 + 270
+    rm = load_pairwise(data_path("rm_bench", "chat_filtered.jsonl"), shuffle=False)
     assert len(rm) == 129 * 9  # the 3x3 style grid
     assert rm[5]["meta"]["chosen_style"] == 1 and rm[5]["meta"]["rejected_style"] == 2
 
@@ -152,7 +154,7 @@ def test_pandalm_majority(tmp_path):
     base = {"idx": 0, "instruction": "Do it", "input": "", "response1": "r1", "response2": "r2"}
     votes = [(1, 0, 1), (2, 0, 0), (2, 1, 2), (1, 2, 0), (0, 0, 0)]
     rows = [dict(base, idx=i, annotator1=a, annotator2=b, annotator3=c) for i, (a, b, c) in enumerate(votes)]
-    items = reward.load_pairwise(write_jsonl(tmp_path / "p.jsonl", rows), shuffle=False)
+    items = load_pairwise(write_jsonl(tmp_path / "p.jsonl", rows), shuffle=False)
     assert [(it["id"], it["winner"]) for it in items] == [("pandalm:0", "A"), ("pandalm:2", "B")]
 
 
@@ -223,17 +225,17 @@ def test_threshold_rule_strict_by_default_inclusive_as_option():
 def test_lambda_zero_is_outcome_only_and_never_calls_the_judge():
     """λ = 0 ("w/o process reward", RM-NLHF Table 3): R = -1 | 0 | 1 and the judge is not asked, so
     a failing judge masks nothing (an unreachable server would give f1 None = masked otherwise)."""
-    dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0})
+    dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0}, sleep=lambda x: None)
     item = {"winner": "A", "critique": "A is right."}
     outs = ["<critics>A is right.</critics><choice>[[A]]</choice>",
             "<critics>B.</critics><choice>[[B]]</choice>", "no format"]
     s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 3, dead, lam=0.0,
-                        gate_on_outcome=False, sleep=lambda x: None)
+                        gate_on_outcome=False)
     assert [x["reward"] for x in s] == [1.0, 0.0, -1.0]
     assert not any(x["judged"] for x in s) and all(x["r_process"] is None for x in s)
     assert reward.dh_reward(True, True, None, lam=0.0) == (1.0, None)
     # with λ > 0 the same dead judge is called for the right verdict and masks it
-    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 3, dead, lam=0.5, sleep=lambda x: None)
+    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 3, dead, lam=0.5)
     assert s[0]["judged"] and s[0]["reward"] is None
 
 
@@ -314,10 +316,10 @@ def test_parse_judge_output():
 
 def test_backoff_delay_numbers():
     # d = min(cap, base*2^k); delay = d/2 + u*d/2
-    assert reward.backoff_delay(0, 1.0, 30.0, 0.5) == 0.75
-    assert reward.backoff_delay(1, 1.0, 30.0, 0.5) == 1.5
-    assert reward.backoff_delay(3, 1.0, 30.0, 0.0) == 4.0
-    assert reward.backoff_delay(10, 1.0, 30.0, 1.0) == 30.0
+    assert backoff_delay(0, 1.0, 30.0, 0.5) == 0.75
+    assert backoff_delay(1, 1.0, 30.0, 0.5) == 1.5
+    assert backoff_delay(3, 1.0, 30.0, 0.0) == 4.0
+    assert backoff_delay(10, 1.0, 30.0, 1.0) == 30.0
 
 
 # ---- judge over HTTP: a real tiny server on 127.0.0.1 ------------------------------------------
@@ -360,10 +362,10 @@ def test_retry_429_429_200(fake_server):
     rate = (429, "application/json", '{"error": {"message": "slow down"}}')
     fake_server["plan"] = [rate, rate, (200, "application/json",
                                         completion_body("<precision>0.5</precision><recall>1</recall><f1>0.6667</f1>"))]
-    judge = make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
-                               "backoff_base_s": 1.0, "max_retries": 4})
     sleeps = []
-    out = reward.judge_scores(judge, [("human says A", "model says A")], sleep=sleeps.append, rand=lambda: 0.5)
+    judge = make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
+                        "backoff_base_s": 1.0, "max_retries": 4}, sleep=sleeps.append, rand=lambda: 0.5)
+    out = reward.judge_scores(judge, [("human says A", "model says A")])
     assert out == [{"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": "", "attempts": 3}]
     assert sleeps == [0.75, 1.5]  # (1/2 + 0.5/2)*1, (1/2 + 0.5/2)*2
     assert fake_server["calls"] == 3
@@ -374,9 +376,10 @@ def test_retry_429_429_200(fake_server):
 
 def test_parse_failures_are_retried_then_none(fake_server):
     fake_server["plan"] = [(200, "application/json", completion_body("<f1>1e-1</f1>"))] * 3
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2})
     sleeps = []
-    out = reward.judge_scores(judge, [("h", "c")], sleep=sleeps.append, rand=lambda: 0.0)
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2}, sleep=sleeps.append,
+                       rand=lambda: 0.0)
+    out = reward.judge_scores(judge, [("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 3
     assert out[0]["why"] == "parse failure: missing <precision> tag"
     assert sleeps == [0.5, 1.0] and fake_server["calls"] == 3
@@ -384,11 +387,11 @@ def test_parse_failures_are_retried_then_none(fake_server):
 
 def test_html_answer_and_404_are_counted_failures(fake_server):
     fake_server["plan"] = [(200, "text/html", "<html><body>login</body></html>")] * 2
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1})
-    out = reward.judge_scores(judge, [("h", "c")], sleep=lambda s: None)
+    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1}, sleep=lambda s: None)
+    out = reward.judge_scores(judge, [("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 2 and "HTML" in out[0]["why"]
     fake_server["plan"] = [(404, "text/html", "<html>not found</html>")]
-    out = reward.judge_scores(judge, [("h", "c")], sleep=lambda s: None)
+    out = reward.judge_scores(judge, [("h", "c")])
     assert out[0] == {"precision": None, "recall": None, "f1": None, "why": "HTTP 404", "attempts": 1}  # no retry
 
 
@@ -397,9 +400,10 @@ def test_refused_connection_is_a_counted_failure():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    judge = make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2})
     sleeps = []
-    out = reward.judge_scores(judge, [("h", "c"), ("h2", "c2")], sleep=sleeps.append, rand=lambda: 1.0)
+    judge = make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2},
+                       sleep=sleeps.append, rand=lambda: 1.0)
+    out = reward.judge_scores(judge, [("h", "c"), ("h2", "c2")])
     assert [o["f1"] for o in out] == [None, None]
     assert all(o["why"].startswith("connection error") and o["attempts"] == 3 for o in out)
     assert sorted(sleeps) == [1.0, 1.0, 2.0, 2.0]
@@ -429,7 +433,7 @@ def test_score_dh_calls_judge_only_for_valid_right(fake_server):
             "<critics>A errs.</critics><choice>[[B]]</choice>",   # wrong -> 0, no call
             "[[A]] without critique",                             # invalid -> -1, no call
             "<critics>B errs.</critics><choice>[[A]]</choice>"]   # right, but the plan is empty -> 500 -> None
-    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 4, judge, sleep=lambda x: None)
+    s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 4, judge)
     assert [x["reward"] for x in s] == [1.5, 0.0, -1.0, None]
     assert [x["judged"] for x in s] == [True, False, False, True]
     assert fake_server["calls"] == 2
@@ -455,15 +459,15 @@ def test_proxy_f1_hand_numbers():
     # human points {resp_a, gives, wrong, total, 12, apples}, {resp_b, polite, vague}
     # model points {resp_a, computes, wrong, total, apples}, {resp_b, long}
     # Dice: 2*4/(6+5) = 0.727 (match), 2*1/(3+2) = 0.4 (match at 0.4), cross pairs share nothing
-    r = reward.proxy_f1(human, model)
+    r = proxy_f1(human, model)
     assert (r["precision"], r["recall"], r["f1"], r["why"]) == (1.0, 1.0, 1.0, "proxy")
-    r = reward.proxy_f1(human, "Response A computes the wrong total of apples. The tone is fine.")
+    r = proxy_f1(human, "Response A computes the wrong total of apples. The tone is fine.")
     # model points {resp_a, computes, wrong, total, apples}, {tone, fine}: M=1, C=2, H=2 -> P=R=F1=0.5
     assert (r["precision"], r["recall"], r["f1"]) == (0.5, 0.5, 0.5)
-    rep = reward.proxy_f1(human, "Response A has the wrong total. Response A has the wrong total!")
+    rep = proxy_f1(human, "Response A has the wrong total. Response A has the wrong total!")
     assert (rep["f1"], rep["why"]) == (0.0, "proxy: repetition")
-    assert reward.proxy_f1("", "anything")["f1"] is None
-    assert reward.proxy_f1(human, "")["f1"] == 0.0
+    assert proxy_f1("", "anything")["f1"] is None
+    assert proxy_f1(human, "")["f1"] == 0.0
     judge = make_judge({"backend": "proxy"})
     assert reward.judge_scores(judge, [(human, model)])[0]["f1"] == 1.0
 
@@ -503,8 +507,8 @@ def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
     import datasets
     rows = [hs3(-2), hs3(0), hs3(1)]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hs3.parquet"))
-    from_parquet = reward.load_pairwise(str(tmp_path / "hs3.parquet"))
-    from_jsonl = reward.load_pairwise(write_jsonl(tmp_path / "hs3.jsonl", rows))
+    from_parquet = load_pairwise(str(tmp_path / "hs3.parquet"))
+    from_jsonl = load_pairwise(write_jsonl(tmp_path / "hs3.jsonl", rows))
     assert [(it["id"], it["winner"], it["critique"]) for it in from_parquet] == \
            [(it["id"], it["winner"], it["critique"]) for it in from_jsonl]
 
@@ -559,7 +563,7 @@ def test_meta_judge_over_http(fake_server):
     item = {"winner": "A", "critique": "HUMAN CRITIQUE", "context": "What is 2+3?", "response_a": "5",
             "response_b": "6"}
     out = [reward.parse_grm_output("<critics>Response B is wrong: 2+3 is 5.</critics><choice>[[A]]</choice>")]
-    s = reward.score_dh(out, [item], judge, lam=0.5, sleep=lambda x: None)[0]
+    s = reward.score_dh(out, [item], judge, lam=0.5)[0]
     assert s["f1"] == 1.0 and s["reward"] == 1.5 and s["judged"]
     sent = fake_server["bodies"][0]["messages"][0]["content"]
     assert "Response B is wrong: 2+3 is 5." in sent and "What is 2+3?" in sent and "HUMAN CRITIQUE" not in sent
@@ -629,7 +633,7 @@ def test_judge_failure_masks_by_default_and_scores_zero_as_the_release_does():
     parsed = [reward.parse_grm_output("<critics>A is right.</critics><choice>[[A]]</choice>")]
     for policy, want in (("mask", None), ("zero", 1.0)):
         dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0, "on_failure": policy})
-        s = reward.score_dh(parsed, [item], dead, lam=0.5, sleep=lambda x: None)
+        s = reward.score_dh(parsed, [item], dead, lam=0.5)
         assert s[0]["reward"] == want and s[0]["judge_failed"] and s[0]["judged"]
         m = reward.nlhf_metrics(s)
         assert m["judge/fail_rate"] == 1.0 and "judge/f1_mean" not in m
@@ -655,7 +659,7 @@ def test_released_schema_keeps_critiques_per_response_through_the_shuffle(tmp_pa
     rows = [released_row(id=f"r{k}") for k in range(12)] + [released_row(critique=False, id="plain")]
     path = write_jsonl(tmp_path / "rel.jsonl", rows[:-1] + [dict(rows[-1], extra_info=json.dumps(rows[-1]["extra_info"]))])
     stats = {}
-    items = reward.load_pairwise(path, seed=0, stats=stats)
+    items = load_pairwise(path, seed=0, stats=stats)
     assert stats["schema"] == ["rm_nlhf"] and len(items) == 13
     swapped = [it for it in items[:12] if it["meta"]["swapped"]]
     kept = [it for it in items[:12] if not it["meta"]["swapped"]]
@@ -677,10 +681,10 @@ def test_released_schema_keeps_critiques_per_response_through_the_shuffle(tmp_pa
     assert items[-1]["critique"] is None  # a row without human feedback: D_O
     bad = write_jsonl(tmp_path / "bad.jsonl", [released_row(winner="C")])
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: field 'extra_info.winner' must be 'A' or 'B', got 'C'"):
-        reward.load_pairwise(bad)
+        load_pairwise(bad)
     bad = write_jsonl(tmp_path / "bad2.jsonl", [{"extra_info": "{not json"}])
     with pytest.raises(SystemExit, match=r"bad2.jsonl:1: field 'extra_info' is not valid JSON"):
-        reward.load_pairwise(bad)
+        load_pairwise(bad)
 
 
 def test_reward_bench_2_rows_become_grouped_pairs(tmp_path):
@@ -690,7 +694,7 @@ def test_reward_bench_2_rows_become_grouped_pairs(tmp_path):
              "subset": "Math"},
             {"id": 8, "prompt": "T", "chosen": ["t1", "t2"], "rejected": ["t3"], "num_correct": 2, "subset": "Ties"}]
     stats = {}
-    items = reward.load_pairwise(write_jsonl(tmp_path / "rb2.jsonl", rows), shuffle=False, stats=stats)
+    items = load_pairwise(write_jsonl(tmp_path / "rb2.jsonl", rows), shuffle=False, stats=stats)
     assert stats == {"rows": 2, "items": 3, "dropped": 1, "schema": ["reward_bench_2"]}
     assert [(it["id"], it["response_a"], it["response_b"], it["winner"]) for it in items] == \
         [("7:0", "good", "b1", "A"), ("7:1", "good", "b2", "A"), ("7:2", "good", "b3", "A")]

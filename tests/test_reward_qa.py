@@ -10,6 +10,7 @@ import torch
 import reward as R
 import rollout
 from conftest import data_path
+from plumbing.data import load_model
 
 PAPER_QA_QUESTION = "Is the answer supported by the context, regardless of whether it seems right or wrong?"
 BLOOM_PROBLEM = "Bloom: Bloom is an album released in 2018.\n\nWhen was Bloom released?"  # rendered context + question
@@ -188,7 +189,7 @@ def test_rlme_reward_prob_vs_log_tiny(tiny_model_path):
     logp is identical, and each reward is recomputed from it by hand. Two evaluators (chat and
     plain prompts of the tiny model, v = 1.0 and 0.5), K = 2 questions (w = 1.0 and 2.0), the QA
     template."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     model.eval()
     evs = [R.local_evaluator(model, tok, chat=True, name="chat", weight=1.0, micro_batch_size=2),
            R.local_evaluator(model, tok, chat=False, name="plain", weight=0.5, micro_batch_size=2)]

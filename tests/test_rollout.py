@@ -6,6 +6,9 @@ import torch
 
 import rollout
 import fast
+from plumbing.cli import rollout_main
+from plumbing.data import load_model, read_jsonl, resolve_model_path
+from plumbing.scale import wrap_policy
 
 
 def test_mask_pad_equals_eos():
@@ -87,7 +90,7 @@ def test_left_pad_and_positions():
 @pytest.mark.parametrize("use_fast", [True, False])
 def test_completion_logprobs_ignore_padding(tiny_model_path, use_fast):
     """A row's log-probs must not depend on how much left padding its batch needed."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     model.eval()
     short, long = [1, 50, 60], [1, 50, 60, 70, 80, 90, 100]
     comp = torch.tensor([[11, 12, 13, 2], [21, 22, 2, 2]])
@@ -103,7 +106,7 @@ def test_completion_logprobs_ignore_padding(tiny_model_path, use_fast):
 
 
 def test_generate_groups_masks_and_seed(tiny_model_path):
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     prompts = [[1, 50, 60], [1, 70]]
     a = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
     b = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
@@ -177,7 +180,7 @@ def test_greedy_generate_fast_equals_plain(tiny_model_path, which, pad):
     (transformers' generate) token for token, with left padding, a group split across decode
     batches, rows that end early (padded after their EOS, pad == EOS as on SmolLM2, or another id)
     and rows that run to max_new_tokens."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     if which == "small_vocab":
         model = _small_vocab_model(tok, sharpen=40.0)
         model.generation_config.repetition_penalty = 5.0  # a checkpoint's default that must not apply
@@ -244,7 +247,7 @@ def _chi_square_ok(counts, probs, n):
 def test_sampled_generate_fast_and_plain_follow_the_softmax(tiny_model_path, settings):
     """Sampled tokens of both generate paths, one step from a fixed prompt, follow the model's
     next-token distribution (temperature, top_k, top_p) by a chi-square test at a fixed seed."""
-    _, tok = rollout.load_model(tiny_model_path)
+    _, tok = load_model(tiny_model_path)
     model = _small_vocab_model(tok, sharpen=20.0)
     model.generation_config.min_p = 0.05  # a checkpoint's sampling default that must not apply
     prompt, n = [1, 50, 60], 5000
@@ -265,7 +268,7 @@ def test_sampled_generate_fast_and_plain_follow_the_softmax(tiny_model_path, set
 def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
     """The same on the tiny model with the tokenizer's full vocabulary (49k logits per row): with
     top_k = 4 only the 4 most likely tokens come out, at their renormalised probabilities."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     prompt, n = [1, 50, 60], 600
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
@@ -281,7 +284,7 @@ def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
 def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
     """generate_plain: same seed, same samples; another seed, other samples; the caller's global
     RNG stream is not advanced (the draws run in a forked RNG)."""
-    _, tok = rollout.load_model(tiny_model_path)
+    _, tok = load_model(tiny_model_path)
     model = _small_vocab_model(tok, sharpen=20.0)
     prompts = [[1, 50, 60], [1, 70]]
     kw = dict(group_size=4, max_new_tokens=6)
@@ -302,7 +305,7 @@ def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
 def test_decode_cache_logits_equal_full_forward(tiny_model_path):
     """Decoding token by token into fast.decode_cache (attention over the filled part only, left
     padding masked) gives the logits of one full forward over prompt + continuation."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     ids, attn = rollout.left_pad([[1, 50, 60, 70, 80], [1, 90]], tok.pad_token_id)
     cont = torch.tensor([[11, 12, 13], [21, 22, 23]])
     full_attn = torch.cat([attn, torch.ones_like(cont)], dim=1)
@@ -331,7 +334,7 @@ LAYOUTS = {
 def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout):
     """completion_logprobs (each group's prompt run once) == completion_logprobs_plain (every row
     runs its own prompt), values and gradients of the parameters."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     prompts = LAYOUTS[layout]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -353,7 +356,7 @@ def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout):
 def test_completion_logprobs_fast_equals_plain_bf16_autocast(tiny_model_path):
     """Under bf16 autocast (float32 weights, as train.py's CPU/GPU bf16 presets run) the shared-
     prompt path still computes what the plain twin computes, values and gradients."""
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     prompts = LAYOUTS["groups"]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -374,11 +377,11 @@ def test_completion_logprobs_fast_equals_plain_bf16_autocast(tiny_model_path):
 
 def test_model_path_errors(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
-        rollout.resolve_model_path(str(tmp_path / "nope"))
+        resolve_model_path(str(tmp_path / "nope"))
     with pytest.raises(SystemExit, match="without config.json"):
-        rollout.resolve_model_path(str(tmp_path))
+        resolve_model_path(str(tmp_path))
     with pytest.raises(SystemExit, match="not installed"):
-        rollout.resolve_model_path("gguf:no_such_package_xyz/model.gguf")
+        resolve_model_path("gguf:no_such_package_xyz/model.gguf")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -390,7 +393,7 @@ def test_rollout_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, 
     """The model path does not exist: reaching the model load would end in its own error instead."""
     (tmp_path / "in.jsonl").write_bytes(content)
     with pytest.raises(SystemExit) as e:
-        rollout.main(["--model", str(tmp_path / "no_model"), "--in", str(tmp_path / "in.jsonl"),
+        rollout_main(["--model", str(tmp_path / "no_model"), "--in", str(tmp_path / "in.jsonl"),
                       "--out", str(tmp_path / "out.jsonl")])
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
@@ -399,34 +402,34 @@ def test_read_jsonl_lines_and_errors(tmp_path):
     """The one JSONL reader every stage uses: rows with their line numbers, one-line errors."""
     good = tmp_path / "good.jsonl"
     good.write_text('{"a": 1}\n\n{"a": 2}\n')
-    assert rollout.read_jsonl(str(good)) == [(1, {"a": 1}), (3, {"a": 2})]
+    assert read_jsonl(str(good)) == [(1, {"a": 1}), (3, {"a": 2})]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"a": 1}\n{"a": \n')
     with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON \(Expecting value at column 7\)$"):
-        rollout.read_jsonl(str(bad))
+        read_jsonl(str(bad))
     bad.write_text('{"a": 1}\n\n{"a": "b\n')  # an unclosed string: json's message alone has no position
     with pytest.raises(SystemExit, match=r"bad.jsonl:3: not valid JSON \(Unterminated string starting at column 7\)$"):
-        rollout.read_jsonl(str(bad))
+        read_jsonl(str(bad))
     listed = tmp_path / "list.jsonl"
     listed.write_text('[1, 2]\n')
     with pytest.raises(SystemExit, match=r"list.jsonl:1: expected a JSON object, got list"):
-        rollout.read_jsonl(str(listed))
+        read_jsonl(str(listed))
     with pytest.raises(SystemExit, match=r"missing.jsonl: file does not exist"):
-        rollout.read_jsonl(str(tmp_path / "missing.jsonl"))
+        read_jsonl(str(tmp_path / "missing.jsonl"))
     # not UTF-8: a UTF-16 export (its BOM on line 1), a Latin-1 byte on line 2 (was a traceback)
     wide = tmp_path / "utf16.jsonl"
     wide.write_bytes('{"a": 1}\n'.encode("utf-16"))
     with pytest.raises(SystemExit, match=r"utf16.jsonl:1: not UTF-8 text \(byte b'\\xff': invalid start byte\); save it as UTF-8$"):
-        rollout.read_jsonl(str(wide))
+        read_jsonl(str(wide))
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes('{"a": "x"}\n{"a": "café"}\n'.encode("latin-1"))
     with pytest.raises(SystemExit, match=r"latin1.jsonl:2: not UTF-8 text"):
-        rollout.read_jsonl(str(latin))
+        read_jsonl(str(latin))
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
 def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_path, checkpointing):
-    """Under activation checkpointing (train.wrap_policy) the use_fast path still runs each group's
+    """Under activation checkpointing (wrap_policy) the use_fast path still runs each group's
     prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache),
     and both paths, with or without checkpointing, compute the log-probs and gradients of the
     plain twin without checkpointing."""
@@ -438,8 +441,8 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
     out = {}
     for mode in ("none", checkpointing):
         for use_fast in (False, True):
-            model, tok = rollout.load_model(tiny_model_path)
-            model = train.wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
+            model, tok = load_model(tiny_model_path)
+            model = wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
             model.train()
             calls = []
             model.register_forward_hook(lambda m, args, kwargs, o: calls.append(kwargs["input_ids"].shape),

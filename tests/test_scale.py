@@ -14,6 +14,10 @@ import rollout
 import train as T
 from test_train import _free_port, _layout_batch, _layout_cfg
 import fast
+from plumbing.data import load_model
+from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
+from plumbing.scale import all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded, vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs, vllm_sleep, vllm_token_logprobs, vllm_weight_name, wrap_policy
+from plumbing import config
 
 CPU = torch.device("cpu")
 
@@ -41,7 +45,7 @@ def _shard(batch, rank, world):
 
 def _flat(model):
     """All parameters as one flat float32 vector (gathered under FSDP2)."""
-    return torch.cat([t.float().flatten() for _, t in T.full_state_items(model)])
+    return torch.cat([t.float().flatten() for _, t in full_state_items(model)])
 
 
 # --- layouts: FSDP2 2 ranks x 2 micro-batches == 1 rank x 1 == 1 rank x 4 -------------------------
@@ -51,18 +55,18 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
     results = {}
     for agg, use_fast in (("seq_sum", True), ("token_mean", True), ("seq_sum", False)):
         torch.manual_seed(0)
-        policy, tok = rollout.load_model(model_path)
+        policy, tok = load_model(model_path)
         before = _flat(policy)
         # seq_sum with selective activation checkpointing, token_mean without it (each group's
         # prompt runs once either way: two forwards through FSDP2 before one backward): the
         # update must not change with either; and the plain twins under FSDP2 (fast_paths false)
-        model = T.wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
+        model = wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
         assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
         upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
                               _layout_cfg(2, agg, fast_paths=use_fast, parallel="fsdp2"), world=world, device=CPU,
                               pad_id=tok.pad_token_id)
-        results[agg if use_fast else agg + " plain"] = {"loss": T.all_sum(upd["loss"], world),
+        results[agg if use_fast else agg + " plain"] = {"loss": all_sum(upd["loss"], world),
                                                     "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
     if rank == 0:
         torch.save(results, out)
@@ -71,7 +75,7 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
 
 def _plain_update(model_path, micro, agg, grad_clip=0.0, fast_paths=True):
     torch.manual_seed(0)
-    policy, tok = rollout.load_model(model_path)
+    policy, tok = load_model(model_path)
     before = _flat(policy)
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
     cfg = _layout_cfg(micro, agg, fast_paths=fast_paths)
@@ -123,23 +127,23 @@ def _make_opt(policy):
 
 def _fsdp_ckpt_worker(rank, world, port, ckpt_in, out_dir, gen_out):
     _init(rank, world, port)
-    policy, tok = rollout.load_model(ckpt_in)
-    model = T.wrap_policy(policy, "fsdp2", world, CPU)
+    policy, tok = load_model(ckpt_in)
+    model = wrap_policy(policy, "fsdp2", world, CPU)
     opt, sched = _make_opt(policy)
-    assert T.load_trainer_state(ckpt_in, policy, opt, sched) == 1
+    assert load_trainer_state(ckpt_in, policy, opt, sched) == 1
     _adam_step(model, policy, opt, _shard(_layout_batch(), rank, world), world, tok.pad_token_id)
     sched.step()
-    T.save_checkpoint(out_dir, 2, policy, tok, opt, sched, keep=2, rank=rank)
+    save_checkpoint(out_dir, 2, policy, tok, opt, sched, keep=2, rank=rank)
     # Generation under FSDP2: ranks run different numbers of forwards (max_new_tokens 3 vs 7);
     # with per-layer all-gathers this would deadlock, unsharded() gathers once.
     prompts = [[1, 50, 60, 70], [1, 80]] if rank == 0 else [[1, 90, 91]]
-    with T.unsharded(model):
+    with unsharded(model):
         r = fast.generate(policy, tok, prompts, 2, 3 if rank == 0 else 7, seed=T.sampling_seed(0, 2, rank))
     from torch.distributed.tensor import DTensor
     assert all(isinstance(p, DTensor) for p in policy.parameters())  # sharded again afterwards
     gathered = [None] * world
     dist.all_gather_object(gathered, {"prompts": prompts, "ids": r["completion_ids"], "rank": rank})
-    pushed = dict(T.full_state_items(policy))  # what a vLLM weight push would send
+    pushed = dict(full_state_items(policy))  # what a vLLM weight push would send
     if rank == 0:
         torch.save({"gen": gathered, "pushed": pushed}, gen_out)
     dist.destroy_process_group()
@@ -148,11 +152,11 @@ def _fsdp_ckpt_worker(rank, world, port, ckpt_in, out_dir, gen_out):
 def test_checkpoint_round_trip_single_fsdp2_single(tiny_model_path, tmp_path):
     batch = _layout_batch()
     # reference: one process, three AdamW steps, checkpoint after the first
-    policy, tok = rollout.load_model(tiny_model_path)
+    policy, tok = load_model(tiny_model_path)
     opt, sched = _make_opt(policy)
     _adam_step(policy, policy, opt, batch, 1, tok.pad_token_id)
     sched.step()
-    T.save_checkpoint(str(tmp_path / "a"), 1, policy, tok, opt, sched, keep=2)
+    save_checkpoint(str(tmp_path / "a"), 1, policy, tok, opt, sched, keep=2)
     _adam_step(policy, policy, opt, batch, 1, tok.pad_token_id)
     sched.step()
     p2 = _flat(policy)
@@ -160,30 +164,30 @@ def test_checkpoint_round_trip_single_fsdp2_single(tiny_model_path, tmp_path):
     p3 = _flat(policy)
 
     # step 2 on 2 FSDP2 ranks from the one-process checkpoint, then an FSDP2 checkpoint
-    ckpt_a = T.latest_checkpoint(str(tmp_path / "a"))
+    ckpt_a = latest_checkpoint(str(tmp_path / "a"))
     gen_out = str(tmp_path / "gen.pt")
     _spawn(_fsdp_ckpt_worker, 2, ckpt_a, str(tmp_path / "b"), gen_out)
-    ckpt_b = T.latest_checkpoint(str(tmp_path / "b"))
+    ckpt_b = latest_checkpoint(str(tmp_path / "b"))
     assert ckpt_b.endswith("step_000002")
 
     # the FSDP2 checkpoint is a plain HF folder with the same weights as the reference
-    resumed, _ = rollout.load_model(ckpt_b)
+    resumed, _ = load_model(ckpt_b)
     assert (_flat(resumed) - p2).abs().max().item() < 1e-5
     # ... and its optimizer state resumes step 3 in one process exactly
     opt_r, sched_r = _make_opt(resumed)
-    assert T.load_trainer_state(ckpt_b, resumed, opt_r, sched_r) == 2
+    assert load_trainer_state(ckpt_b, resumed, opt_r, sched_r) == 2
     assert sched_r.last_epoch == 2
     _adam_step(resumed, resumed, opt_r, batch, 1, tok.pad_token_id)
     assert (_flat(resumed) - p3).abs().max().item() < 1e-5
     # the test can fail: without the optimizer state step 3 lands elsewhere
-    fresh, _ = rollout.load_model(ckpt_b)
+    fresh, _ = load_model(ckpt_b)
     opt_f, _ = _make_opt(fresh)
     _adam_step(fresh, fresh, opt_f, batch, 1, tok.pad_token_id)
     assert (_flat(fresh) - p3).abs().max().item() > 1e-4
 
     # generation under FSDP2 == one-process generation with the same weights and seeds
     saved = torch.load(gen_out)
-    single, _ = rollout.load_model(ckpt_b)
+    single, _ = load_model(ckpt_b)
     for part in saved["gen"]:
         r = fast.generate(single, tok, part["prompts"], 2, 3 if part["rank"] == 0 else 7,
                              seed=T.sampling_seed(0, 2, part["rank"]))
@@ -200,7 +204,7 @@ def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
     seeds = {T.sampling_seed(3, step, rank) for step in range(2000) for rank in range(64)}
     assert len(seeds) == 2000 * 64
     assert T.sampling_seed(0, 5, 1) == 5 * 10_007 + 1  # resume: a pure function of (seed, step, rank)
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     prompt = [[1, 50, 60, 70]]
     a = fast.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 0))["completion_ids"]
     b = fast.generate(model, tok, prompt, 4, 6, seed=T.sampling_seed(0, 0, 1))["completion_ids"]
@@ -209,9 +213,9 @@ def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
 
 
 def test_vllm_request_seeds_distinct():
-    a = rollout.vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
-    b = rollout.vllm_request_seeds(T.sampling_seed(0, 0, 1), 64)
-    assert len(set(a) | set(b)) == 128 and a == rollout.vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
+    a = vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
+    b = vllm_request_seeds(T.sampling_seed(0, 0, 1), 64)
+    assert len(set(a) | set(b)) == 128 and a == vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
     assert all(0 <= s < 2**31 for s in a + b)
 
 
@@ -225,19 +229,19 @@ def test_vllm_request_seeds_distinct():
 ])
 def test_scale_config_errors_are_one_line(overrides, device, message):
     with pytest.raises(SystemExit) as e:
-        T.check_scale_config(T.load_config([], overrides), torch.device(device))
+        config.check_scale_config(T.load_config([], overrides), torch.device(device))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_scale_config_ok_on_cpu():
-    T.check_scale_config(T.load_config([], ["train.parallel=fsdp2"]), CPU)  # no exception
+    config.check_scale_config(T.load_config([], ["train.parallel=fsdp2"]), CPU)  # no exception
 
 
 def test_logp_gap():
     trainer = [torch.tensor([-1.0, -2.0, -3.0, 9.0]), torch.tensor([-0.5, 7.0]), torch.tensor([5.0])]
     engine = torch.tensor([[-1.1, -2.0, -2.5], [-0.25, 0.0, 0.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    total, count, worst = T.logp_gap(trainer, engine, mask)
+    total, count, worst = logp_gap(trainer, engine, mask)
     assert count == 4 and total == pytest.approx(0.1 + 0.0 + 0.5 + 0.25) and worst == pytest.approx(0.5)
 
 
@@ -265,7 +269,7 @@ def test_vllm_outputs_to_rollout_pad_equals_eos():
                                  _completion([3, 3], [-2.0, -2.5], "length")]),  # context limit hit early
     ]
     decoded = []
-    r = rollout.vllm_outputs_to_rollout(outputs, [[1, 10], [1, 11, 12]], 2, pad_id=EOS, eos=[EOS],
+    r = vllm_outputs_to_rollout(outputs, [[1, 10], [1, 11, 12]], 2, pad_id=EOS, eos=[EOS],
                                         decode=lambda ids: decoded.append(ids) or f"<{len(ids)}>")
     assert r["prompt_ids"] == [[1, 10], [1, 10], [1, 11, 12], [1, 11, 12]]
     assert r["completion_ids"].tolist() == [[5, 6, EOS, EOS], [7, 8, 9, 4], [EOS, EOS, EOS, EOS], [3, 3, EOS, EOS]]
@@ -283,19 +287,19 @@ def test_vllm_outputs_to_rollout_pad_equals_eos():
 def test_vllm_outputs_to_rollout_cuts_after_first_eos_and_checks_groups():
     # an EOS id that is not the engine's own stop token still ends the loss mask (docs/method.md §4.1)
     outputs = [SimpleNamespace(outputs=[_completion([5, EOS, 6], [-0.1, -0.2, -0.3], "stop")])]
-    r = rollout.vllm_outputs_to_rollout(outputs, [[1]], 1, pad_id=0, eos=[EOS], decode=str)
+    r = vllm_outputs_to_rollout(outputs, [[1]], 1, pad_id=0, eos=[EOS], decode=str)
     assert r["completion_mask"].tolist() == [[1, 1, 0]] and r["truncated"].tolist() == [False]
     with pytest.raises(ValueError, match="expected 2 completions per prompt, got 1"):
-        rollout.vllm_outputs_to_rollout(outputs, [[1]], 2, pad_id=0, eos=[EOS], decode=str)
+        vllm_outputs_to_rollout(outputs, [[1]], 2, pad_id=0, eos=[EOS], decode=str)
 
 
 def test_vllm_logprob_values_accepts_plain_floats_and_flat_rows():
     # some vLLM versions give floats, some Logprob objects; a missing sampled token is an error
-    assert rollout.vllm_token_logprobs([4, 5], [{4: -0.5}, {5: SimpleNamespace(logprob=-0.25)}]) == [-0.5, -0.25]
+    assert vllm_token_logprobs([4, 5], [{4: -0.5}, {5: SimpleNamespace(logprob=-0.25)}]) == [-0.5, -0.25]
     with pytest.raises(ValueError, match="no log-prob for sampled token 5 at position 1"):
-        rollout.vllm_token_logprobs([4, 5], [{4: -0.5}, {6: -1.0}])
+        vllm_token_logprobs([4, 5], [{4: -0.5}, {6: -1.0}])
     with pytest.raises(ValueError, match="logprobs"):
-        rollout.vllm_token_logprobs([4], None)
+        vllm_token_logprobs([4], None)
 
 
 @pytest.mark.parametrize("name, tied, expected", [
@@ -308,15 +312,15 @@ def test_vllm_logprob_values_accepts_plain_floats_and_flat_rows():
     ("model.rotary_emb.inv_freq", False, None),  # a buffer vLLM computes itself
 ])
 def test_vllm_weight_name(name, tied, expected):
-    assert rollout.vllm_weight_name(name, tied) == expected
+    assert vllm_weight_name(name, tied) == expected
 
 
 def test_vllm_sampling_kwargs():
-    kw = rollout.vllm_sampling_kwargs(group_size=4, max_new_tokens=32, temperature=0.7, top_p=1.0, top_k=0,
+    kw = vllm_sampling_kwargs(group_size=4, max_new_tokens=32, temperature=0.7, top_p=1.0, top_k=0,
                                       seed=123, eos=[2, 7])
     assert kw == {"n": 4, "max_tokens": 32, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "seed": 123,
                   "logprobs": 0, "stop_token_ids": [2, 7], "detokenize": False}
-    assert rollout.vllm_sampling_kwargs(1, 8, 1.0, 0.9, 50, 0, [2])["top_k"] == 50
+    assert vllm_sampling_kwargs(1, 8, 1.0, 0.9, 50, 0, [2])["top_k"] == 50
 
 
 def test_vllm_sleep_and_push_order():
@@ -330,15 +334,15 @@ def test_vllm_sleep_and_push_order():
                           llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
                               driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
     engine = {"llm": llm, "asleep": False, "sleep_level": 2, "tied": True}
-    rollout.vllm_sleep(engine)
-    rollout.vllm_sleep(engine)  # already asleep: no second call
+    vllm_sleep(engine)
+    vllm_sleep(engine)  # already asleep: no second call
     weights = [("model.embed_tokens.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2)),
                ("model.norm.weight", torch.full((2,), 3.0))]
-    rollout.vllm_push_weights(engine, iter(weights))
+    vllm_push_weights(engine, iter(weights))
     assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     assert sorted(loaded) == ["model.embed_tokens.weight", "model.norm.weight"]  # tied lm_head skipped
     assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
-    rollout.vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
+    vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
     assert calls[4:] == [("reset_prefix_cache",)]
 
 
@@ -367,8 +371,8 @@ def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
     dev = torch.device("cuda", 0)
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    policy, tok = rollout.load_model(tiny_model_path, "float32", dev)
-    T.wrap_policy(policy, "fsdp2", 1, dev, dtype="bfloat16")
+    policy, tok = load_model(tiny_model_path, "float32", dev)
+    wrap_policy(policy, "fsdp2", 1, dev, dtype="bfloat16")
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
     upd = T.update_policy(policy, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=dev,
                           pad_id=tok.pad_token_id)
@@ -380,18 +384,18 @@ def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
 @pytest.mark.gpu
 def test_gpu_vllm_generate_and_weight_sync(smollm2_path):
     _need_vllm()
-    llm = rollout.make_vllm_engine(smollm2_path, "bfloat16", 0.3, 1024, enforce_eager=True, seed=0)
-    model, tok = rollout.load_model(smollm2_path, "bfloat16", "cuda")
+    llm = make_vllm_engine(smollm2_path, "bfloat16", 0.3, 1024, enforce_eager=True, seed=0)
+    model, tok = load_model(smollm2_path, "bfloat16", "cuda")
     prompt = rollout.build_prompt_ids(tok, "What is 2 + 3?", True)
-    r = rollout.generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
+    r = generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
     assert r["completion_ids"].shape[0] == 4 and r["logprobs"].shape == r["completion_ids"].shape
     trainer = fast.completion_logprobs(model, r["prompt_ids"], r["completion_ids"].cuda(), tok.pad_token_id).cpu()
     m = r["completion_mask"]
     assert ((trainer - r["logprobs"]).abs() * m).sum() / m.sum() < 0.02
     engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": bool(model.config.tie_word_embeddings)}
-    rollout.vllm_sleep(engine)
-    rollout.vllm_push_weights(engine, model.state_dict().items())
-    again = rollout.generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
+    vllm_sleep(engine)
+    vllm_push_weights(engine, model.state_dict().items())
+    again = generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
     assert again["completion_ids"].shape[0] == 4
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, data_path
 import train as T
+from plumbing.run import markdown_table, open_trackers, samples_table, tracker_metrics
 
 # entries that differ between a step and its exact redo after a resume (wall-clock and memory)
 TIMING = ("time/", "memory/", "rollout/tokens_per_s")
@@ -26,19 +27,19 @@ TIMING = ("time/", "memory/", "rollout/tokens_per_s")
 def test_tracker_metrics_are_the_numeric_entries_flattened():
     line = {"step": 3, "reward/mean": -0.5, "accuracy": None, "n": 2, "flag": True, "note": "x",
             "judge": {"calls": 4, "errors": {"timeout": 1}, "model": "m"}}
-    assert T.tracker_metrics(line) == {"reward/mean": -0.5, "n": 2, "flag": 1.0, "judge/calls": 4,
+    assert tracker_metrics(line) == {"reward/mean": -0.5, "n": 2, "flag": 1.0, "judge/calls": 4,
                                        "judge/errors/timeout": 1}
-    assert type(T.tracker_metrics(line)["flag"]) is float  # a bool as the number 1.0, which every tracker plots
+    assert type(tracker_metrics(line)["flag"]) is float  # a bool as the number 1.0, which every tracker plots
 
 
 def test_samples_table_and_its_markdown():
     records = [{"step": 1, "completion": "a|b\nc", "reward": -0.25, "logp": {"self": {"q": -0.25}}},
                {"step": 1, "completion": "d", "reward": None, "label": ["Paris", "paris"]}]
-    columns, rows = T.samples_table(records)
+    columns, rows = samples_table(records)
     assert columns == ["step", "completion", "reward", "logp", "label"]
     assert rows == [[1, "a|b\nc", -0.25, '{"self": {"q": -0.25}}', None],
                     [1, "d", None, None, '["Paris", "paris"]']]
-    assert T.markdown_table(columns, rows).split("\n") == [
+    assert markdown_table(columns, rows).split("\n") == [
         "| step | completion | reward | logp | label |", "|---|---|---|---|---|",
         '| 1 | a\\|b<br>c | -0.25 | {"self": {"q": -0.25}} | None |',
         '| 1 | d | None | None | ["Paris", "paris"] |']
@@ -97,7 +98,7 @@ def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(wandb, "init", unreachable)
     cfg = T.load_config([], ["run.report_to=[wandb]", f"run.out_dir={tmp_path}"])
     with pytest.raises(SystemExit) as e:
-        T.open_trackers(cfg, start_step=0)
+        open_trackers(cfg, start_step=0)
     assert str(e.value) == ("config key run.report_to: wandb could not start its run (CommError: Failed to get resume "
                             "status for run e3b36ff4: context deadline exceeded); WANDB_MODE=offline logs locally")
 
@@ -199,9 +200,9 @@ def test_trackers_hold_metrics_jsonl_and_a_resume_continues_them(tiny_model_path
     samples = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[0] == first[0]
     assert metrics[1]["time/step"] != first[1]["time/step"]  # step 2 was redone (and timed anew)
-    expected = {m["step"]: T.tracker_metrics(m) for m in metrics}
+    expected = {m["step"]: tracker_metrics(m) for m in metrics}
     assert "reward/mean" in expected[1] and "accuracy" in expected[1] and "step" not in expected[1]
-    tables = {s: T.samples_table([r for r in samples if r["step"] == s]) for s in (1, 2, 3)}
+    tables = {s: samples_table([r for r in samples if r["step"] == s]) for s in (1, 2, 3)}
     rows = {s: t[1] for s, t in tables.items()}
     info = json.load(open(os.path.join(out, "tracking.json")))
     assert info["last_step"] == {"tensorboard": 3, "trackio": 3, "wandb": 3}
@@ -224,7 +225,7 @@ def test_trackers_hold_metrics_jsonl_and_a_resume_continues_them(tiny_model_path
         step, table = m["step"], m.pop("samples")
         assert table["_type"] == "trackio.table" and [list(r.values()) for r in table["_value"]] == rows[step]
         assert_same({k: v for k, v in m.items() if k not in ("step", "timestamp")},
-                    T.tracker_metrics(first[1]) if step == 2 else expected[step], f"trackio step {step}")
+                    tracker_metrics(first[1]) if step == 2 else expected[step], f"trackio step {step}")
         assert all(m[k] == pytest.approx(v, abs=1e-6) for k, v in expected[step].items() if not k.startswith(TIMING))
 
     # wandb: two offline run folders of the same run id; the resumed one starts at step 3
@@ -233,7 +234,7 @@ def test_trackers_hold_metrics_jsonl_and_a_resume_continues_them(tiny_model_path
     (id1, hist1), (id2, hist2) = wandb_history(dirs[0]), wandb_history(dirs[1])
     assert id1 == id2 == info["id"]
     assert [h["_step"] for h in hist1] == [1, 2] and [h["_step"] for h in hist2] == [3]
-    for d, h, exp in [(dirs[0], hist1[0], expected[1]), (dirs[0], hist1[1], T.tracker_metrics(first[1])),
+    for d, h, exp in [(dirs[0], hist1[0], expected[1]), (dirs[0], hist1[1], tracker_metrics(first[1])),
                       (dirs[1], hist2[0], expected[3])]:
         assert h["samples/_type"] == "table-file"
         with open(os.path.join(d, "files", h["samples/path"])) as f:

@@ -16,6 +16,9 @@ import rollout
 import train as T
 from conftest import data_path
 import fast
+from plumbing.data import load_model, load_train_items
+from plumbing.scale import all_sum, compute_context, keep_matmul_outputs, wrap_policy
+from plumbing import config
 
 ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "clip_eps": 0.2,
         "kl_coef": 0.0, "aggregation": "seq_sum", "updates_per_batch": 1, "minibatches": 1,
@@ -177,7 +180,7 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None, fast_paths=
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    policy, tok = rollout.load_model(model_path)
+    policy, tok = load_model(model_path)
     before = [p.detach().clone() for p in policy.parameters()]
     model = torch.nn.parallel.DistributedDataParallel(policy) if world > 1 else policy
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad: compares gradients exactly
@@ -188,7 +191,7 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None, fast_paths=
             "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
     upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world=world,
                           device=torch.device("cpu"), pad_id=tok.pad_token_id)
-    loss = T.all_sum(upd["loss"], world)
+    loss = all_sum(upd["loss"], world)
     delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
     if rank == 0:
         torch.save({"loss": loss, "delta": delta}, out)
@@ -317,7 +320,7 @@ def test_a_key_given_twice_is_refused(tmp_path):
 def test_world_size_must_divide_prompts():
     cfg = T.load_config([], ["rollout.prompts_per_step=6"])
     with pytest.raises(SystemExit, match="not divisible by the world size 4"):
-        T.validate_config(cfg, world_size=4)
+        config.validate_config(cfg, world_size=4)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -327,7 +330,7 @@ def test_world_size_must_divide_prompts():
 ])
 def test_sampling_settings_out_of_range(override, message):
     with pytest.raises(SystemExit) as e:
-        T.validate_config(T.load_config([], [override]))
+        config.validate_config(T.load_config([], [override]))
     assert str(e.value) == message
 
 
@@ -336,10 +339,10 @@ def test_sampling_settings_out_of_range(override, message):
 def test_gsm8k_items_and_anchoring():
     cfg = T.load_config([], [f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=40",
                              "reward.anchor_fraction=0.25"])
-    items = T.load_train_items(cfg)
+    items = load_train_items(cfg)
     assert len(items) == 40 and items[0]["label"] == "72"  # Natalia: 48 + 24
     assert sum(it["anchored"] for it in items) == 10
-    again = T.load_train_items(cfg)
+    again = load_train_items(cfg)
     assert [it["anchored"] for it in again] == [it["anchored"] for it in items]  # chosen once, by seed
 
 
@@ -361,14 +364,14 @@ def test_bad_data_files(tmp_path, content, message):
     p = _write(tmp_path, "train.jsonl", content)
     cfg = T.load_config([], [f"data.train={p}"])
     with pytest.raises(SystemExit, match=message):
-        T.load_train_items(cfg)
+        load_train_items(cfg)
 
 
 def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_bytes('{"question": "a", "answer": "#### 1"}\n{"question": "é", "answer": "#### 2"}\n'.encode("latin-1"))
     with pytest.raises(SystemExit, match=r"train.jsonl:2: not UTF-8 text"):
-        T.load_train_items(T.load_config([], [f"data.train={p}"]))
+        load_train_items(T.load_config([], [f"data.train={p}"]))
 
 
 def test_a_config_file_is_read_as_yaml_bytes(tmp_path):
@@ -386,9 +389,9 @@ def test_a_config_file_is_read_as_yaml_bytes(tmp_path):
 def test_missing_field_and_file(tmp_path):
     p = _write(tmp_path, "train.jsonl", '{"problem": "a", "answer": "#### 1"}\n')
     with pytest.raises(SystemExit, match=r"data.question_field='question': no such field .*fields: problem, answer"):
-        T.load_train_items(T.load_config([], [f"data.train={p}"]))
+        load_train_items(T.load_config([], [f"data.train={p}"]))
     with pytest.raises(SystemExit, match="does not exist"):
-        T.load_train_items(T.load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
+        load_train_items(T.load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
 
 
 @pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(os.path.dirname(T.__file__), "configs", "*.yaml"))))
@@ -396,7 +399,7 @@ def test_every_preset_loads_and_validates(preset):
     """A preset that drifts from config.yaml's schema (a renamed key, a bad value) fails here, not
     halfway into somebody's run."""
     cfg = T.load_config([preset])
-    T.validate_config(cfg)
+    config.validate_config(cfg)
     assert cfg["run"]["total_steps"] >= 1
 
 
@@ -405,9 +408,9 @@ def test_selective_checkpointing_keeps_only_matmul_outputs():
     from torch.utils.checkpoint import CheckpointPolicy
     aten = torch.ops.aten
     for op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-        assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.MUST_SAVE
+        assert keep_matmul_outputs(None, op) == CheckpointPolicy.MUST_SAVE
     for op in (aten.mul.Tensor, aten.silu.default, aten.rsqrt.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
-        assert T.keep_matmul_outputs(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert keep_matmul_outputs(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():
@@ -449,10 +452,10 @@ def _update(model_path, cfg, batch, ref_path=None, checkpointing="none"):
     """One update_policy call with SGD(lr=1) (update = -grad); returns loss, grad norm, delta."""
     import rollout
     torch.manual_seed(0)
-    policy, tok = rollout.load_model(model_path)
+    policy, tok = load_model(model_path)
     before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
-    model = T.wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
-    ref = rollout.load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
+    model = wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
+    ref = load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
     upd = T.update_policy(model, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id,
                           ref_model=ref)
@@ -482,7 +485,7 @@ def test_update_passes_fast_equal_plain(tiny_model_path, other_model_path, case)
         cfg["algo"].update(loss="grpo", kl_coef=1.0, aggregation="token_mean", advantage_std=True)
         ref = other_model_path
     if case == "grpo_kl_grm":
-        batch = _grm_batch(rollout.load_model(tiny_model_path)[1])
+        batch = _grm_batch(load_model(tiny_model_path)[1])
     checkpointing = case if case in ("full", "selective") else "none"
     cfg["optim"]["grad_clip"] = 1e-3  # clipping active: the norm itself is compared through the update
     fast_run = _update(tiny_model_path, cfg, batch, ref, checkpointing)
@@ -502,8 +505,8 @@ def test_reference_pass_is_the_reference_model_alone(tiny_model_path, other_mode
     import rollout
     cfg = _layout_cfg(2, "seq_sum")
     batch = _layout_batch()
-    policy, tok = rollout.load_model(tiny_model_path)
-    ref, _ = rollout.load_model(other_model_path)
+    policy, tok = load_model(tiny_model_path)
+    ref, _ = load_model(other_model_path)
     got = T.frozen_logprobs(ref, batch, tok.pad_token_id, cfg, torch.device("cpu"))
     with torch.no_grad():
         want = rollout.completion_logprobs(ref, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
@@ -527,7 +530,7 @@ def test_bf16_keeps_float32_master_weights_and_moves_them(tiny_model_path):
     for dtype in ("float32", "bfloat16"):
         cfg = _layout_cfg(2, "seq_sum", dtype=dtype)
         torch.manual_seed(0)
-        policy, tok = rollout.load_model(tiny_model_path)
+        policy, tok = load_model(tiny_model_path)
         before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
         T.update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id)
@@ -542,12 +545,12 @@ def test_bf16_keeps_float32_master_weights_and_moves_them(tiny_model_path):
 
 def test_compute_context_autocasts_except_fsdp2_on_gpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert isinstance(T.compute_context("float32", "ddp", cpu), contextlib.nullcontext)
-    ctx = T.compute_context("bfloat16", "ddp", cpu)
+    assert isinstance(compute_context("float32", "ddp", cpu), contextlib.nullcontext)
+    ctx = compute_context("bfloat16", "ddp", cpu)
     assert isinstance(ctx, torch.autocast) and ctx.fast_dtype == torch.bfloat16
-    assert isinstance(T.compute_context("bfloat16", "fsdp2", cpu), torch.autocast)  # FSDP2 on CPU: autocast
-    assert isinstance(T.compute_context("bfloat16", "fsdp2", cuda), contextlib.nullcontext)  # MixedPrecisionPolicy
-    with T.compute_context("bfloat16", "ddp", cpu):
+    assert isinstance(compute_context("bfloat16", "fsdp2", cpu), torch.autocast)  # FSDP2 on CPU: autocast
+    assert isinstance(compute_context("bfloat16", "fsdp2", cuda), contextlib.nullcontext)  # MixedPrecisionPolicy
+    with compute_context("bfloat16", "ddp", cpu):
         y = torch.nn.Linear(4, 4)(torch.randn(2, 4))
     assert y.dtype == torch.bfloat16
 
@@ -575,7 +578,7 @@ def test_off_policy_update_with_micro_batches_that_split_a_minibatch(tiny_model_
     5). The update must equal the one with micro-batches that line up (4)."""
     def run(micro):
         torch.manual_seed(0)
-        policy, tok = rollout.load_model(tiny_model_path)
+        policy, tok = load_model(tiny_model_path)
         before = [p.detach().clone() for p in policy.parameters()]
         # lr 0.1: big enough that the second step is off-policy (weights != 1), small enough that
         # float32 rounding is not amplified (at lr 1.0 even two aligned layouts differ by 2e-4)
@@ -598,14 +601,14 @@ def test_off_policy_update_with_micro_batches_that_split_a_minibatch(tiny_model_
     torch.testing.assert_close(d_split, d_aligned, rtol=1e-4, atol=1e-5)
 
 
-# ---- log_step: a step whose every reward is unknown -----------------------------------------------
+# ---- step_metrics / emit: a step whose every reward is unknown -----------------------------------------------
 
 def test_a_fully_masked_step_logs_no_reward_mean(tmp_path):
     """Every sample masked (failed judge / remote evaluator calls): reward/mean and reward/std are
     None, not 0.0 (the best RLME reward), the progress bar says so, and the reward-hacking
     monitor's training reward leaves the step out; a step with known rewards still averages them
     (hand numbers: rewards -1 and -3, mean -2, population std 1)."""
-    from config import load_config
+    from plumbing.config import load_config
     from tqdm import tqdm
     cfg = load_config([os.path.join(os.path.dirname(T.__file__), "configs", "cpu.yaml")],
                       [f"run.out_dir={tmp_path}", "rollout.group_size=2"])
@@ -623,9 +626,11 @@ def test_a_fully_masked_step_logs_no_reward_mean(tmp_path):
                  "length": 3, "advantage": 0.0, "importance_weight": 1.0, "clipped": 0.0} for r in rewards]
     upd = {"loss": 0.0, "grad_norms": [0.0], "logp_gap": None}
     times = {"rollout": 1.0, "reward": 1.0, "update": 1.0}
-    m1 = T.log_step(state, cfg, records(1, [-1.0, -3.0]), upd, reward_metrics={}, times=times)
+    def log_step(records, reward_metrics):  # as train.train: the metrics of all ranks, then rank 0 writes them
+        return T.emit(state, cfg, *T.step_metrics(state, cfg, records, upd, reward_metrics=reward_metrics, times=times))
+    m1 = log_step(records(1, [-1.0, -3.0]), reward_metrics={})
     assert (m1["reward/mean"], m1["reward/std"]) == (-2.0, 1.0)
-    m2 = T.log_step(state, cfg, records(2, [None, None]), upd, reward_metrics={"reward/masked": 2}, times=times)
+    m2 = log_step(records(2, [None, None]), reward_metrics={"reward/masked": 2})
     assert m2["reward/mean"] is None and m2["reward/std"] is None and m2["rlme_reward/mean"] is None
     assert state["rewards_since_eval"] == [-2.0]  # step 2 left out
     assert bar.postfix.startswith("reward=masked")

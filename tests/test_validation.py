@@ -13,6 +13,8 @@ import reward as R
 import rollout
 import train as T
 import fast
+from plumbing.data import load_model, load_train_items, load_val_items
+from plumbing import config
 
 
 def cfg_with(*overrides):
@@ -24,15 +26,15 @@ def cfg_with(*overrides):
 def test_single_pass_guard_numbers():
     """config.yaml: 116 steps x 64 prompts = 7,424 <= 7,473 GSM8K train items (one pass); 117 steps
     = 7,488 > 7,473 stops with the largest allowed step count, 7,473 // 64 = 116."""
-    T.check_single_pass(cfg_with(), 7473)
+    config.check_single_pass(cfg_with(), 7473)
     with pytest.raises(SystemExit) as e:
-        T.check_single_pass(cfg_with("run.total_steps=117"), 7473)
+        config.check_single_pass(cfg_with("run.total_steps=117"), 7473)
     assert str(e.value) == ("config key data.epochs=1: run.total_steps x rollout.prompts_per_step = 117 x 64 = 7488 "
                             "prompts, more than 1 pass(es) over the 7473 training items (RLME §4.1 is single-pass); "
                             "lower run.total_steps to 116 or raise data.epochs")
-    T.check_single_pass(cfg_with("run.total_steps=117", "data.epochs=2"), 7473)   # 7,488 <= 14,946
-    T.check_single_pass(cfg_with("run.total_steps=10000", "data.epochs=0"), 7473)  # 0 = no limit
-    T.check_single_pass(cfg_with("task=rm_nlhf", "run.total_steps=10000"), 10)     # RM-NLHF: not limited
+    config.check_single_pass(cfg_with("run.total_steps=117", "data.epochs=2"), 7473)   # 7,488 <= 14,946
+    config.check_single_pass(cfg_with("run.total_steps=10000", "data.epochs=0"), 7473)  # 0 = no limit
+    config.check_single_pass(cfg_with("task=rm_nlhf", "run.total_steps=10000"), 10)     # RM-NLHF: not limited
 
 
 def test_single_pass_stops_the_run_before_a_model_loads(tmp_path):
@@ -85,10 +87,10 @@ def test_experiment_settings_that_cannot_work_are_one_line_errors(overrides, mes
 def test_holdout_is_a_fixed_draw_never_trained_on():
     cfg = cfg_with(f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=30", "data.val=holdout",
                    "data.val_size=5", "run.eval_every=1")
-    train_items, val = T.load_train_items(cfg), T.load_val_items(cfg)
+    train_items, val = load_train_items(cfg), load_val_items(cfg)
     assert len(train_items) == 25 and len(val) == 5
     assert not {it["index"] for it in train_items} & {it["index"] for it in val}
-    assert [it["index"] for it in T.load_val_items(cfg)] == [it["index"] for it in val]  # seeded, fixed
+    assert [it["index"] for it in load_val_items(cfg)] == [it["index"] for it in val]  # seeded, fixed
 
 
 def test_context_qa_items_from_the_offline_set():
@@ -97,7 +99,7 @@ def test_context_qa_items_from_the_offline_set():
     cfg = cfg_with(f"data.train={data_path('qa_feedback', 'dev_feedback.jsonl')}", "data.answer_field=gold",
                    "data.label_format=text", "data.context_field=passages",
                    "data.prompt_template='{context} Q: {question} A in \\boxed{{}}.'", "data.max_items=3")
-    items = T.load_train_items(cfg)
+    items = load_train_items(cfg)
     row = json.loads(open(data_path("qa_feedback", "dev_feedback.jsonl")).readline())
     it = items[0]
     assert it["label"] == row["gold"] and it["answer_text"] == row["gold"]
@@ -110,14 +112,14 @@ def test_context_qa_items_from_the_offline_set():
 def test_no_labels_for_pure_rlme(tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_text(json.dumps({"question": "Say hi."}) + "\n")
-    items = T.load_train_items(cfg_with(f"data.train={p}", "data.answer_field=null"))
+    items = load_train_items(cfg_with(f"data.train={p}", "data.answer_field=null"))
     assert items[0]["label"] is None and items[0]["answer_text"] is None
 
 
 # ---- the reward step: hybrid = RLVR + the RLME terms, both logged ------------------------------------
 
 def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
-    model, tok = rollout.load_model(tiny_model_path)
+    model, tok = load_model(tiny_model_path)
     evs = [R.local_evaluator(model, tok, chat=False, name="self", weight=1.0)]
     items = [{"index": 0, "question": "2+2?", "problem": "2+2?", "label": "4", "answer_text": "4", "anchored": False}] * 2
     ro = {"completions": ["so \\boxed{4}", "so \\boxed{5}"]}
@@ -204,7 +206,7 @@ def test_validation_metrics_and_the_injected_wrong_answer(tmp_path, tiny_model_p
     assert {"val/reward_mean", "val/canary/colon", "val/canary/step_by_step", "val/canary/claims_correct"} <= set(m)
     assert "completion/chars_mean" in m
     # the three test problems drawn (seeded), each shown a WRONG answer: label + 1
-    val = T.load_val_items(T.load_config([], run_args(tmp_path, tiny_model_path, "run.eval_every=2")))
+    val = load_val_items(T.load_config([], run_args(tmp_path, tiny_model_path, "run.eval_every=2")))
     for it in val:
         assert any(it["question"] in s and f"The answer is {int(it['label']) + 1}." in s for s in seen)
 

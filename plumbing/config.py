@@ -12,7 +12,11 @@ import yaml
 
 import reward as R
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from plumbing.data import PAIR_SCHEMAS
+from plumbing.services import REMOTE_DEFAULTS
+
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 CHOICES = {
@@ -32,8 +36,8 @@ CHOICES = {
     "train.parallel": ["ddp", "fsdp2"],
     "rollout.vllm_sleep_level": [1, 2],
     "train.device": ["auto", "cpu", "cuda"],
-    "nlhf.dh_schema": ["auto", *R.PAIR_SCHEMAS],
-    "nlhf.do_schema": ["auto", *R.PAIR_SCHEMAS],
+    "nlhf.dh_schema": ["auto", *PAIR_SCHEMAS],
+    "nlhf.do_schema": ["auto", *PAIR_SCHEMAS],
     "judge.backend": ["openai", "proxy"],
     "judge.variant": list(R.JUDGE_VARIANTS),
     "nlhf.threshold_rule": ["strict", "inclusive"],
@@ -244,7 +248,7 @@ def validate_config(cfg, world_size=1):
             raise SystemExit(f"config key reward.evaluators[{i}].kind: {ev.get('kind')!r} is not one of live, frozen_self, frozen, remote")
         if ev.get("kind") == "frozen" and not ev.get("path"):
             raise SystemExit(f"config key reward.evaluators[{i}].path: a frozen evaluator needs a model path")
-        remote_keys = sorted(set(ev) & ({"base_url", "model"} | set(R.REMOTE_DEFAULTS)))
+        remote_keys = sorted(set(ev) & ({"base_url", "model"} | set(REMOTE_DEFAULTS)))
         if ev["kind"] != "remote" and remote_keys:  # they would silently do nothing
             raise SystemExit(f"config key reward.evaluators[{i}].{remote_keys[0]}: only for kind remote "
                              f"(this evaluator is {ev['kind']})")
@@ -253,7 +257,7 @@ def validate_config(cfg, world_size=1):
                 if not ev.get(key):
                     raise SystemExit(f"config key reward.evaluators[{i}].{key}: required for kind remote "
                                      f"(the server's /v1 URL and the model name it serves)")
-            for key, default in R.REMOTE_DEFAULTS.items():
+            for key, default in REMOTE_DEFAULTS.items():
                 ev.setdefault(key, default)
             for key, low in (("timeout_s", 0), ("max_retries", 0), ("backoff_base_s", 0), ("backoff_max_s", 0),
                              ("concurrency", 1), ("batch_size", 1), ("max_tokens", 0)):

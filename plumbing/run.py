@@ -1,0 +1,682 @@
+"""A training run's plumbing: what train.py's loop needs that is not the method.
+
+    setup(cfg, passes)        models, data, optimizer, resume point: the `state` dict (its keys in
+                              setup's docstring), every check that needs no model first
+    emit(...)                 metrics.jsonl, samples.jsonl, the trackers (run.report_to), the bar
+    save_run, save_checkpoint, load_trainer_state, latest_checkpoint
+                              atomic checkpoint folders and the exact resume (docs/method.md §4.7)
+    write_early_stop, finished_run, finish
+    open_trackers, track_step, close_trackers     tensorboard / trackio / wandb
+    setup_metarm, load_metarm, save_metarm, load_saved_metarm, cold_start_settings
+                              the MetaRM of an rm_nlhf run: restored, loaded or cold-started
+"""
+import contextlib
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from metarm import broadcast_parameters, cold_start
+import reward
+import rollout
+
+from plumbing.config import check_scale_config, check_single_pass, validate_config
+from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model, load_train_items, load_val_items,
+                           policy_chat, prompt_token_limit, resolve_model_path)
+from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
+                            save_merged, setup_distributed, wrap_policy)
+from plumbing.services import load_evaluators, make_judge, remote_evaluators
+
+
+def setup(cfg, passes):
+    """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
+
+    Order: what can fail without loading a model first (device, out_dir, config against the world
+    size, data files, the judge's settings), then the policy (float32 master weights, whatever
+    model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
+    it with model.lora, apply_lora), prompts over the
+    length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
+    AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf).
+
+    Returns:
+        dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
+        wrapper or the FSDP2-sharded policy), tokenizer, chat, engine (None for HF), evaluators,
+        ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), and the data:
+        items (rlme) or judge, dh_items, do_items (rm_nlhf).
+    """
+    tc, run, ro, algo = cfg["train"], cfg["run"], cfg["rollout"], cfg["algo"]
+    check_startup(cfg)
+    rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
+                                            cpu_collectives=tc["cpu_offload"])
+    validate_config(cfg, world)
+    check_scale_config(cfg, device)
+    out_dir, is_main = run["out_dir"], rank == 0
+    ckpt = latest_checkpoint(out_dir) if run["resume"] else None
+    stopped = os.path.join(out_dir, "early_stop.json")
+    done = finished_run(out_dir, ckpt, run["total_steps"])
+    if done:  # nothing to train: say why and leave
+        if is_main:
+            print(done, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return None
+    state = {"rank": rank, "world": world, "device": device, "passes": passes, "val_items": [], "val_history": [],
+             "rewards_since_eval": []}
+
+    # data (rm_nlhf: the judge's start-up checks, model name and API key variable, come first)
+    task = cfg["task"]
+    if task == "rm_nlhf":
+        state["judge"] = make_judge(cfg["judge"])
+        state["dh_items"], state["do_items"] = load_dh_items(cfg), load_do_items(cfg)
+    else:
+        state["items"], state["val_items"] = load_train_items(cfg), load_val_items(cfg)
+        check_single_pass(cfg, len(state["items"]))
+    # remote evaluators: reachable and returning prompt log-probs, checked before any model loads
+    state["remote"] = remote_evaluators(cfg, passes) if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else {}
+
+    # the policy and its prompts; a prompt over the length limit is dropped and counted. Under LoRA
+    # (model.lora) the base always comes from model.policy and the adapters from the checkpoint.
+    lora = cfg["model"]["lora"]
+    check_checkpoint_kind(ckpt, lora)
+    policy, tokenizer = load_model(ckpt if ckpt and not lora else cfg["model"]["policy"], "float32", device)
+    if lora:
+        policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
+    chat = policy_chat(tokenizer, cfg["model"])
+    overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
+    if task == "rm_nlhf":
+        section, names = "nlhf", ("dh_items", "do_items")
+        ids = functools.partial(reward.grm_prompt_ids, tokenizer, chat=chat, nl=cfg["nlhf"])
+    else:
+        section, names = "data", ("items", "val_items")
+        ids = functools.partial(rollout.policy_prompt_ids, tokenizer, chat=chat, template=cfg["data"]["prompt_template"])
+    key = f"{section}.max_prompt_tokens"
+    limit = prompt_token_limit(cfg[section]["max_prompt_tokens"], policy, ro["max_new_tokens"], key)
+    dropped = 0
+    for name in names:
+        state[name], n = keep_short(state[name], ids, limit=limit, key=key, overhead=overhead)
+        dropped += n
+    if dropped and is_main:
+        print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens ({key})", flush=True)
+    if task == "rlme":
+        check_single_pass(cfg, len(state["items"]))  # again, after the long prompts left
+
+    # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
+    model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
+                        cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
+    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
+             engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
+    if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
+        push_weights(state["engine"], policy)
+    rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
+    state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, passes, remote=state["remote"]) if rlme else []
+    state["ref_model"] = None
+    if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and lora and tc["fast_paths"]:
+        state["ref_model"] = BaseModelView(policy)  # pi_ref = the initial policy = the policy with adapters off
+    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
+        state["ref_model"], _ = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+        state["ref_model"].eval().requires_grad_(False)
+
+    # optimizer, schedule, loss scaling; the resume point
+    o = cfg["optim"]
+    # fused=True: one kernel over all parameters; the default (foreach) makes full-size
+    # temporaries and was several times slower on CPU for the same update (docs/performance.md).
+    # only what trains gets AdamW state (all of the policy; under LoRA the adapters alone)
+    state["optimizer"] = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o["lr"],
+                                           betas=(o["beta1"], o["beta2"]),
+                                       weight_decay=o["weight_decay"], fused=True)
+    state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(state["optimizer"], lr_lambda(cfg))
+    # float16 has 5 exponent bits: small gradients underflow to 0 without loss scaling (bf16 has
+    # float32's range and needs none)
+    state["scaler"] = torch.amp.GradScaler(device.type) if cfg["model"]["dtype"] == "float16" else None
+    state["start_step"] = 0
+    if ckpt:
+        state["start_step"] = load_trainer_state(ckpt, policy, state["optimizer"], state["scheduler"],
+                                                 scaler=state["scaler"])
+    state["mrm"], mrm_source = None, None
+    if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
+        state["mrm"], mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
+                                                          judge=state["judge"], device=device, rank=rank,
+                                                          world=world, generate=passes["generate"])
+
+    # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
+    state["pbar"], state["trackers"] = None, []
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if state["start_step"]:
+                truncate_jsonl(os.path.join(out_dir, name), state["start_step"])
+            elif os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+        if not state["start_step"] and os.path.exists(stopped):
+            os.remove(stopped)  # a fresh run over an early-stopped folder
+        state["trackers"] = open_trackers(cfg, state["start_step"])
+        what = (f"rm_nlhf | D_H {len(state['dh_items'])} items, D_O {len(state['do_items'])} | MetaRM {mrm_source}"
+                if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(state['items'])} items")
+        print(f"[train] {what} | policy {cfg['model']['policy']} | world {world} | "
+              f"{'resuming from ' + ckpt if ckpt else 'fresh start'}", flush=True)
+        if state["val_items"]:
+            print(f"[train] validation every {run['eval_every']} steps on {len(state['val_items'])} held-out "
+                  f"problems ({cfg['data']['val']})", flush=True)
+        from tqdm import tqdm
+        state["pbar"] = tqdm(total=run["total_steps"], initial=state["start_step"], desc="train", dynamic_ncols=True)
+    if state["world"] > 1:
+        dist.barrier()  # metrics.jsonl is truncated before any rank reads it
+    if state["start_step"] and cfg["run"]["eval_every"]:  # the monitor's history, so a resumed run decides alike
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
+                                    for m in map(json.loads, f) if "val/accuracy" in m]
+    return state
+
+
+def finished_run(out_dir, ckpt, total_steps):
+    """Why the run in out_dir must not train on, as the line to print, or None: it stopped early
+    (early_stop.json, write_early_stop) or its checkpoint already reached run.total_steps."""
+    stopped = os.path.join(out_dir, "early_stop.json")
+    if ckpt and os.path.exists(stopped):
+        with open(stopped) as f:
+            info = json.load(f)
+        return (f"[train] {out_dir} stopped early at step {info['step']} (held-out accuracy {info['accuracy']:.3f}, "
+                f"best {info['best_accuracy']:.3f} at step {info['best_step']}; {stopped}); delete that file to "
+                f"train on from there")
+    if ckpt and checkpoint_step(ckpt) >= total_steps:
+        return (f"[train] {out_dir} is complete: its checkpoint is at step {checkpoint_step(ckpt)} and "
+                f"run.total_steps={total_steps}; to train further raise run.total_steps "
+                f"(or set run.out_dir / run.resume=false for a new run)")
+    return None
+
+
+def write_early_stop(state, cfg, step):
+    """Rank 0 writes <out_dir>/early_stop.json (the step, its held-out accuracy, the best one and
+    when) and says so; a rerun of the same command then stops at start-up instead of training on."""
+    hist = state["val_history"]
+    best = max(hist, key=lambda h: h["accuracy"])
+    info = {"step": step, "accuracy": hist[-1]["accuracy"], "best_accuracy": best["accuracy"], "best_step": best["step"],
+            "early_stop_drop": cfg["run"]["early_stop_drop"], "early_stop_patience": cfg["run"]["early_stop_patience"]}
+    if state["rank"] == 0:
+        with open(os.path.join(cfg["run"]["out_dir"], "early_stop.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        state["pbar"].write(f"[train] early stop at step {step}: held-out accuracy {info['accuracy']:.3f} has been more "
+                            f"than {info['early_stop_drop']} below its best ({info['best_accuracy']:.3f}, step "
+                            f"{info['best_step']}) for {info['early_stop_patience']} evaluations")
+
+
+def finish(state):
+    """Close the progress bar, the experiment trackers and the process group."""
+    if state["pbar"] is not None:
+        state["pbar"].close()
+    close_trackers(state["trackers"])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def save_run(state, cfg, step):
+    """6. The checkpoint of `step` (save_checkpoint; the MetaRM rides along in metarm/), then a
+    barrier so no rank runs ahead of rank 0's rename."""
+    mrm = state["mrm"]
+    lora = cfg["model"]["lora"]
+    save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
+                    scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
+                    scaler=state["scaler"], merged=bool(lora and lora["merged"]),
+                    extra=(lambda d: save_metarm(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
+    if state["world"] > 1:
+        dist.barrier()
+
+
+def emit(state, cfg, metrics, records):
+    """Rank 0 (metrics not None): the metrics.jsonl line, the samples.jsonl lines, the trackers
+    (run.report_to), the progress bar; a step whose every reward is masked says so. Returns metrics."""
+    if metrics is None:
+        return None
+    n, known = len(records), metrics["reward/mean"] is not None
+    with open(os.path.join(cfg["run"]["out_dir"], "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    if cfg["run"]["log_samples"]:
+        with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    track_step(state["trackers"], metrics, records if cfg["run"]["log_samples"] else None)  # run.report_to
+    # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
+    acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
+    state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}" if known else "masked",
+                              **({"acc": f"{acc:.2f}"} if acc is not None else {}),
+                              s=f"{metrics['time/step']:.0f}", refresh=False)
+    if known:
+        state["rewards_since_eval"].append(metrics["reward/mean"])  # for the reward-hacking monitor
+    else:
+        state["pbar"].write(f"[train] step {metrics['step']}: no reward known, all {n} samples masked "
+                            f"(failed judge / remote evaluator calls; reward/masked, samples.jsonl)")
+    state["pbar"].update(1)
+    return metrics
+
+
+def latest_checkpoint(out_dir):
+    """Path of the newest complete checkpoint folder in out_dir/checkpoints, or None."""
+    root = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", d))
+             and os.path.isfile(os.path.join(root, d, "trainer_state.pt"))]
+    return os.path.join(root, f"step_{max(steps):06d}") if steps else None
+
+
+def checkpoint_step(ckpt):
+    """The step of a checkpoint folder out_dir/checkpoints/step_NNNNNN."""
+    return int(os.path.basename(ckpt).split("_")[1])
+
+
+def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None, scaler=None,
+                    merged=False):
+    """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
+    that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
+    into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
+
+    Every rank calls this (under FSDP2 gathering the state is a collective); rank 0 writes.
+    The checkpoint is layout-agnostic (docs/scale-out.md): the full model state dict as a plain
+    save_pretrained folder (FSDP2: float32 master weights), and the optimizer state as a full,
+    parameter-name-keyed dict (torch.distributed.checkpoint.state_dict), so a run with any
+    world size and either of ddp/fsdp2 resumes from it (load_trainer_state).
+
+    Under LoRA (a peft model) the folder holds the adapter (peft's adapter_config.json and
+    adapter_model.safetensors, no base weights) and the optimizer state of the adapters; with
+    `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged) for
+    evaluate.py or any HF loader.
+
+    Args:
+        model: the unwrapped policy (plain, peft, or FSDP2-sharded; never the DDP wrapper).
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
+    model_sd = get_model_state_dict(model, options=opts)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if rank != 0:
+        return
+    root = os.path.join(out_dir, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with no_progress_bars():
+        model.save_pretrained(tmp, state_dict=model_sd)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else None},
+                   os.path.join(tmp, "trainer_state.pt"))
+        if merged:
+            save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+        if extra is not None:
+            extra(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+    for d in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' own progress bars ("Writing model shards") off inside the block: drawn under
+    the training bar they print cursor-up codes, and a log file shows the training line again."""
+    from transformers.utils import logging as hf_logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def load_trainer_state(ckpt, policy, optimizer, scheduler, scaler=None):
+    """Restore optimizer and scheduler from ckpt/trainer_state.pt; returns the step.
+
+    The optimizer state is the full name-keyed dict written by save_checkpoint; each rank reads
+    the file (memory-mapped, so ranks on one node share the pages) and keeps its own shard
+    (FSDP2) or all of it (DDP / one process). Call after wrap_policy and after the optimizer
+    was built on the wrapped parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)
+    osd = state["optimizer"]
+    if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):
+        optimizer.load_state_dict(osd)  # a checkpoint from before name-keyed optimizer states
+    else:
+        set_optimizer_state_dict(policy, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])  # float16: the loss scale continues where it was
+    return state["step"]
+
+
+def truncate_jsonl(path, last_step):
+    """Drop lines logged after `last_step` (they belong to steps the resumed run redoes)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def tracker_metrics(metrics, prefix=""):
+    """The numeric entries of a metrics.jsonl line for a tracker: ints, floats and bools (as 0/1),
+    nested dicts flattened to "outer/inner"; None (e.g. accuracy without labels), strings and the
+    "step" entry (the trackers' x axis) left out."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(tracker_metrics(v, prefix=f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and (prefix or k != "step"):
+            out[prefix + k] = float(v) if isinstance(v, bool) else v
+    return out
+
+
+def samples_table(records):
+    """(columns, rows) of one step's samples.jsonl records: every field any record has, in first-seen
+    order; numbers, strings, bools and None as they are, anything else (the evaluators' log-probs,
+    list labels) as its JSON text, so each column holds one kind of value."""
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    cell = lambda v: v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v)
+    return columns, [[cell(r.get(c)) for c in columns] for r in records]
+
+
+def markdown_table(columns, rows):
+    """A markdown table (TensorBoard's text plugin renders it): | and newlines escaped."""
+    cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                     + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def open_trackers(cfg, start_step):
+    """Rank 0's trackers of run.report_to: a list of {"name", "log"(metrics, step, table), "close",
+    "skip_through" (steps up to it are not sent again), "info" (tracking.json's dict), "path"}.
+
+    A resumed run continues the same tracker runs: <out_dir>/tracking.json keeps the run id (a
+    fresh run, start_step 0, draws a new one) and the last step each tracker got. The steps a
+    killed run logged after its checkpoint are redone on resume (truncate_jsonl drops them from
+    metrics.jsonl): TensorBoard purges them (purge_step) and takes the new values; trackio and wandb
+    cannot delete logged steps, so they skip the steps they already have (resume is exact, so only
+    time/*, memory/* and rollout/tokens_per_s can differ; metrics.jsonl has the redone values)."""
+    run = cfg["run"]
+    if not run["report_to"]:
+        return []
+    out_dir, path = run["out_dir"], os.path.join(run["out_dir"], "tracking.json")
+    info = None
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            info = json.load(f)
+    if info is None:
+        info = {"id": secrets.token_hex(4), "name": os.path.basename(os.path.normpath(os.path.abspath(out_dir))),
+                "last_step": {}}
+    trackers, shared = [], {"info": info, "path": path}  # track_step rewrites tracking.json from info
+    for name in run["report_to"]:
+        if name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step: readers drop this folder's events at steps >= it (a killed run's steps past its checkpoint)
+            writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=start_step + 1)
+
+            def log(metrics, step, table, writer=writer):
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step)
+                if table is not None:
+                    writer.add_text("samples", markdown_table(*table), step)
+                writer.flush()  # a crash loses no logged step
+            trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": 0})
+            continue
+        try:
+            if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
+                import trackio
+                r = trackio.init(project=run["tracking_project"], name=f"{info['name']}-{info['id']}", config=cfg,
+                                 resume="allow")
+                make_table = lambda columns, rows: trackio.Table(columns=columns, data=rows)
+            else:  # wandb: online unless WANDB_MODE=offline (then `wandb sync <out_dir>/wandb/offline-run-*` uploads it)
+                import wandb
+                r = wandb.init(project=run["tracking_project"], id=info["id"], name=info["name"], resume="allow",
+                               dir=out_dir, config=cfg)
+                make_table = lambda columns, rows: wandb.Table(columns=columns, data=rows, allow_mixed_types=True)
+        except Exception as e:  # noqa: BLE001 - e.g. wandb's CommError when its server cannot be reached
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise SystemExit(f"config key run.report_to: {name} could not start its run ({type(e).__name__}: {why})"
+                             + ("; WANDB_MODE=offline logs locally" if name == "wandb" else ""))
+
+        def log(metrics, step, table, r=r, make_table=make_table):
+            r.log({**metrics, **({"samples": make_table(*table)} if table is not None else {})}, step=step)
+        trackers.append({**shared, "name": name, "log": log, "close": r.finish,
+                         "skip_through": info["last_step"].get(name, 0) if start_step else 0})
+    return trackers
+
+
+def track_step(trackers, metrics, records):
+    """Send one step's metrics.jsonl line (tracker_metrics) and, unless records is None, its
+    samples.jsonl records as a table (samples_table) to every tracker, then record the step in
+    tracking.json (atomic)."""
+    if not trackers:
+        return
+    step, values = metrics["step"], tracker_metrics(metrics)
+    table = samples_table(records) if records else None
+    for t in trackers:
+        if step > t["skip_through"]:
+            t["log"](values, step, table)
+            t["info"]["last_step"][t["name"]] = step
+    info, path = trackers[0]["info"], trackers[0]["path"]
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def close_trackers(trackers):
+    """Flush and close every tracker (wandb and trackio finish their runs)."""
+    for t in trackers:
+        t["close"]()
+
+
+def lr_lambda(cfg):
+    o, total = cfg["optim"], cfg["run"]["total_steps"]
+
+    def f(step):
+        if step < o["warmup_steps"]:
+            return (step + 1) / (o["warmup_steps"] + 1)
+        if o["schedule"] == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - o["warmup_steps"]) / max(1, total - o["warmup_steps"]))))
+        return 1.0
+    return f
+
+
+def check_startup(cfg):
+    """What can be known about this machine before anything is loaded: the device exists, the
+    output folder can be written. One-line SystemExit naming the key.
+
+    The folder itself is made later (setup, rank 0), so a start that fails on bad data or a bad
+    model path leaves no empty run folder behind: here a probe file is written and removed in
+    run.out_dir, or in its nearest existing parent when it does not exist yet."""
+    if cfg["train"]["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("config key train.device=cuda: no CUDA device on this machine (use train.device=cpu or auto)")
+    out_dir = cfg["run"]["out_dir"]
+    where = os.path.abspath(out_dir)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file, not a folder")
+        probe = os.path.join(where, f".rlme_write_test_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"config key run.out_dir={out_dir}: cannot write there ({e.strerror})")
+    for name in cfg["run"]["report_to"]:  # each tracker's name is its package (config.TRACKERS)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise SystemExit(f"config key run.report_to: {name} needs the `{name}` package: pip install {name}")
+    if "wandb" in cfg["run"]["report_to"]:
+        check_wandb_credentials()
+
+
+def check_wandb_credentials():
+    """wandb in online mode needs a W&B API key: without one wandb.init fails (no terminal) or
+    prompts, after every model has loaded. SystemExit (one line) before that instead."""
+    import wandb
+    if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):  # WANDB_MODE or wandb's settings file
+        return
+    if not wandb.login(verify=False, prompt=False):  # WANDB_API_KEY, wandb's settings, ~/.netrc; no network
+        raise SystemExit("config key run.report_to: wandb is online but no W&B API key is configured: run "
+                         "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally")
+
+
+def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world, generate=rollout.generate):
+    """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
+    (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
+    (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
+    from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
+    metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
+    Rank 0 does (3) and saves; the other ranks then load the same folder, so all ranks start equal.
+
+    Args:
+        cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
+        policy, tokenizer: the GRM (train.py's policy, float32). dh: D_H items. judge: make_judge dict.
+        generate: the cold start's sampler (cold_start).
+    Returns:
+        (mrm dict or None, source str, cold-start stats dict or None).
+    Raises:
+        SystemExit when a resumed checkpoint has no MetaRM (the GRM and its MetaRM move together).
+    """
+    m, nl = cfg["metarm"], cfg["nlhf"]
+    if m["mode"] == "none":
+        return None, "none", None
+    path = m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
+    if ckpt:
+        if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
+            raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
+        return load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
+    if os.path.isfile(os.path.join(path, "metarm.json")):
+        return load_saved_metarm(path, device, m["dtype"]), path, None
+    base = m["model"] or cfg["model"]["policy"]
+
+    def fresh():
+        return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
+                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
+                           online_epochs=m["online_epochs"])
+
+    stats = None
+    if rank == 0:
+        mrm = fresh()
+        if m["cold_start"]:
+            items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
+            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
+            # a plain copy of the same base weights, freed after the cold start)
+            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
+                load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+            stats = cold_start(mrm, grm, items, judge, **cold_start_settings(cfg, grm[1]), generate=generate,
+                               micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
+                               log=lambda s: print(f"[train] {s}", flush=True))
+            del grm
+            save_metarm(mrm, path)
+    if world > 1:
+        dist.barrier()
+        if not m["cold_start"]:  # a fresh head is random: take rank 0's
+            mrm = mrm if rank == 0 else fresh()
+            broadcast_parameters(mrm["model"])
+        elif rank != 0:
+            mrm = load_saved_metarm(path, device, m["dtype"])
+    return mrm, "cold_start" if m["cold_start"] else "fresh", stats
+
+
+def cold_start_settings(cfg, tokenizer):
+    """metarm.cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.* with the
+    GRM's `tokenizer` for its chat format, run.seed): one place, for train.py's cold start and
+    the CLI's."""
+    m = cfg["metarm"]
+    return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
+                temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
+                weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat=policy_chat(tokenizer, cfg["model"]),
+                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"])
+
+
+def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
+                online_lr=5e-6, weight_decay=0.01, online_epochs=1):
+    """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
+
+    Args:
+        path: HF folder, hub id or gguf:<package>/<file> (see resolve_model_path).
+        mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
+        dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
+            an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
+    Returns:
+        the mrm dict (see the top of this file).
+    Raises:
+        SystemExit with one line when the path cannot be loaded or mode is unknown.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    if mode not in reward.METARM_MODES or mode == "none":
+        raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
+    resolved = resolve_model_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    # the sequence classifier pools the last non-pad token and needs the pad id in its config
+    model.config.pad_token_id = tok.pad_token_id
+    tok.padding_side = "right"
+    tok.truncation_side = "left"  # keep the critique, which comes last
+    return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
+            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
+            "online_epochs": int(online_epochs), "truncated": 0,
+            "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
+
+
+_META = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates")
+
+
+def save_metarm(mrm, path):
+    """Write the MetaRM to `path` atomically: everything goes to `<path>.tmp` first, then renames.
+    A crash leaves either the old folder, or `<path>.old` (which load_saved_metarm falls back to).
+    Contents: HF model + tokenizer, metarm.json (settings), optimizer.pt (online AdamW state)."""
+    path = os.path.abspath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    mrm["model"].save_pretrained(tmp)
+    mrm["tokenizer"].save_pretrained(tmp)
+    with open(os.path.join(tmp, "metarm.json"), "w") as f:
+        json.dump({k: mrm[k] for k in _META}, f, indent=1)
+    if mrm["optimizer"] is not None:
+        torch.save(mrm["optimizer"].state_dict(), os.path.join(tmp, "optimizer.pt"))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_saved_metarm(path, device="cpu", dtype="float32"):
+    """Load a MetaRM written by save_metarm (settings from metarm.json, optimizer state if any).
+    Raises SystemExit when neither `path` nor `<path>.old` holds one."""
+    for p in (path, os.path.abspath(path) + ".old"):
+        if os.path.isfile(os.path.join(p, "metarm.json")):
+            with open(os.path.join(p, "metarm.json")) as f:
+                meta = json.load(f)
+            mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
+                              max_length=meta["max_length"], online_lr=meta["online_lr"],
+                              online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
+                              weight_decay=meta["weight_decay"])
+            mrm["updates"] = meta["updates"]
+            opt_path = os.path.join(p, "optimizer.pt")
+            if os.path.isfile(opt_path):
+                mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
+                                                     weight_decay=mrm["weight_decay"])
+                mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
+            return mrm
+    raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")

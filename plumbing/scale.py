@@ -1,0 +1,605 @@
+"""Scale-out plumbing (docs/scale-out.md): process group and reductions, mixed precision, DDP and
+FSDP2 wrapping, activation checkpointing, the vLLM rollout engine and its weight pushes, LoRA.
+
+train.py imports a few seams from here: all_sum / all_max / gather_records (reductions over
+ranks), compute_context (the forward's dtype), grad_sync (gradient accumulation), unsharded (full
+weights for generation), generate_vllm / vllm_sleep / push_weights (the vLLM backend), logp_gap.
+"""
+import contextlib
+import functools
+import json
+import os
+import resource
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import rollout
+
+from plumbing.data import resolve_model_path
+
+
+def setup_distributed(device_setting, always_group=False, cpu_collectives=False):
+    """Init the process group when launched by torchrun (gloo on CPU, nccl on CUDA).
+
+    Args:
+        always_group: also make a 1-process group when not launched by torchrun (FSDP2 needs a
+            process group even for world size 1; an in-memory store needs no port).
+        cpu_collectives: on CUDA, give CPU tensors a gloo backend next to nccl
+            ("cpu:gloo,cuda:nccl"): FSDP2 CPU offload keeps gradients on the CPU, and clipping
+            them all-reduces CPU tensors.
+    Returns (rank, world, device)."""
+    use_cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    backend = ("cpu:gloo,cuda:nccl" if cpu_collectives else "nccl") if use_cuda else "gloo"
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend)
+    elif always_group and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return rank, world, torch.device("cuda", local) if use_cuda else torch.device("cpu")
+
+
+def all_sum(x, world, op=dist.ReduceOp.SUM):
+    """Sum (or another `op`) of a float over ranks (returns a float)."""
+    if world == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def all_max(x, world):
+    """Max of a float over ranks (returns a float)."""
+    return all_sum(x, world, op=dist.ReduceOp.MAX)
+
+
+def gather_records(records, world):
+    """All ranks' per-sample dicts, in rank order, on every rank."""
+    if world == 1:
+        return records
+    out = [None] * world
+    dist.all_gather_object(out, records)
+    return [r for part in out for r in part]
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+
+
+def compute_context(dtype, parallel, device):
+    """Mixed precision of every forward of the trained policy: the context to run it in.
+
+    The trained parameters and the AdamW state are always float32 (master weights): an AdamW
+    step of ~1e-6 on a bf16 weight of ~0.02 (bf16 spacing there ~1e-4) rounds to nothing, so a
+    bf16-stored policy does not train. Compute runs in `model.dtype`, as TRL and accelerate do:
+    - FSDP2 on GPU: its MixedPrecisionPolicy gathers the parameters in `dtype` (wrap_policy),
+      so nothing more is needed here;
+    - everywhere else (DDP, one process, FSDP2 on the CPU): torch.autocast to `dtype`, which runs
+      matrix multiplies in `dtype` and keeps reductions (softmax, norms) in float32.
+    Backward runs outside the context (torch's autocast guidance); it follows the forward's dtypes.
+
+    Args:
+        dtype: "float32" | "bfloat16" | "float16" (model.dtype). parallel: "ddp" | "fsdp2".
+        device: torch.device.
+    Returns:
+        a context manager (a no-op for float32).
+    """
+    if parallel == "fsdp2" and device.type == "cuda":
+        return contextlib.nullcontext()
+    return rollout.autocast(dtype, device.type)
+
+
+def decoder_layers(policy):
+    """The repeated transformer blocks of an HF causal LM (its `_no_split_modules` classes:
+    LlamaDecoderLayer, Qwen3DecoderLayer, ...): the unit FSDP2 shards and gathers."""
+    names = set(getattr(policy, "_no_split_modules", None) or [])
+    layers = [m for m in policy.modules() if type(m).__name__ in names]
+    if not layers:
+        raise SystemExit(f"train.parallel=fsdp2: found no decoder layers in {type(policy).__name__}")
+    return layers
+
+
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def keep_matmul_outputs(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing policy (torch.utils.checkpoint): inside a checkpointed
+    decoder layer, save the outputs of matrix multiplies (q/k/v/o and MLP projections), recompute
+    everything else (RMSNorms, RoPE, attention, SiLU, products, residual adds) when backward
+    replays the layer.
+
+    What it buys: it keeps most of full checkpointing's memory saving for less recompute (the
+    matmuls are not replayed); figures in docs/performance.md. configs/cpu.yaml keeps "none": on a
+    135M model the weights and their gradients, not the activations, set the peak. It is for long
+    sequences and big models, where activations dominate.
+    """
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=False,
+                gradient_checkpointing="none"):
+    """Wrap the policy for training (docs/scale-out.md).
+
+    ddp: DistributedDataParallel when world > 1, else the model itself.
+    fsdp2: `fully_shard` each decoder layer, then the root (embeddings, final norm, lm_head;
+        tied weights stay one parameter). On GPU with dtype != float32 a MixedPrecisionPolicy
+        computes in `dtype` (bf16) and reduces gradients in float32; on CPU everything stays
+        float32 (gloo). cpu_offload keeps the shards, gradients and the AdamW step on the CPU.
+        fully_shard changes the class of `policy` in place, so the returned model IS policy.
+    gradient_checkpointing: "none", "full" (keep only each decoder layer's input, replay the
+        layer in backward) or "selective" (also keep the matrix-multiply outputs, replay only the
+        cheap ops: `keep_matmul_outputs`). Non-reentrant: the variant that works under FSDP2 and
+        with DDP no_sync. Neither changes what is computed (tests/test_rollout.py).
+
+    Returns:
+        the module to run forward/backward on (DDP wrapper, or the policy).
+    """
+    if gradient_checkpointing != "none":
+        kw = {"use_reentrant": False}
+        if gradient_checkpointing == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmul_outputs)
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    if parallel == "ddp":
+        if world == 1:
+            return policy
+        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {"mesh": init_device_mesh(device.type, (world,))}
+    if device.type == "cuda" and dtype != "float32":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=rollout.DTYPES[dtype], reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(policy):
+        fully_shard(layer, **kw)
+    fully_shard(policy, **kw)
+    return policy
+
+
+@contextlib.contextmanager
+def grad_sync(model, world, sync):
+    """Gradient accumulation over micro-batches: communicate gradients only when `sync` (the
+    last micro-batch). DDP: `no_sync()` otherwise. FSDP2: `set_requires_gradient_sync(sync)`;
+    unsynced micro-batches accumulate unsharded gradients, the last one reduce-scatters them."""
+    if rollout.is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif world > 1 and not sync:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Full parameters on every rank for generation (docs/scale-out.md, HF backend under FSDP2).
+
+    HF `generate` runs a data-dependent number of forwards (it stops when every row hit EOS),
+    so per-layer FSDP2 all-gathers would deadlock when ranks stop at different steps. Gather
+    every layer once (`unshard()`), keep them gathered through the forwards
+    (`reshard_after_forward=False`), then free them. Costs one full copy of the weights in the
+    compute dtype while generating. A no-op for DDP / plain models."""
+    if not rollout.is_fsdp(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            # back to fully_shard's behaviour: layers free their gathered weights after forward;
+            # the root keeps them (FSDP2 makes the root not reshard: backward needs them at once)
+            m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def make_rollout_engine(cfg, model_path, policy, rank):
+    """None for the HF backend; for vLLM (docs/scale-out.md) this rank's in-process engine as a dict
+    {"llm", "asleep", "sleep_level", "tied"}, started from the same weights as the policy
+    (`model_path`: the checkpoint being resumed, or model.policy)."""
+    ro = cfg["rollout"]
+    if ro["backend"] != "vllm":
+        return None
+    llm = make_vllm_engine(resolve_model_path(model_path), cfg["model"]["dtype"],
+                                   gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
+                                   max_model_len=ro["vllm_max_model_len"], enforce_eager=ro["vllm_enforce_eager"],
+                                   # vLLM seeds numpy with it, which needs 0 <= seed < 2**32
+                                   seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2**32)
+    return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
+            "tied": bool(getattr(policy.config, "tie_word_embeddings", False))}
+
+
+def push_weights(engine, policy):
+    """After the update: the new weights into the vLLM engine (gathered from FSDP2 shards one
+    tensor at a time; under LoRA merged into the base weights first, merged_state_items), then its
+    prefix cache reset (docs/scale-out.md). No-op for the HF backend, which samples from the policy itself."""
+    if engine is not None:
+        vllm_push_weights(engine, merged_state_items(policy) if is_lora(policy) else full_state_items(policy))
+
+
+def full_state_items(policy):
+    """(name, full tensor) for every entry of the policy's state dict, one at a time, so that
+    pushing weights to vLLM never holds more than one gathered tensor (docs/scale-out.md). Under FSDP2
+    each `full_tensor()` is an all-gather: every rank must iterate the same way."""
+    from torch.distributed.tensor import DTensor
+    for name, t in policy.state_dict().items():
+        if isinstance(t, DTensor):
+            if t.device.type == "cpu" and torch.cuda.is_available():  # CPU offload: gather over nccl
+                t = t.to("cuda")
+            t = t.full_tensor()
+        yield name, t
+
+
+def logp_gap(trainer_rows, rollout_lp, mask):
+    """|trainer - rollout engine| per-token log-prob over masked tokens (docs/scale-out.md).
+
+    Args:
+        trainer_rows: list (N) of FloatTensor [>= L_i], the trainer's behaviour log-probs.
+        rollout_lp: FloatTensor [N, L], the engine's (vLLM) log-probs of the same tokens.
+        mask: FloatTensor [N, L], a prefix mask per row (rollout.completion_mask).
+    Returns:
+        (sum of |gap|, number of tokens, max |gap|) as floats; the caller reduces over ranks.
+    """
+    total, count, worst = 0.0, 0, 0.0
+    for i, row in enumerate(trainer_rows):
+        n = int(mask[i].sum())
+        if n == 0:
+            continue
+        d = (row[:n].float() - rollout_lp[i, :n].float()).abs()
+        total += float(d.sum())
+        count += n
+        worst = max(worst, float(d.max()))
+    return total, count, worst
+
+
+def apply_lora(policy, lora, seed, ckpt=None):
+    """The policy with LoRA adapters (peft) on model.lora.target_modules: each such Linear layer
+    computes W x + (alpha / r) B A x, with W frozen and only A [r, in] and B [out, r] trained.
+
+    Fresh (ckpt None): peft's init, A Kaiming-uniform drawn under `seed` (so every rank and every
+    rerun starts alike), B = 0: at step 0 the policy IS the base model. From a checkpoint: the
+    adapter weights saved there, after checking they were made with the same r, alpha and modules.
+
+    Args:
+        policy: the loaded HF causal LM (float32). lora: the config's model.lora dict.
+    Returns:
+        peft.PeftModel (the policy from here on; its .disable_adapter() gives back the base).
+    Raises:
+        SystemExit (one line): a target module the model does not have, or that is not a Linear
+        layer; a checkpoint whose adapter does not match model.lora.
+    """
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    targets = lora["target_modules"]
+    if targets != "all-linear":
+        names = {n: m for n, m in policy.named_modules() if n}
+        tied = bool(getattr(policy.config, "tie_word_embeddings", False))
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items() if isinstance(m, torch.nn.Linear)}
+                        - ({"lm_head"} if tied else set()))  # the Linear layers a user may name
+        for t in targets:  # peft's rule: the module's full name is t or ends with "." + t
+            hits = [m for n, m in names.items() if n == t or n.endswith("." + t)]
+            if not hits:
+                raise SystemExit(f"config key model.lora.target_modules: no module named {t!r} in "
+                                 f"{type(policy).__name__} (its Linear layers: {', '.join(linear)})")
+            if not all(isinstance(m, torch.nn.Linear) for m in hits):
+                kind = type(hits[0]).__name__
+                a = "an" if kind[0] in "AEIOU" else "a"
+                raise SystemExit(f"config key model.lora.target_modules: {t!r} is {a} {kind}, not a Linear layer "
+                                 f"(LoRA here adapts Linear layers: {', '.join(linear)})")
+            if tied and t.rsplit(".", 1)[-1] == "lm_head":  # its merge would untie it from the embedding
+                raise SystemExit("config key model.lora.target_modules: lm_head is tied to the input embedding "
+                                 "in this model; leave it out")
+    cfg = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
+                     task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []), \
+            warnings.catch_warnings():
+        # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: a FutureWarning per run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(seed)
+        model = get_peft_model(policy, cfg)
+    if ckpt is None:
+        return model
+    from safetensors.torch import load_file
+    with open(os.path.join(ckpt, "adapter_config.json")) as f:
+        saved = json.load(f)
+    weights = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+    expected = set(get_peft_model_state_dict(model))
+    if (saved["r"], saved["lora_alpha"]) != (lora["r"], lora["alpha"]) or set(weights) != expected:
+        raise SystemExit(f"checkpoint {ckpt}: its LoRA adapter (r {saved['r']}, alpha {saved['lora_alpha']}, modules "
+                         f"{sorted(saved['target_modules']) if isinstance(saved['target_modules'], list) else saved['target_modules']}) "
+                         f"is not the one model.lora describes; resume with the run's own model.lora")
+    set_peft_model_state_dict(model, weights)
+    return model
+
+
+def check_checkpoint_kind(ckpt, lora):
+    """A checkpoint and model.lora must agree: an adapter folder resumes only under LoRA, a full
+    model folder only without it. SystemExit (one line), before any model loads."""
+    if ckpt is None:
+        return
+    has_adapter = os.path.isfile(os.path.join(ckpt, "adapter_model.safetensors"))
+    if lora and not has_adapter:
+        raise SystemExit(f"config key model.lora is set but checkpoint {ckpt} holds a full model, no LoRA adapter; "
+                         f"resume it without model.lora, or start a new run (run.out_dir)")
+    if not lora and has_adapter:
+        raise SystemExit(f"checkpoint {ckpt} holds a LoRA adapter: resume it with the run's model.lora "
+                         f"(its config.yaml), or start a new run (run.out_dir)")
+
+
+def is_lora(policy):
+    """True when the policy carries peft LoRA adapters (model.lora)."""
+    from peft import PeftModel
+    return isinstance(policy, PeftModel)
+
+
+@contextlib.contextmanager
+def base_model(policy):
+    """Inside the block the policy is its base model: every LoRA layer computes W x alone (peft's
+    disable_adapter). The base weights never train, so this IS the initial policy, exactly."""
+    with policy.disable_adapter():
+        yield policy
+
+
+class BaseModelView(torch.nn.Module):
+    """The LoRA policy with its adapters off, as a model of its own: under LoRA the `frozen_self`
+    evaluators and the GRPO reference pi_ref (both "the initial policy") are this, instead of a
+    second copy of the model in memory. Each forward runs the policy inside base_model(); it
+    shares (never changes) the policy's parameters. Plain twin: the separately loaded frozen copy
+    (train.fast_paths false; tests/test_lora.py compares the two)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.config = policy.config
+
+    def forward(self, *args, **kwargs):
+        with base_model(self.policy):
+            return self.policy(*args, **kwargs)
+
+
+def merged_state_items(policy):
+    """(name, tensor) for every weight of the policy with its LoRA adapters merged in, one at a
+    time, under the plain model's names (what vLLM's load_weights and save_pretrained expect):
+
+        W' = W + (alpha / r) B A        (peft's lora.Linear; (B A)^T for fan_in_fan_out layers)
+
+    peft's "base_model.model." prefix and ".base_layer" are dropped, lora_A / lora_B skipped. The
+    policy itself is not changed (peft's merge_and_unload merges in place; tests/test_lora.py
+    checks the two agree). Every other entry is passed through as it is.
+    """
+    from peft.tuners.lora import LoraLayer
+    layers = {n: m for n, m in policy.named_modules() if isinstance(m, LoraLayer)}
+    sd = policy.state_dict()
+    for key, t in sd.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        name = key.removeprefix("base_model.model.")
+        if key.endswith(".base_layer.weight"):
+            mod = key[:-len(".base_layer.weight")]
+            layer = layers[mod]
+            delta = sd[f"{mod}.lora_B.default.weight"].float() @ sd[f"{mod}.lora_A.default.weight"].float()
+            delta = delta * layer.scaling["default"]
+            t = (t.float() + (delta.T if layer.fan_in_fan_out else delta)).to(t.dtype)
+        yield name.replace(".base_layer.", "."), t
+
+
+def save_merged(policy, tokenizer, folder):
+    """A plain save_pretrained folder of the LoRA policy with its adapters merged
+    (merged_state_items): loads anywhere a full checkpoint does (evaluate.py, vLLM, HF)."""
+    policy.get_base_model().save_pretrained(folder, state_dict=dict(merged_state_items(policy)))
+    tokenizer.save_pretrained(folder)
+
+
+def vllm_request_seeds(seed, n_prompts):
+    """One sampling seed per prompt, drawn from a generator seeded with `seed` (train.py's
+    per-(run, step, rank) seed). vLLM seeds the G samples of a request with seed + j, so the
+    per-prompt seeds must be far apart; naive seed + i would make prompt i of rank r and prompt
+    i - 1 of rank r + 1 share random streams. Returns list[int] in [0, 2**31)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 2**16, (n_prompts,), generator=g).tolist()
+
+
+def vllm_sampling_kwargs(group_size, max_new_tokens, temperature, top_p, top_k, seed, eos):
+    """Keyword arguments of vllm.SamplingParams for one prompt's group (docs/method.md §4.1).
+
+    logprobs=0 returns the log-prob of the sampled token only; with the engine's
+    logprobs_mode="processed_logprobs" it is computed after temperature / top-p / top-k. With
+    top_p 1 and top_k off (the defaults) that is the same log softmax(logits / T) the trainer
+    computes; with either on it is the log-prob under the truncated, renormalised distribution
+    the sampler drew from, which the trainer's full-vocabulary log softmax does not reproduce, so
+    rollout/logp_gap_* grows by the truncation. The update's behaviour log-probs are the trainer's
+    own recomputation on either backend; vLLM's only feed that gap metric. Token ids out, so no
+    detokenising.
+    """
+    return {"n": group_size, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k if top_k > 0 else -1, "seed": seed, "logprobs": 0,
+            "stop_token_ids": list(eos), "detokenize": False}
+
+
+def vllm_token_logprobs(token_ids, logprobs):
+    """Per-token log-probs of the sampled tokens from a vLLM CompletionOutput's `logprobs`
+    (one mapping {token id: Logprob or float} per position). Raises ValueError when missing."""
+    if logprobs is None:
+        raise ValueError("vLLM output has no logprobs (SamplingParams(logprobs=0) was not set)")
+    out = []
+    for t, (tok, pos) in enumerate(zip(token_ids, logprobs)):
+        if pos is None or tok not in pos:
+            raise ValueError(f"no log-prob for sampled token {tok} at position {t}")
+        v = pos[tok]
+        out.append(float(getattr(v, "logprob", v)))
+    return out
+
+
+def vllm_outputs_to_rollout(outputs, prompt_ids, group_size, pad_id, eos, decode):
+    """Map vLLM RequestOutputs (one per prompt, each with `group_size` CompletionOutputs) to the
+    rollout dict at the top of this file.
+
+    The loss mask is built from each completion's own length, cut after its first EOS, never
+    from `ids != pad_id` (pad == EOS on SmolLM2/Qwen/Llama, docs/method.md §4.1). A row is truncated when
+    it holds no EOS (finish_reason "length", or the context limit, or an abort).
+
+    Args:
+        outputs: list (P) of objects with `.outputs`, a list of objects with `.token_ids`,
+            `.logprobs`, `.finish_reason`.
+        prompt_ids: list (P) of list[int], in the order the requests were sent.
+        decode: callable list[int] -> str (the tokenizer's decode, special tokens skipped).
+    Returns:
+        the rollout dict, with "logprobs" FloatTensor [N, L] (0.0 on padding).
+    Raises:
+        ValueError: a request came back with the wrong number of completions or no logprobs.
+    """
+    rows, ids, lps = [], [], []
+    eos = set(eos)
+    for p, out in zip(prompt_ids, outputs):
+        if len(out.outputs) != group_size:
+            raise ValueError(f"expected {group_size} completions per prompt, got {len(out.outputs)}")
+        for c in out.outputs:
+            rows.append(p)
+            ids.append(list(c.token_ids))
+            lps.append(vllm_token_logprobs(c.token_ids, c.logprobs))
+    width = max(1, max(len(x) for x in ids))
+    n = len(ids)
+    completion_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(n, width)
+    mask = torch.zeros(n, width)
+    truncated = torch.ones(n, dtype=torch.bool)
+    for i, (x, lp) in enumerate(zip(ids, lps)):
+        completion_ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        logprobs[i, :len(x)] = torch.tensor(lp)
+        end = next((t + 1 for t, tok in enumerate(x) if tok in eos), None)
+        mask[i, :end or len(x)] = 1.0
+        truncated[i] = end is None
+    completions = [decode(x[:int(m.sum())]) for x, m in zip(ids, mask)]
+    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
+            "truncated": truncated, "completions": completions, "logprobs": logprobs}
+
+
+def vllm_weight_name(name, tied):
+    """The name vLLM's `load_weights` expects for one of our state-dict entries, or None to skip.
+
+    vLLM's model classes load Hugging Face checkpoint names (they fuse q/k/v and gate/up
+    themselves), so the mapping only strips wrapper prefixes (DDP `module.`, torch.compile
+    `_orig_mod.`, activation-checkpoint wrappers) and skips what vLLM does not hold: a tied
+    lm_head (it shares the embedding) and rotary `inv_freq` buffers (vLLM computes them)."""
+    for junk in ("module.", "_orig_mod."):
+        if name.startswith(junk):
+            name = name[len(junk):]
+    name = name.replace("._checkpoint_wrapped_module", "").replace("._fsdp_wrapped_module", "")
+    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        return None
+    return name
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_vllm_engine(model_path, dtype, gpu_memory_utilization, max_model_len, enforce_eager=False, seed=0):
+    """One in-process vLLM engine for this rank (docs/method.md §7).
+
+    `distributed_executor_backend="external_launcher"` runs the engine inside this torchrun
+    process (no extra workers): with tensor_parallel_size=1 every rank holds one full engine
+    and samples its own prompts. Sleep mode lets training reuse the engine's GPU memory;
+    `processed_logprobs` returns log-probs after temperature scaling (what the trainer
+    computes). Outside torchrun the launcher variables are filled in for a 1-process world.
+
+    Args:
+        model_path: a plain HF folder (resolve_model_path converts GGUF).
+        gpu_memory_utilization: share of the GPU this engine may take (weights + KV cache).
+        max_model_len: prompt + completion tokens per sequence (bounds the KV cache).
+    Returns:
+        vllm.LLM
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from vllm import LLM
+    return LLM(model=model_path, tokenizer=model_path, dtype=dtype, tensor_parallel_size=1,
+               distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+               logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+               max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True,
+               seed=seed)
+
+
+@torch.no_grad()
+def generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                  top_k=0, seed=0, eos=None):
+    """`generate` on a vLLM engine: token ids in, token ids and log-probs out (docs/method.md §7).
+
+    Args:
+        llm: vllm.LLM from make_vllm_engine (awake).
+        prompt_ids: list[list[int]], P prompts (never re-tokenised: docs/method.md §4.1).
+        seed: this rank's seed (train.sampling_seed); each prompt gets its own (vllm_request_seeds).
+        eos: list[int] of ids that end a completion (rollout.eos_ids); default the tokenizer's.
+    Returns:
+        the rollout dict at the top of this file, with "logprobs".
+    """
+    from vllm import SamplingParams
+    eos = eos or [tokenizer.eos_token_id]
+    params = [SamplingParams(**vllm_sampling_kwargs(group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                    top_p=top_p, top_k=top_k, seed=s, eos=eos))
+              for s in vllm_request_seeds(seed, len(prompt_ids))]
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    return vllm_outputs_to_rollout(outputs, prompt_ids, group_size=group_size, pad_id=tokenizer.pad_token_id, eos=eos,
+                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def vllm_model(llm):
+    """The engine's torch module (in-process engine only, i.e. external_launcher)."""
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+        return getattr(worker, "worker", worker).model_runner.model
+    except AttributeError:  # engine internals moved: ask the worker through the RPC path
+        return llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+
+
+def vllm_sleep(engine):
+    """Free the engine's GPU memory for reward scoring and the update (docs/method.md §7): level 1 keeps a
+    CPU copy of the weights, level 2 drops them (they are overwritten by the next push anyway).
+    engine: dict {"llm", "asleep", "sleep_level", "tied"} (train.make_rollout_engine)."""
+    if not engine["asleep"]:
+        engine["llm"].sleep(level=engine["sleep_level"])
+        engine["asleep"] = True
+
+
+def vllm_push_weights(engine, named_tensors):
+    """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
+
+    Wakes the weights first and the KV cache only after the load, so the peak is weights + one
+    gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name, full
+    tensor) one at a time (train.full_state_items: gathered from FSDP2 shards), so the push
+    never holds a second copy of the model.
+    """
+    llm = engine["llm"]
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    model = vllm_model(llm)
+    device = next(model.parameters()).device
+    for name, t in named_tensors:
+        name = vllm_weight_name(name, engine["tied"])
+        if name is not None:
+            model.load_weights([(name, t.to(device, non_blocking=True))])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies above are asynchronous
+    if engine["asleep"]:
+        llm.wake_up(tags=["kv_cache"])
+        engine["asleep"] = False
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
