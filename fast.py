@@ -1,9 +1,9 @@
 """The speed twins: the same numbers as the plain functions in the stage files, computed faster.
 
 Every function here has a plain twin with the same signature in a stage file; the plain one owns
-the public name and is what a reader reads. `train.py` picks one set once, from `train.fast_paths`
-(`train.passes`), and the tests in tests/algorithm/test_fast.py compare each pair (values, and
-gradients where there are any). Timings: docs/performance.md.
+the public name and is what a reader reads. train.py picks one set once, from `train.fast_paths`
+(`train.fast_or_plain`); tests/algorithm/test_fast.py compares each pair (values, and gradients
+where there are any). Timings: docs/performance.md.
 
     fast.generate             rollout.generate             one prefill per group, a static KV cache,
                                                            inverse-CDF sampling
@@ -13,7 +13,7 @@ gradients where there are any). Timings: docs/performance.md.
     fast.score_remote         plumbing.services.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
 
-The stage files never import this file; it imports them.
+The stage files never import this file.
 """
 import concurrent.futures
 

@@ -7,15 +7,14 @@ What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
   (`policy_prompt_ids`, `build_prompt_ids`).
 * Generation: G completions y_i ~ pi_theta(. | x) per prompt (RLME Eq. 1; the G rows of a prompt
   are the group whose mean reward RLME Eq. 5 subtracts), sampled from softmax(logits / T) with
-  top-p / top-k, each cut after its first EOS (`generate`; its plain twin `generate` calls
-  transformers' `model.generate`).
+  top-p / top-k, each cut after its first EOS (`generate`, over transformers' `model.generate`;
+  its fast twin fast.generate prefills each group once).
 * Log-probs: log pi(y_{i,t} | x_i, y_{i,<t}) per completion token, logits divided by the sampling
   temperature: the log pi_theta and log pi_b terms of RLME Eq. 6 and Eq. 8 (and of RM-NLHF Eq. 3's
-  token ratio r_{i,t}) (`completion_logprobs`; plain twin `completion_logprobs`).
+  token ratio r_{i,t}) (`completion_logprobs`; fast.completion_logprobs runs a group's prompt once).
 
-Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that
-`generate` returns (`generate`, its transformers-based twin, returns the same), so a second
-backend (vLLM, docs/scale-out.md) only has to return the same dict:
+Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that `generate`
+returns; fast.generate and the vLLM backend (plumbing/scale.py) return the same:
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
@@ -27,9 +26,6 @@ backend (vLLM, docs/scale-out.md) only has to return the same dict:
                                              tokens, 0.0 on padding; the trainer recomputes its
                                              own and logs the gap (docs/method.md §7)
     }
-
-Sections: which prompts, generation, log-probs; then plumbing (the vLLM backend, model loading,
-JSONL files, the command line).
 
 Run alone (JSONL in, JSONL out):  python rollout.py --model PATH --in prompts.jsonl --out rollouts.jsonl
 """
@@ -247,13 +243,8 @@ def completion_logits(model, prompt_ids, completion_ids, pad_id):
     return out.logits[:, :-1]
 
 
-# ==============================================================================================
-# PLUMBING: skip on first read (prompt settings, vLLM backend, model loading, JSONL files, CLI)
-# ==============================================================================================
-
-
 # ----------------------------------------------------------------------------------------------
-# Prompt settings checked at start-up: the chat template or not, the prompt-length limit
+# Helpers: the chat prompt, mixed precision, EOS ids, model modes
 
 
 def chat_prompt(tokenizer, text, chat, tokenize):
@@ -275,17 +266,6 @@ def chat_prompt(tokenizer, text, chat, tokenize):
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
-
-
-# ----------------------------------------------------------------------------------------------
-# vLLM backend (docs/method.md §7, GPU only). `vllm` is imported inside the functions that need it,
-# never at module level: this file must import and its tests pass on a CPU machine without vllm.
-# The pure parts (request seeds, sampling settings, output -> rollout dict, weight names) are
-# small functions tested in tests/test_scale.py with plain stand-in objects.
-
-
-# ----------------------------------------------------------------------------------------------
-# Models: loading (HF folder, hub id, GGUF), mixed precision, EOS ids, wrapper and flag helpers
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

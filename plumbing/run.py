@@ -34,6 +34,10 @@ from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model,
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
                             save_merged, setup_distributed, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
+import evaluate
+import reward as R
+from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb, unsharded
+import time
 
 
 def setup(cfg, passes):
@@ -230,6 +234,29 @@ def save_run(state, cfg, step):
                     extra=(lambda d: save_metarm(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
     if state["world"] > 1:
         dist.barrier()
+
+
+def save_and_stop(state, cfg, step, val, metrics):
+    """7. After step `step`: the reward-hacking monitor on this step's validation `val` (every
+    rank), the checkpoint (run.save_every, the last step, an early stop), then whether to stop:
+    the early-stop rule fired (early_stop.json is written, so a rerun stops at start-up) or
+    run.stop_after steps ran in this process (as if killed; it says what the same command does).
+    Returns: True when the loop must stop."""
+    r = cfg["run"]
+    stop_early = bool(val) and monitor(state, cfg, val, metrics)
+    if (r["save_every"] and step % r["save_every"] == 0) or step == r["total_steps"] or stop_early:
+        save_run(state, cfg, step)
+    if stop_early:  # held-out accuracy fell too far for too long (run.early_stop_*)
+        write_early_stop(state, cfg, step)
+        return True
+    if r["stop_after"] and step - state["start_step"] >= r["stop_after"]:
+        if state["pbar"] is not None:  # rank 0
+            ckpt = latest_checkpoint(r["out_dir"])
+            state["pbar"].write(f"[train] run.stop_after={r['stop_after']}: stopped after step {step} "
+                                "(as if killed); the same command " + (f"resumes from {ckpt}" if ckpt else
+                                f"starts afresh: no checkpoint yet (run.save_every={r['save_every']})"))
+        return True
+    return False
 
 
 def emit(state, cfg, metrics, records):
@@ -680,3 +707,177 @@ def load_saved_metarm(path, device="cpu", dtype="float32"):
                 mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
             return mrm
     raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
+
+
+def step_metrics(state, cfg, records, upd, reward_metrics, times):
+    """5. The step's metrics.jsonl line, from every rank's records (every rank calls this: the
+    reductions are collectives; docs/method.md §9 lists the keys).
+
+    Args:
+        state: setup's dict. records: this rank's sample_records. upd: update_policy's dict.
+        reward_metrics: the reward step's "metrics". times: {"rollout", "reward", "update"} seconds.
+    Returns:
+        (metrics dict, every rank's records) on rank 0, (None, None) on the other ranks.
+    """
+    world, G = state["world"], cfg["rollout"]["group_size"]
+    records = gather_records(records, world)
+    loss = all_sum(upd["loss"], world)
+    gap = upd["logp_gap"]
+    if gap is not None:
+        gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
+    if state["rank"] != 0:
+        return None, None
+    # None: the judge call / remote evaluator failed. A step with no known reward has no mean
+    # (None, never 0.0: the best RLME reward) and stays out of the monitor's training reward.
+    known = [r["reward"] for r in records if r["reward"] is not None]
+    rew = torch.tensor(known) if known else None
+    lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
+    groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None} for g in range(0, len(records), G)]
+    n, steps = len(records), cfg["algo"]["updates_per_batch"] * cfg["algo"]["minibatches"]
+    labelled = [r["correct"] for r in records if r["correct"] is not None]  # None: no labels (RLME only)
+    metrics = {
+        "step": records[0]["step"], "reward/mean": rew.mean().item() if known else None,
+        "reward/std": rew.std(unbiased=False).item() if known else None,
+        "accuracy": sum(labelled) / len(labelled) if labelled else None,
+        "advantage/abs_mean": sum(abs(r["advantage"]) for r in records) / n,
+        "groups/zero_variance_frac": sum(len(g) <= 1 for g in groups) / len(groups),
+        "completion/length_mean": lens.mean().item(), "completion/length_max": lens.max().item(),
+        # characters, the unit of RLME §4's conciseness meta-question ("between 200 and 500 characters")
+        "completion/chars_mean": sum(len(r["completion"]) for r in records) / n,
+        "completion/truncated_frac": sum(r["truncated"] for r in records) / n,
+        "is_weight/mean": sum(r["importance_weight"] for r in records) / n,
+        "is_weight/max": max(r["importance_weight"] for r in records),
+        "is_weight/clip_frac": sum(r["clipped"] for r in records) / n,
+        "loss": loss / steps, "grad_norm": sum(upd["grad_norms"]) / len(upd["grad_norms"]),
+        "lr": state["scheduler"].get_last_lr()[0],
+        **{f"time/{k}": v for k, v in times.items()}, "time/step": sum(times.values()),
+        "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9),
+        "memory/peak_mb": peak_memory_mb(state["device"]),
+        **reward_metrics,
+    }
+    # the task's own entries (docs/method.md §9)
+    if cfg["task"] == "rlme":
+        metrics.update(rlme_step_metrics(records, cfg))
+    else:
+        metrics.update(R.nlhf_step_metrics(records, reward_metrics))
+    if gap is not None:
+        metrics["rollout/logp_gap_mean"], metrics["rollout/logp_gap_max"] = gap
+    return metrics, records
+
+
+def rlme_step_metrics(records, cfg):
+    """RLME's own entries of metrics.jsonl from all ranks' records: RLVR reward of the rewarded
+    answers, the share with a \\boxed{} answer, the RLME part's mean (hybrid: both parts), each
+    evaluator's mean log p and p per meta-question."""
+    n = len(records)
+    out = {"rlvr_reward/mean": sum(r["rlvr_reward"] for r in records) / n,
+           "completion/boxed_frac": sum(r["extracted"] is not None for r in records) / n}
+    if "logp" in records[0]:  # None: a remote evaluator's failed request, left out of the means
+        known = [r["rlme_reward"] for r in records if r["rlme_reward"] is not None]
+        out["rlme_reward/mean"] = sum(known) / len(known) if known else None
+        for ev in cfg["reward"]["evaluators"]:
+            for mq in cfg["reward"]["meta_questions"]:
+                vals = torch.tensor([v for r in records if (v := r["logp"][ev["name"]][mq["question"]]) is not None])
+                out[R.logp_metric_name(ev["name"], mq["question"])] = vals.mean().item() if len(vals) else None
+                out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item() if len(vals) else None
+    return out
+
+
+def validation_step(state, cfg, step, records, reward_step):
+    """5b. In-run validation and the reward-hacking monitor, every run.eval_every steps (RLME §4:
+    the policy learns to please the evaluator instead of solving; the paper's mitigation is
+    early stopping on held-out accuracy; docs/method.md §4.6). Every rank calls it (collectives).
+
+    On data.val's fixed held-out problems (never trained on), with the current policy:
+      val/accuracy        greedy answers against the true labels. When data.prompt_template shows
+                          {answer} (NoCheat), each prompt shows a seeded WRONG answer instead, so
+                          this is the counterfactual accuracy (val/injected = true)
+      val/reward_mean     the training reward of those greedy answers; val/boxed_frac and
+                          val/chars_mean say what they look like (a reward can rise through format)
+      val/canary/<name>   the training reward of a non-answer (evaluate.CANARIES) to the first
+                          problems: an evaluator that rewards ":" as much as a solution is hacked
+      val/auroc           this step's training samples: AUROC of their reward against correctness
+                          (evaluate.auroc; None when one class is empty or there are no labels)
+      val/seconds         what the evaluation cost
+    Args: state: setup's dict. step: the step just finished. records: this rank's sample records.
+        reward_step: the run's reward, train.rlme_reward_step with its settings bound: (items, completions) -> dict.
+    Returns: dict of val/* metrics (the same on every rank).
+    """
+    t0 = time.perf_counter()
+    d, rank, world, tok = cfg["data"], state["rank"], state["world"], state["tokenizer"]
+    val = state["val_items"]
+    mine = list(range(rank, len(val), world))
+    inject = "{answer}" in d["prompt_template"]
+    prompts = [rollout.policy_prompt_ids(tok, val[k], state["chat"], d["prompt_template"],
+                                         answer=wrong_answer(val, k) if inject else None) for k in mine]
+    policy = state["policy"]
+    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
+        greedy = state["passes"]["generate"](policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
+                                             temperature=0.0, seed=0) if prompts else {"completions": []}
+    items = [val[k] for k in mine]
+    rew = reward_step(items, greedy["completions"])
+    n = all_sum(len(items), world)
+    out = {"val/n": n, "val/injected": inject,
+           "val/accuracy": all_sum(sum(bool(r["correct"]) for r in rew["records"]), world) / n,
+           # over the answers whose reward is known (a remote evaluator may have failed on some)
+           "val/reward_mean": all_sum(float(rew["reward"].nansum()), world) / max(1, all_sum(known(rew), world)),
+           # what the answers look like: a reward can rise through format alone (boxes, length)
+           "val/boxed_frac": all_sum(sum(r["extracted"] is not None for r in rew["records"]), world) / n,
+           "val/chars_mean": all_sum(sum(len(c) for c in greedy["completions"]), world) / n}
+    canary_items = items[:max(1, 8 // world)]
+    for name, text in evaluate.CANARIES.items():
+        c = reward_step(canary_items, [text] * len(canary_items))
+        out[f"val/canary/{name}"] = all_sum(float(c["reward"].nansum()), world) / max(1, all_sum(known(c), world))
+    everyone = gather_records(records, world) if world > 1 else records
+    everyone = [r for r in everyone if r["reward"] is not None]
+    if everyone and all(r["correct"] is not None for r in everyone):
+        out["val/auroc"] = evaluate.auroc([r["reward"] for r in everyone], [r["correct"] for r in everyone])
+    out["val/seconds"] = all_max(time.perf_counter() - t0, world)
+    out["step"] = step
+    return out
+
+
+def known(rew):
+    """How many of a reward step's rewards are known (not masked by a failed remote evaluator)."""
+    return len(rew["reward"]) if rew["valid"] is None else int(rew["valid"].sum())
+
+
+def wrong_answer(val, k):
+    """The seeded wrong answer shown in place of item k's reference (NoCheat's counterfactual
+    test, RLME §4 Fig. 7): evaluate.wrong_answer, the one rule `evaluate.py math --inject wrong`
+    uses too (a number's label + 1; a text label: the next item's answer, "none" when equal)."""
+    return evaluate.wrong_answer(val, k)
+
+
+def early_stop(accuracies, drop, patience):
+    """The early-stop rule (RLME §4's mitigation of reward hacking; run.early_stop_*): True when
+    each of the last `patience` held-out accuracies is more than `drop` below the best one seen.
+    Args: accuracies: list[float] in evaluation order; drop: float > 0; patience: int >= 1."""
+    best = max(accuracies, default=0.0)
+    return len(accuracies) >= patience and all(a < best - drop for a in accuracies[-patience:])
+
+
+def monitor(state, cfg, val, metrics):
+    """The reward-hacking monitor after an evaluation. Every rank records the held-out accuracy
+    (`val`, the same on every rank) and applies the early-stop rule; rank 0 (`metrics` not None)
+    prints a one-line warning, also shown in the progress bar, when the mean training reward of
+    the steps since the previous evaluation rose while held-out accuracy fell.
+    Returns: True when the early-stop rule (run.early_stop_*) fires."""
+    hist = state["val_history"]
+    hist.append({"step": val["step"], "accuracy": val["val/accuracy"], "train_reward": None})
+    if metrics is not None:
+        since = state["rewards_since_eval"]  # empty when every step since was fully masked
+        hist[-1]["train_reward"] = sum(since) / len(since) if since else None
+        state["rewards_since_eval"] = []
+        a, b = (hist[-2], hist[-1]) if len(hist) >= 2 else (None, None)
+        if (a and a["train_reward"] is not None and b["train_reward"] is not None
+                and b["train_reward"] > a["train_reward"] and b["accuracy"] < a["accuracy"]):
+            state["pbar"].write(f"[monitor] step {b['step']}: training reward rose ({a['train_reward']:.3f} -> "
+                                f"{b['train_reward']:.3f}) while held-out accuracy fell ({a['accuracy']:.3f} -> "
+                                f"{b['accuracy']:.3f}): reward hacking?")
+            now = metrics["reward/mean"]
+            state["pbar"].set_postfix(reward=f"{now:.3f}" if now is not None else "masked", val=f"{b['accuracy']:.2f}",
+                                      warn="hack?")
+    r = cfg["run"]
+    return bool(r["early_stop_patience"]) and early_stop([h["accuracy"] for h in hist], r["early_stop_drop"],
+                                                         r["early_stop_patience"])

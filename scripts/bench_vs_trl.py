@@ -261,8 +261,8 @@ def check_loss(a):
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
-    ours_loss = train.update_policy(model, policy, recorder, batch, cfg=cfg, world=1, device=torch.device("cpu"),
-                                    pad_id=tok.pad_token_id)["loss"]
+    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), torch.device("cpu"))
+    ours_loss = train.update_policy(model, policy, recorder, batch, **settings, world=1, pad_id=tok.pad_token_id)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
     trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=lambda **kw: [0.0] * len(kw["prompts"]),

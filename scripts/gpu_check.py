@@ -458,7 +458,8 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
         torch.cuda.reset_peak_memory_stats(dev)
     t = time.perf_counter()
     with ctx:
-        upd = train.update_policy(policy, policy, optimizer, batch, cfg=cfg, world=1, device=dev, pad_id=0)
+        settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), dev)
+        upd = train.update_policy(policy, policy, optimizer, batch, **settings, world=1, pad_id=0)
     if cuda:
         torch.cuda.synchronize(dev)
     res["update_seconds"] = time.perf_counter() - t

@@ -78,8 +78,8 @@ def main(argv=None):
         adv = train.group_advantages(rew["reward"], ro["group_size"])
         b = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
              "completion_mask": out["completion_mask"], "advantages": adv}
-        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, cfg=cfg, world=1, device=device,
-                                                        pad_id=tok.pad_token_id, passes=passes))
+        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, **train.update_settings(cfg, passes, device),
+                                                    world=1, pad_id=tok.pad_token_id))
         return times, ops, out, samples
 
     step(0)  # warm-up: allocator, caches, AdamW state

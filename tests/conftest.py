@@ -153,3 +153,19 @@ def tiny_judge_server(tiny_model_path, tmp_path_factory):
         yield {"base_url": base_url, "model": tiny_model_path, "log": log}
     finally:
         stop_server(proc)
+
+
+def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, **kw):
+    """train.update_policy with `cfg`'s settings, bound as train.train binds them (train.update_settings)."""
+    import train
+    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), device)
+    return train.update_policy(model, policy, optimizer, batch, **settings, world=world, pad_id=pad_id, **kw)
+
+
+def frozen_logprobs(model, batch, pad_id, cfg, device, use_fast=None):
+    """train.frozen_logprobs with `cfg`'s settings (use_fast None: cfg's train.fast_paths)."""
+    import train
+    s = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"] if use_fast is None else use_fast),
+                              device)
+    return train.frozen_logprobs(model, batch=batch, micro_batch_size=s["micro_batch_size"], logprobs=s["logprobs"],
+                                 temperature=s["temperature"], pad_id=pad_id, context=s["context"])

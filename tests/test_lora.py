@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train as T
-from conftest import REPO, SMOLLM2, data_path
+from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
 from plumbing.data import load_model, load_pairwise
 from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_push_weights, vllm_weight_name, wrap_policy
@@ -164,9 +164,9 @@ def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
     policy, tok = lora_policy(tiny_model_path)
     base, _ = load_model(tiny_model_path)
     cfg, batch = _layout_cfg(2, "seq_sum"), _layout_batch()
-    got = T.frozen_logprobs(BaseModelView(policy), batch, tok.pad_token_id, cfg, CPU)
-    want = T.frozen_logprobs(base, batch, tok.pad_token_id, cfg, CPU)
-    live = T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU)
+    got = frozen_logprobs(BaseModelView(policy), batch, tok.pad_token_id, cfg, CPU)
+    want = frozen_logprobs(base, batch, tok.pad_token_id, cfg, CPU)
+    live = frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert max((x - y).abs().max().item() for x, y in zip(got, live)) > 1e-3
 
@@ -194,7 +194,7 @@ def test_probabilities_under_lora_dropout_do_not_depend_on_the_rng(tiny_model_pa
         torch.manual_seed(seed)
         ro = (fast.generate if use_fast else rollout.generate)(policy, tok, [[1, 2, 3]], group_size=2, max_new_tokens=4, seed=0)
         return (R.rlme_reward(evs, **kw)["logp"], ro["completion_ids"],
-                T.frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU, T.fast_or_plain(use_fast)))
+                frozen_logprobs(policy, batch, tok.pad_token_id, cfg, CPU, use_fast))
 
     policy.eval()
     want = passes(0)
@@ -218,7 +218,7 @@ def _lora_update(model_path, checkpointing):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     model = wrap_policy(policy, "ddp", 1, CPU, gradient_checkpointing=checkpointing)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)  # update = -grad
-    T.update_policy(model, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=CPU,
+    update_policy(model, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=CPU,
                     pad_id=tok.pad_token_id)
     return {n: p.detach() - before[n] for n, p in policy.named_parameters()}
 

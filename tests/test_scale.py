@@ -10,14 +10,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import rollout
-import train as T
-from test_train import _free_port, _layout_batch, _layout_cfg
+from conftest import update_policy
 import fast
+import rollout
+from test_train import _free_port, _layout_batch, _layout_cfg
+import train as T
+
 from plumbing.data import load_model
 from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
-from plumbing.scale import all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded, vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs, vllm_sleep, vllm_token_logprobs, vllm_weight_name, wrap_policy
+from plumbing.scale import (all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded,
+                            vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs,
+                            vllm_sleep, vllm_token_logprobs, vllm_weight_name, wrap_policy)
 from plumbing import config
+
 
 CPU = torch.device("cpu")
 
@@ -63,7 +68,7 @@ def _fsdp_layout_worker(rank, world, port, model_path, out):
         model = wrap_policy(policy, "fsdp2", world, CPU, gradient_checkpointing="selective" if agg == "seq_sum" else "none")
         assert model is policy and rollout.is_fsdp(policy)
         opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
-        upd = T.update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
+        upd = update_policy(model, policy, opt, _shard(_layout_batch(), rank, world),
                               _layout_cfg(2, agg, fast_paths=use_fast, parallel="fsdp2"), world=world, device=CPU,
                               pad_id=tok.pad_token_id)
         results[agg if use_fast else agg + " plain"] = {"loss": all_sum(upd["loss"], world),
@@ -80,7 +85,7 @@ def _plain_update(model_path, micro, agg, grad_clip=0.0, fast_paths=True):
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
     cfg = _layout_cfg(micro, agg, fast_paths=fast_paths)
     cfg["optim"]["grad_clip"] = grad_clip
-    upd = T.update_policy(policy, policy, opt, _layout_batch(), cfg, world=1, device=CPU, pad_id=tok.pad_token_id)
+    upd = update_policy(policy, policy, opt, _layout_batch(), cfg, world=1, device=CPU, pad_id=tok.pad_token_id)
     return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][0], "delta": _flat(policy) - before}
 
 
@@ -117,7 +122,7 @@ def test_clipping_uses_the_global_norm(tiny_model_path):
 
 def _adam_step(model, policy, opt, batch, world, pad_id):
     cfg = _layout_cfg(2, "seq_sum")
-    T.update_policy(model, policy, opt, batch, cfg, world=world, device=CPU, pad_id=pad_id)
+    update_policy(model, policy, opt, batch, cfg, world=world, device=CPU, pad_id=pad_id)
 
 
 def _make_opt(policy):
@@ -374,7 +379,7 @@ def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
     policy, tok = load_model(tiny_model_path, "float32", dev)
     wrap_policy(policy, "fsdp2", 1, dev, dtype="bfloat16")
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    upd = T.update_policy(policy, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=dev,
+    upd = update_policy(policy, policy, opt, _layout_batch(), _layout_cfg(2, "seq_sum"), world=1, device=dev,
                           pad_id=tok.pad_token_id)
     ref = _plain_update(tiny_model_path, 8, "seq_sum")
     assert next(policy.parameters()).dtype == torch.float32  # master weights stay float32

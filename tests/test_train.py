@@ -14,11 +14,12 @@ import torch.multiprocessing as mp  # spawn: a fresh interpreter per rank
 
 import rollout
 import train as T
-from conftest import data_path
+from conftest import data_path, frozen_logprobs, update_policy
 import fast
 from plumbing.data import load_model, load_train_items
 from plumbing.scale import all_sum, compute_context, keep_matmul_outputs, wrap_policy
 from plumbing import config
+from plumbing.run import step_metrics
 
 ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "clip_eps": 0.2,
         "kl_coef": 0.0, "aggregation": "seq_sum", "updates_per_batch": 1, "minibatches": 1,
@@ -57,8 +58,8 @@ def test_cispo_loss_value_and_gradient_by_hand():
     behaviour = torch.tensor([[-1.1, -2.0, 0.0], [-1.5, -1.5, -1.5]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([0.5, -1.0])
-    loss_sum, st = T.policy_loss(logp, behaviour, adv, mask, ALGO)
-    loss = loss_sum / T.loss_normaliser(ALGO, num_seqs=2, num_tokens=5, max_new_tokens=3)
+    loss_sum, st = T.cispo_loss(logp, behaviour, adv, mask, eps_low=1.0, eps_high=5.0, aggregation="seq_sum")
+    loss = loss_sum / T.loss_normaliser("seq_sum", num_seqs=2, num_tokens=5, max_new_tokens=3)
     # sample 0: log rho = 0.1 -> weight e^0.1; term -(e^0.1)(0.5)(-3.0) = 1.5 e^0.1
     # sample 1: log rho = 3.0 > log 6 -> weight clipped to 6; term -(6)(-1)(-1.5) = -9
     expected = (1.5 * math.exp(0.1) - 9.0) / 2
@@ -79,8 +80,8 @@ def test_cispo_token_mean_and_dr_grpo_normalisers():
     adv = torch.tensor([0.5, -1.0])
     for agg, norm in [("token_mean", 5), ("dr_grpo", 2 * 3)]:
         algo = dict(ALGO, aggregation=agg)
-        loss_sum, _ = T.policy_loss(logp, None, adv, mask, algo)  # on-policy: weight 1
-        assert T.loss_normaliser(algo, 2, 5, 3) == norm
+        loss_sum, _ = T.loss_function(algo)(logp, None, adv, mask)  # on-policy: weight 1
+        assert T.loss_normaliser(algo["aggregation"], 2, 5, 3) == norm
         # weight 1: -(0.5)(-1 - 2) - (-1)(-0.5 * 3) = 1.5 - 1.5 = 0
         assert loss_sum.item() == pytest.approx(-(0.5 * -3.0) - (-1.0 * -1.5), abs=1e-6)
 
@@ -94,8 +95,8 @@ def test_seq_mean_token_mean_is_rm_nlhf_eq3():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
     algo = dict(ALGO, aggregation="seq_mean_token_mean")
-    loss_sum, _ = T.policy_loss(logp, None, adv, mask, algo)
-    norm = T.loss_normaliser(algo, 2, 3, 3)
+    loss_sum, _ = T.loss_function(algo)(logp, None, adv, mask)
+    norm = T.loss_normaliser(algo["aggregation"], 2, 3, 3)
     assert norm == 2
     loss = loss_sum / norm
     assert loss.item() == pytest.approx(0.25, abs=1e-6)
@@ -103,7 +104,7 @@ def test_seq_mean_token_mean_is_rm_nlhf_eq3():
     assert logp.grad.tolist() == [pytest.approx([-0.25, -0.25, 0.0]), pytest.approx([1.0, 0.0, 0.0])]
     # token_mean on the same numbers: (1 + 2 - 1) / 3 tokens, the 1-token row weighs half as much
     tm = dict(ALGO, aggregation="token_mean")
-    assert (T.policy_loss(logp, None, adv, mask, tm)[0] / T.loss_normaliser(tm, 2, 3, 3)).item() == pytest.approx(2 / 3)
+    assert (T.loss_function(tm)(logp, None, adv, mask)[0] / T.loss_normaliser(tm["aggregation"], 2, 3, 3)).item() == pytest.approx(2 / 3)
 
 
 def test_cispo_long_sequence_does_not_overflow():
@@ -111,7 +112,7 @@ def test_cispo_long_sequence_does_not_overflow():
     logp = torch.zeros(1, 100, requires_grad=True)
     behaviour = torch.full((1, 100), -1.0)
     mask = torch.ones(1, 100)
-    loss_sum, st = T.policy_loss(logp, behaviour, torch.tensor([2.0]), mask, ALGO)
+    loss_sum, st = T.loss_function(ALGO)(logp, behaviour, torch.tensor([2.0]), mask)
     loss_sum.backward()
     assert torch.isfinite(loss_sum) and torch.isfinite(logp.grad).all()
     assert logp.grad[0, 0].item() == pytest.approx(-6.0 * 2.0)  # weight clipped at 1 + eps_high = 6
@@ -122,7 +123,7 @@ def test_cispo_geometric_mean_ratio():
     logp = torch.zeros(1, 4, requires_grad=True)
     behaviour = torch.full((1, 4), -0.25)  # sum 1.0, mean 0.25
     algo = dict(ALGO, ratio="geometric_mean")
-    _, st = T.policy_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 4), algo)
+    _, st = T.loss_function(algo)(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 4))
     assert st["is_weight"].item() == pytest.approx(math.exp(0.25), rel=1e-6)
 
 
@@ -142,7 +143,9 @@ def test_grpo_token_clip_and_kl():
     logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
     behaviour = torch.zeros(1, 2)
     ref = torch.tensor([[0.0, 0.0]])
-    loss_sum, st = T.policy_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), algo, ref)
+    loss_sum, st = T.grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, kl_coef=0.001,
+                               ref_logp=ref, aggregation="token_mean")
+    assert T.loss_function(algo).func is T.grpo_loss  # what algo.loss grpo trains with
     # token 0: ratio 1.5, A>0 -> min(1.5, 1.2) = 1.2 (clipped, no gradient); token 1: ratio 1
     k3_0 = math.exp(-math.log(1.5)) + math.log(1.5) - 1
     assert loss_sum.item() == pytest.approx(-1.2 - 1.0 + 0.001 * k3_0, abs=1e-6)
@@ -189,7 +192,7 @@ def _run_layout(model_path, rank, world, micro, agg, out, port=None, fast_paths=
     sl = slice(rank * per, (rank + 1) * per)
     mine = {"prompt_ids": b["prompt_ids"][sl], "completion_ids": b["completion_ids"][sl],
             "completion_mask": b["completion_mask"][sl], "advantages": b["advantages"][sl]}
-    upd = T.update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world=world,
+    upd = update_policy(model, policy, opt, mine, _layout_cfg(micro, agg, fast_paths), world=world,
                           device=torch.device("cpu"), pad_id=tok.pad_token_id)
     loss = all_sum(upd["loss"], world)
     delta = torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
@@ -457,7 +460,7 @@ def _update(model_path, cfg, batch, ref_path=None, checkpointing="none"):
     model = wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
     ref = load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    upd = T.update_policy(model, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id,
+    upd = update_policy(model, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id,
                           ref_model=ref)
     delta = torch.cat([p.detach().flatten() for p in policy.parameters()]) - before
     return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][-1], "delta": delta}
@@ -507,7 +510,7 @@ def test_reference_pass_is_the_reference_model_alone(tiny_model_path, other_mode
     batch = _layout_batch()
     policy, tok = load_model(tiny_model_path)
     ref, _ = load_model(other_model_path)
-    got = T.frozen_logprobs(ref, batch, tok.pad_token_id, cfg, torch.device("cpu"))
+    got = frozen_logprobs(ref, batch, tok.pad_token_id, cfg, torch.device("cpu"))
     with torch.no_grad():
         want = rollout.completion_logprobs(ref, batch["prompt_ids"], batch["completion_ids"], tok.pad_token_id,
                                                  temperature=0.8)
@@ -533,7 +536,7 @@ def test_bf16_keeps_float32_master_weights_and_moves_them(tiny_model_path):
         policy, tok = load_model(tiny_model_path)
         before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
-        T.update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id)
+        update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id)
         assert all(p.dtype == torch.float32 for p in policy.parameters())
         assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
         d = (torch.cat([p.detach().flatten() for p in policy.parameters()]) - before).abs()
@@ -589,7 +592,7 @@ def test_off_policy_update_with_micro_batches_that_split_a_minibatch(tiny_model_
             batch["completion_mask"][i, :n] = 1
         cfg = _layout_cfg(micro, "seq_sum")
         cfg["algo"] = dict(cfg["algo"], minibatches=2)
-        upd = T.update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"),
+        upd = update_policy(policy, policy, opt, batch, cfg, world=1, device=torch.device("cpu"),
                               pad_id=tok.pad_token_id)
         return upd, torch.cat([(p.detach() - q).flatten() for p, q in zip(policy.parameters(), before)])
 
@@ -627,7 +630,7 @@ def test_a_fully_masked_step_logs_no_reward_mean(tmp_path):
     upd = {"loss": 0.0, "grad_norms": [0.0], "logp_gap": None}
     times = {"rollout": 1.0, "reward": 1.0, "update": 1.0}
     def log_step(records, reward_metrics):  # as train.train: the metrics of all ranks, then rank 0 writes them
-        return T.emit(state, cfg, *T.step_metrics(state, cfg, records, upd, reward_metrics=reward_metrics, times=times))
+        return T.emit(state, cfg, *step_metrics(state, cfg, records, upd, reward_metrics=reward_metrics, times=times))
     m1 = log_step(records(1, [-1.0, -3.0]), reward_metrics={})
     assert (m1["reward/mean"], m1["reward/std"]) == (-2.0, 1.0)
     m2 = log_step(records(2, [None, None]), reward_metrics={"reward/masked": 2})

@@ -2,6 +2,7 @@
 the single-pass guard, {context} / {answer} prompts, held-out items, the hybrid reward step, the
 in-run validation with its reward-hacking monitor and early-stop rule. Expected numbers are
 worked out by hand in the comments."""
+import contextlib
 import json
 import os
 
@@ -15,6 +16,7 @@ import train as T
 import fast
 from plumbing.data import load_model, load_train_items, load_val_items
 from plumbing import config
+from plumbing.run import early_stop, monitor, rlme_step_metrics, wrong_answer
 
 
 def cfg_with(*overrides):
@@ -55,10 +57,10 @@ def test_prompt_placeholders_and_the_injected_answer():
     # a number's wrong answer is label + 1; a text label takes the next item's answer
     val = [{"label": "18", "answer_text": "18"}, {"label": ["Paris", "paris"], "answer_text": "Paris"},
            {"label": "Lyon", "answer_text": "Lyon"}, {"label": "Lyon", "answer_text": "Lyon"}]
-    assert T.wrong_answer(val, 0) == "19"
-    assert T.wrong_answer(val, 1) == "Lyon"
-    assert T.wrong_answer(val, 2) == "none"   # the next answer is the same one
-    assert T.wrong_answer(val, 3) == "18"     # wraps around to item 0
+    assert wrong_answer(val, 0) == "19"
+    assert wrong_answer(val, 1) == "Lyon"
+    assert wrong_answer(val, 2) == "none"   # the next answer is the same one
+    assert wrong_answer(val, 3) == "18"     # wraps around to item 0
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -126,14 +128,15 @@ def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
     out = {}
     for kind in ("rlme", "rlvr", "hybrid"):
         cfg = cfg_with(f"reward.kind={kind}", "train.device=cpu")
-        out[kind] = T.rlme_reward_step(items, ro, evs if kind != "rlvr" else [], cfg, world=1, device=torch.device("cpu"))
+        out[kind] = T.rlme_reward_step(items, ro["completions"], **T.reward_settings(cfg), evaluators=evs if kind != "rlvr" else [],
+                                       context=contextlib.nullcontext, world=1)
     assert out["rlvr"]["reward"].tolist() == [1.0, 0.0]
     # hybrid = 1 x RLVR + the RLME reward of the same completions (the live evaluator is deterministic)
     assert torch.allclose(out["hybrid"]["reward"], out["rlvr"]["reward"] + out["rlme"]["reward"])
     rec = out["hybrid"]["records"][0]
     assert rec["rlvr_reward"] == 1.0 and rec["rlme_reward"] == pytest.approx(float(out["rlme"]["reward"][0]))
     assert rec["correct"] is True and out["hybrid"]["records"][1]["correct"] is False
-    m = T.rlme_step_metrics(out["hybrid"]["records"], cfg)
+    m = rlme_step_metrics(out["hybrid"]["records"], cfg)
     assert m["rlvr_reward/mean"] == 0.5 and m["rlme_reward/mean"] == pytest.approx(out["rlme"]["reward"].mean().item())
 
 
@@ -148,7 +151,7 @@ def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
     ([0.3], 0.05, 1, False),                   # the first evaluation is its own best
 ])
 def test_early_stop_rule(accs, drop, patience, stop):
-    assert T.early_stop(accs, drop, patience) is stop
+    assert early_stop(accs, drop, patience) is stop
 
 
 class Bar:
@@ -165,18 +168,18 @@ class Bar:
 def test_monitor_warns_when_reward_rises_while_accuracy_falls():
     cfg = cfg_with("run.eval_every=1", "data.val=holdout", "run.early_stop_drop=0.1", "run.early_stop_patience=2")
     state = {"val_history": [], "rewards_since_eval": [-2.0, -1.0], "pbar": Bar()}
-    assert not T.monitor(state, cfg, {"step": 2, "val/accuracy": 0.5}, {"reward/mean": -1.0})
+    assert not monitor(state, cfg, {"step": 2, "val/accuracy": 0.5}, {"reward/mean": -1.0})
     # the mean training reward since the last evaluation: (-0.8 - 0.6) / 2 = -0.7 > -1.5, accuracy 0.5 -> 0.45
     state["rewards_since_eval"] = [-0.8, -0.6]
-    assert not T.monitor(state, cfg, {"step": 4, "val/accuracy": 0.45}, {"reward/mean": -0.6})
+    assert not monitor(state, cfg, {"step": 4, "val/accuracy": 0.45}, {"reward/mean": -0.6})
     assert state["pbar"].lines == ["[monitor] step 4: training reward rose (-1.500 -> -0.700) while held-out "
                                    "accuracy fell (0.500 -> 0.450): reward hacking?"]
     assert state["pbar"].postfix["warn"] == "hack?"
     # 0.45 is not below 0.5 - 0.1; then 0.3 and 0.35 both are: stop after patience 2
     state["rewards_since_eval"] = [-0.5]
-    assert not T.monitor(state, cfg, {"step": 6, "val/accuracy": 0.3}, {"reward/mean": -0.5})
+    assert not monitor(state, cfg, {"step": 6, "val/accuracy": 0.3}, {"reward/mean": -0.5})
     state["rewards_since_eval"] = [-0.4]
-    assert T.monitor(state, cfg, {"step": 8, "val/accuracy": 0.35}, {"reward/mean": -0.4})
+    assert monitor(state, cfg, {"step": 8, "val/accuracy": 0.35}, {"reward/mean": -0.4})
 
 
 # ---- a run: validation metrics, the counterfactual prompt, early stop and its rerun ------------------
@@ -214,7 +217,7 @@ def test_validation_metrics_and_the_injected_wrong_answer(tmp_path, tiny_model_p
 def test_early_stop_writes_its_file_and_a_rerun_stops_at_start(tmp_path, tiny_model_path, monkeypatch, capsys):
     accs = iter([0.5, 0.2, 0.1, 0.0])
 
-    def scripted(state, cfg, step, records):  # held-out accuracy 0.5, 0.2, 0.1: falls 0.3 and 0.4 below 0.5
+    def scripted(state, cfg, step, records, reward_step):  # held-out accuracy 0.5, 0.2, 0.1: falls 0.3 and 0.4 below 0.5
         return {"step": step, "val/accuracy": next(accs)}
     monkeypatch.setattr(T, "validation_step", scripted)
     args = run_args(tmp_path, tiny_model_path, "run.eval_every=1", "run.early_stop_drop=0.25",
