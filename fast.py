@@ -34,10 +34,10 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     needed: every row re-runs its group's prompt (prefill G times), and multinomial sampling draws
     V exponentials per row per step; its DynamicCache also copies the whole cache every step.
     Sharing the prefill, a static cache and inverse-CDF sampling make the rollout of
-    configs/cpu.yaml faster (timings: docs/performance.md). Tokens come from the same
-    distribution as the plain twin's, not the same samples for one seed: tests/test_rollout.py checks
-    greedy decoding token for token against rollout.generate (`model.generate`), sampled tokens by their frequencies against it and the
-    model's softmax, and the sampler's draws and top-k/top-p masks by hand.
+    configs/cpu.yaml faster (timings: docs/performance.md). Plain twin: rollout.generate
+    (`model.generate`): the same distribution, not the same samples for one seed. Pinned by
+    tests/algorithm/test_fast.py: test_greedy_generate_fast_equals_plain (token for token),
+    test_sampled_generate_fast_and_plain_follow_the_softmax, test_sample_next_* (the draws by hand).
 
     Args:
         prompt_ids: list[list[int]], P prompts.
@@ -217,8 +217,6 @@ def sample_next(logits, temperature, top_p, top_k, generator):
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-# Fast version: closed-form backward written in place into the saved logits (no [.., V] temporaries);
-# tests/test_rollout.py compares values and gradients with token_logprobs.
 class _TokenLogprob(torch.autograd.Function):
     """log softmax(z)[target], z = logits / T, with a hand-written backward.
 
@@ -253,25 +251,25 @@ class _TokenLogprob(torch.autograd.Function):
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / T)[target] without materialising the log-softmax.
+    """log softmax(logits / T)[target] without materialising the log-softmax. Plain twin:
+    rollout.token_logprobs; pinned by tests/algorithm/test_fast.py::test_token_logprobs_fast_equals_plain.
 
     Args:
         logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
         temperature: the sampling temperature (RLME Eq. 6; docs/method.md §4.4: both sides divide by the same T).
     Returns:
         FloatTensor [...] in float32. With grad, the backward is `_TokenLogprob`'s
-        closed form (equal to autograd's within float32 rounding: tests/test_rollout.py).
+        closed form (equal to autograd's within float32 rounding).
     Note: under grad the fast backward overwrites the (float32) logits in place; do not reuse them.
     """
     return _TokenLogprob.apply(logits.float(), targets, float(temperature))
 
 
-# Fast version: shares each group's prompt pass across its G rows and uses _TokenLogprob's
-# closed-form backward; tests/test_rollout.py compares it with completion_logprobs.
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
 
-    rollout.completion_logprobs's numbers (tests/test_rollout.py, values and gradients), faster:
+    rollout.completion_logprobs's numbers (its plain twin), faster; values and gradients pinned by
+    tests/algorithm/test_fast.py::test_completion_logprobs_fast_equals_plain (and _bf16_autocast):
     - rows with the same prompt next to each other (a group) run the prompt ONCE, with grad; its
       KV cache is repeated to the group's rows and only the completion tokens run per row. For
       GSM8K prompts (~130 tokens), 128-token completions and G = 4 this skips a large part of
@@ -355,12 +353,11 @@ def read_only_cache(cache):
     return cache
 
 
-# Fast version: runs each shared prefix (group, then sample) once through a KV cache and only the
-# target positions through the LM head; tests/test_reward.py compares it with score_targets.
 @torch.no_grad()
 def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
     """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax: log p_{j,k}
-    of RLME Eq. 2 (docs/method.md §4.2).
+    of RLME Eq. 2 (docs/method.md §4.2). Plain twin: reward.score_targets; pinned by
+    tests/algorithm/test_fast.py::test_score_targets_fast_equals_plain_tiny.
 
     Nothing is computed twice. Evaluator prompts form a tree: the samples of one group share the
     problem (chat header, instructions, problem statement), the K prompts of one sample share the
@@ -473,9 +470,9 @@ def _right_pad(rows, pad_id, device):
 
 
 def score_remote(r, fulls):
-    """score_remote's numbers with remote.batch_size texts per request (the completions API
-    takes a list of prompts; vLLM answers them as one batch) and remote.concurrency requests in
-    flight."""
+    """The numbers of its plain twin plumbing.services.score_remote, with batch_size texts per
+    request (vLLM answers them as one batch) and `concurrency` requests in flight. Pinned by
+    tests/algorithm/test_fast.py::test_batched_requests_equal_one_request_per_prompt."""
     chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
         out = list(pool.map(lambda c: r["request"](r, c), chunks))  # remote_request (plumbing/services.py)
@@ -483,8 +480,8 @@ def score_remote(r, fulls):
 
 
 def clip_grad_norm(policy, max_norm):
-    """`clip_grad_norm`, with the norm of CPU gradients taken over 64K-element chunks
-    (tests/test_train.py compares it and the plain twin with float64).
+    """Its plain twin train.clip_grad_norm, with the norm of CPU gradients taken over 64K-element
+    chunks; pinned by tests/algorithm/test_fast.py::test_clip_grad_norm_fast_equals_plain (and against float64).
 
     Why: torch's float32 CPU norm of one long tensor drifts (torch 2.13: ~1e-3 relative at a
     28M-element tied embedding, so the logged norm and the clip coefficient were off); chunked

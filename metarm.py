@@ -4,17 +4,18 @@ RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5),
 compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
 critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
 response B, GRM critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default
-nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its
-prediction R̂, clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right
-verdict (Eq. 8): a bonus of at most λ, as on D_H.
+nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its prediction R̂,
+clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8):
+a bonus of at most λ, as on D_H.
 
 One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
     Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
     Step 2  D_H rewards from the judge (Eq. 4-5)                 reward.score_dh
-    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update (metarm.online_epochs passes)
+    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update -> fit
     Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
             then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
     Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
+The cold start (Algorithm 1, lines 2-10: cold_start -> train_metarm -> fit) trains with the same loop.
 
 Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H):
     none         no MetaRM: D_O reward is the outcome only (-1 / 0 / 1); cold start is skipped
@@ -30,14 +31,13 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
     classifier   online; a 3-way classification head over the reward values (0, 1, 1 + λ) with
                  cross-entropy, predict() returns the expected value Σ p_c · value_c
 
-The MetaRM state is a plain dict:
-    mrm = {"model", "tokenizer", "optimizer" (online AdamW, created on first update), "mode",
-           "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates", "dtype"}
-It is trained, so its parameters and AdamW state are float32 whatever `metarm.dtype` says;
-`dtype` is the compute dtype of its forwards (autocast), as for the policy (train.compute_context).
+The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tokenizer",
+"optimizer" (online AdamW, created on first update), "mode", "lam", "batch_size", "max_length",
+"online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype"}. Its parameters and
+AdamW state are float32 (it is trained); `dtype` is the compute dtype of its forwards (autocast).
 
-Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or <run.out_dir>/metarm,
-            where train.py picks it up instead of cold-starting itself)
+Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or
+            <run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)
 """
 import math
 import random
@@ -56,34 +56,32 @@ import rollout
 # ==============================================================================================
 
 
-def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
+def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do, seed, world, t0):
     """Rewards of one step's GRM completions, Algorithm 1's steps 2-4 in its order (RM-NLHF App. D.1):
       Step 2  D_H: parse, judge (only valid + right verdicts), R = -1 | 0 | 1 + λ·R_process   (Eq. 4-5)
       Step 3  MetaRM update on those D_H samples (all ranks' samples: online_update)         (Eq. 7)
       Step 4  MetaRM prediction R̂ for the D_O samples with the UPDATED MetaRM               (Eq. 6)
               and R' = -1 | 0 | 1 + max(0, R̂ - 1), R̂ clipped to [0, 1 + λ]               (Eq. 8; reward.do_reward)
 
-    Args:
-        items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated).
-        completions: list[str] (N). judge: make_judge dict. mrm: MetaRM dict or None (mode none).
-        cfg: the full config (nlhf, metarm.mode, run.seed). world: number of ranks. step: 0-based.
-        t0: time.perf_counter() at the start of the step; the "order/*" metrics are seconds since it.
+    items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated);
+    completions: list[str] (N); judge: a make_judge dict; mrm: the MetaRM dict or None (mode none);
+    nlhf: the config's `nlhf:` section (the method's numbers); mode, train_on_do: metarm.mode and
+    metarm.train_on_do; seed: this step's MetaRM shuffle seed (train.py: run.seed * 7919 + step);
+    world: number of ranks; t0: time.perf_counter() at the start of the step (the "order/*"
+    metrics are seconds since it).
     Returns:
         dict, the same shape as train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the
         judge failed), "valid" BoolTensor [N] (False = judge failure: left out of group statistics
         and of the loss), "records" list (N) of samples.jsonl fields (pair, verdict, critique,
         judge F1 or why not, R̂, reward), "metrics" dict (MetaRM loss/agreement, order of operations).
     """
-    nl, mode = cfg["nlhf"], cfg["metarm"]["mode"]
-    parsed = [reward.parse_grm_completion(c, nl) for c in completions]
+    parsed = [reward.parse_grm_completion(c, nlhf) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
     samples = [None] * len(items)
     metrics = {}
     # Step 2: D_H rewards from the judge
-    dh = reward.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, lam=nl["lam"],
-                         threshold=nl["threshold"], gate_on_outcome=nl["gate_on_outcome"],
-                         inclusive=nl["threshold_rule"] == "inclusive", similarity=nl["similarity"])
+    dh = judge_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, nlhf)
     for i, s in zip(dh_idx, dh):
         s["f1_why"] = s["judge_why"] if s["judged"] else ("invalid format" if not s["valid"] else "wrong verdict: judge not called")
         samples[i] = dict(s, r_hat=None)
@@ -93,11 +91,10 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
     truncated_before = mrm["truncated"] if mrm is not None else 0
     if mrm is not None:
         train_items, train_samples = [items[i] for i in dh_idx], dh
-        if cfg["metarm"]["train_on_do"]:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
-            extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=nl["lam"])
+        if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
+            extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=nlhf["lam"])
             train_items, train_samples = train_items + [items[i] for i in do_idx], train_samples + extra
-        metrics.update(online_update(mrm, train_items, train_samples, world=world,
-                                     seed=cfg["run"]["seed"] * 7_919 + step))
+        metrics.update(online_update(mrm, train_items, train_samples, world=world, seed=seed))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
@@ -107,8 +104,8 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
         metrics["metarm/truncated"] = mrm["truncated"] - truncated_before
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
-    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nl["lam"], mode=mode,
-                         gate_on_outcome=nl["gate_on_outcome"], form=nl["do_reward"])
+    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nlhf["lam"], mode=mode,
+                         gate_on_outcome=nlhf["gate_on_outcome"], form=nlhf["do_reward"])
     for i, s in zip(do_idx, do):
         samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False, judge_failed=False,
                           judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
@@ -123,16 +120,20 @@ def nlhf_reward_step(items, completions, *, judge, mrm, cfg, world, step, t0):
             "records": records, "metrics": metrics}
 
 
+def judge_dh(parsed, items, judge, nl):
+    """reward.score_dh (RM-NLHF Eq. 4-5) with the `nlhf` config section's numbers."""
+    return reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
+                           gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
+                           similarity=nl["similarity"])
+
+
 def do_training_samples(parsed, items, lam):
     """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
     Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
     outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
     The paper's sentence pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read
     it as right -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method.
-
-    Args: parsed: parse_grm_output dicts; items: their pairwise dicts; lam: λ.
-    Returns: list of {"valid", "reward", "critique"} (invalid verdicts: reward None, not trained on).
-    """
+    Returns {"valid", "reward", "critique"} per verdict (invalid: reward None, not trained on)."""
     out = []
     for p, it in zip(parsed, items):
         right = p["valid"] and p["choice"] == it["winner"]
@@ -180,10 +181,7 @@ def metarm_input(mrm, context, response_a, response_b, critique):
     the middles of both responses (equal shares), and the critique's middle only as a last resort;
     a cut part keeps its head and tail around " [...] ". (Truncating the joined text from one side
     would drop the conversation and Response A of every long item.)
-
-    Returns:
-        (text str, truncated bool). The count of truncated inputs is added to mrm["truncated"].
-    """
+    Returns (text, truncated bool); mrm["truncated"] counts the truncated inputs."""
     tok = mrm["tokenizer"]
     parts = [context.strip(), response_a.strip(), response_b.strip(), (critique or "").strip()]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
@@ -229,16 +227,10 @@ def train_target(r, mode, lam):
 
 
 def examples_from_samples(mrm, items, samples):
-    """MetaRM training examples from scored D_H samples: every valid verdict whose reward is known.
-
-    Invalid formats (R = -1) are left out: the MetaRM regresses R ∈ {0, 1, 1 + λ} and D_O never
-    asks the MetaRM about them. Judge failures (reward None) are left out too.
-
-    Args:
-        items: list of pairwise dicts; samples: reward.score_dh output (same length).
-    Returns:
-        list of {"text", "r"}.
-    """
+    """MetaRM training examples {"text", "r"} from scored D_H samples (reward.score_dh output, with
+    their pairwise items): every valid verdict whose reward is known. Invalid formats (R = -1) are
+    left out: the MetaRM regresses R ∈ {0, 1, 1 + λ} and D_O never asks the MetaRM about them.
+    Judge failures (reward None) are left out too."""
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
@@ -249,11 +241,8 @@ def examples_from_samples(mrm, items, samples):
 
 
 def metarm_loss(mrm, texts, rewards):
-    """Loss on one batch. MSE(ŷ, R) (RM-NLHF Eq. 7; 'binary_retrain': MSE to 1[R > 1]); 'classifier':
-    cross-entropy over the classes (0, 1, 1 + λ).
-
-    Args: texts: list[str]; rewards: list[float] D_H rewards R. Returns: scalar tensor (grad).
-    """
+    """Loss (scalar, with grad) on one batch of texts and their D_H rewards R: MSE(ŷ, R) (RM-NLHF
+    Eq. 7; 'binary_retrain': MSE to 1[R > 1]); 'classifier': cross-entropy over (0, 1, 1 + λ)."""
     out = _forward(mrm, texts)
     targets = [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
     if mrm["mode"] == "classifier":
@@ -322,16 +311,12 @@ def agreement(preds, rewards, lam):
 
 
 def update(mrm, items, samples, seed=0):
-    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): `online_epochs`
-    passes (1 by default; the paper's "Aggressive" ablation takes 2 at lr 1e-5, App. H.1), each
-    shuffled by (seed + pass), at `online_lr` (constant) with a persistent AdamW. Agreement with
-    the judge is measured on the samples BEFORE training on them (an honest held-out number).
-
-    Args:
-        items: pairwise dicts of the D_H samples (one per sample); samples: reward.score_dh output.
-    Returns:
-        dict metrics: metarm/n, metarm/loss (mean over all passes; None when nothing to train on),
-        metarm/agreement. Mode 'offline' reports agreement and trains nothing.
+    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): fit with the
+    persistent AdamW at `online_lr` (constant), `online_epochs` passes (1 by default; the paper's
+    "Aggressive" ablation takes 2 at lr 1e-5, App. H.1). Agreement with the judge is measured on
+    the samples BEFORE training on them (an honest held-out number). items, samples: the D_H
+    samples' pairwise dicts and reward.score_dh output. Returns metrics metarm/n, metarm/loss (mean
+    over all passes; None when nothing is trained), metarm/agreement; mode 'offline' trains nothing.
     """
     ex = examples_from_samples(mrm, items, samples)
     metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
@@ -341,22 +326,41 @@ def update(mrm, items, samples, seed=0):
     metrics["metarm/agreement"] = agreement(predict_texts(mrm, [e["text"] for e in ex]), rewards, mrm["lam"])
     if mrm["mode"] == "offline":
         return metrics
-    model = mrm["model"]
     if mrm["optimizer"] is None:
-        mrm["optimizer"] = torch.optim.AdamW(model.parameters(), lr=mrm["online_lr"], weight_decay=mrm["weight_decay"])
+        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
+                                             weight_decay=mrm["weight_decay"])
+    steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
+    mrm["updates"] += 1
+    metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / (len(ex) * mrm["online_epochs"])
+    return metrics
+
+
+def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None, log=None):
+    """The MetaRM's one training loop (RM-NLHF Eq. 7), for the online update and the cold start:
+    `epochs` passes over `examples` ({"text", "r"}: examples_from_samples), pass e in batches of
+    mrm["batch_size"] shuffled by seed + e; per batch metarm_loss, backward, the gradient norm
+    clipped to 1.0, an `optimizer` step, and with `lr_at` (the lr multiplier at optimizer step t,
+    0-based) a LambdaLR step. log: None or a callable taking one progress line per step.
+    Returns [(loss, batch size)], one per optimizer step.
+    """
+    model = mrm["model"]
     model.train()
-    losses = []
-    for epoch in range(mrm["online_epochs"]):
-        for b in _batches(len(ex), mrm["batch_size"], seed + epoch):
-            loss = metarm_loss(mrm, [ex[i]["text"] for i in b], [ex[i]["r"] for i in b])
-            mrm["optimizer"].zero_grad(set_to_none=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
+    total = epochs * math.ceil(len(examples) / mrm["batch_size"])
+    steps = []
+    for epoch in range(epochs):
+        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
+            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
+            optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            mrm["optimizer"].step()
-            losses.append(loss.item() * len(b))
-    mrm["updates"] += 1
-    metrics["metarm/loss"] = sum(losses) / (len(ex) * mrm["online_epochs"])
-    return metrics
+            optimizer.step()
+            if sched is not None:
+                sched.step()
+            steps.append((loss.item(), len(b)))
+            if log:
+                log(f"metarm: epoch {epoch + 1}/{epochs} step {len(steps)}/{total} loss {steps[-1][0]:.4f}")
+    return steps
 
 
 def _batches(n, batch_size, seed):
@@ -380,20 +384,16 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
                compute_dtype="float32", generate=rollout.generate):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
-    Args:
-        mrm: the MetaRM dict (plumbing/run.py's load_metarm).
-        grm: (model, tokenizer) of the base GRM (train.py passes its policy at step 0).
-        dh_items: pairwise dicts with human critiques. judge: a judge dict (reward.judge_scores).
-        chat: the GRM's prompt format, as in training (False, or rollout-style chat options:
-            plumbing/data.py's policy_chat).
-        nlhf: the config's `nlhf:` section (lam, threshold, gate_on_outcome, max_critique_lines,
-            max_critique_chars, similarity, threshold_rule, grm_prompt).
-        compute_dtype: the GRM's compute dtype while sampling (model.dtype; autocast).
-        generate: rollout.generate or its fast twin fast.generate (train.fast_paths; the same distribution).
-    Returns:
-        dict: rollouts, examples, truncated (inputs cut to metarm.max_length), invalid,
-        judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g. every rollout invalid) nothing is trained and the
-        MetaRM keeps its initial head; the numbers say so.
+    grm: (model, tokenizer) of the base GRM (train.py passes its policy at step 0); dh_items:
+    pairwise dicts with human critiques; judge: a judge dict (reward.judge_scores); chat: the GRM's
+    prompt format, as in training (plumbing/data.py's policy_chat); nlhf: the config's `nlhf:`
+    section; compute_dtype: the GRM's compute dtype while sampling (autocast); generate:
+    rollout.generate or fast.generate (train.fast_paths; the same distribution); the rest: the
+    sampling and train_metarm settings.
+    Returns dict: rollouts, examples, truncated (inputs cut to metarm.max_length), invalid,
+    judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g.
+    every rollout invalid) nothing is trained and the MetaRM keeps its initial head; the numbers
+    say so.
     """
     nl = nlhf
     t0 = time.time()
@@ -406,9 +406,7 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
     del grm
     items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
     parsed = [reward.parse_grm_completion(c, nl) for c in out["completions"]]
-    samples = reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
-                              gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
-                              similarity=nl["similarity"])
+    samples = judge_dh(parsed, items, judge, nl)
     ex = examples_from_samples(mrm, items, samples)
     stats = {"rollouts": len(samples), "examples": len(ex), "truncated": mrm["truncated"],
              "invalid": sum(not s["valid"] for s in samples),
@@ -423,42 +421,21 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
 
 
 def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, log=None):
-    """Cold-start training (Algorithm 1, line 9; docs/method.md §5.4): AdamW, `epochs` passes, linear warmup over `warmup_frac`
-    of the steps (at least 1 step), then cosine decay to 0.
-
-    Args:
-        examples: list of {"text", "r"} (examples_from_samples).
-    Returns:
-        list[float], the loss of every optimizer step.
-    """
+    """Cold-start training (Algorithm 1, line 9; docs/method.md §5.4): fit with a fresh AdamW,
+    `epochs` passes, linear warmup over `warmup_frac` of the steps (at least 1 step), then cosine
+    decay to 0. examples: examples_from_samples's {"text", "r"}. Returns the loss of every step."""
     if not examples:
         return []
-    model = mrm["model"]
-    model.train()
-    steps_per_epoch = math.ceil(len(examples) / mrm["batch_size"])
-    total = steps_per_epoch * epochs
+    total = math.ceil(len(examples) / mrm["batch_size"]) * epochs
     warmup = max(1, round(warmup_frac * total))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def lr_at(step):  # multiplier of lr at optimizer step `step` (0-based)
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    losses = []
-    for epoch in range(epochs):
-        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
-            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log:
-                log(f"metarm cold start: epoch {epoch + 1}/{epochs} step {len(losses)}/{total} loss {loss.item():.4f}")
-    return losses
+    opt = torch.optim.AdamW(mrm["model"].parameters(), lr=lr, weight_decay=weight_decay)
+    return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at, log=log)]
 
 
 if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's metarm_main

@@ -1,33 +1,19 @@
-"""Rewards: RLVR, the RLME meta-evaluation reward, and the RM-NLHF rewards with their critique judge.
+"""Rewards: RLVR, the RLME meta-evaluation reward, and the RM-NLHF rewards with their critique
+judge (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose).
 
-What is computed (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose):
+* RLVR (RLME §4.1): 1 if the last \\boxed{} answer equals the label as a number, else 0; string
+  answers (RLME §4 Tables 1-2) by SQuAD exact match or token F1 (answer_reward).
+* RLME (RLME §3.1): p_{j,k} = pi_phi_j(a_k | x, y, q_k), evaluator j's teacher-forced probability
+  of the target string a_k for meta-question q_k (Eq. 2); r(x, y) = sum_j v_j sum_k w_k log p_{j,k}
+  <= 0 (Eq. 3). Off by default (not the paper's): renormalise over {target, negative}, transform
+  "prob" (sum of p), an added RLVR part (hybrid_reward).
+* RM-NLHF (RM-NLHF §3.1-3.2): on D_H, R = -1 invalid, 0 wrong verdict, 1 + lam * R_process right
+  verdict, R_process = 1[S(h, c) > threshold] (Eq. 4-5), S the F1 of the core arguments the GRM
+  critique shares with the human one, decided by an LLM judge (§2.3, App. E); on D_O,
+  R' = -1 / 0 / 1 + clip(max(0, R_hat - 1), 0, lam) (Eq. 8), R_hat the MetaRM's (metarm.py).
 
-* RLVR, the RLME paper's baseline (RLME §4.1): r = 1 if the last \\boxed{} answer equals the
-  GSM8K label as a number, else 0. For string answers (open-domain QA, RLME §4 Tables 1-2) the
-  box is scored against the gold answers by SQuAD's normalised exact match or token F1
-  (answer_reward).
-* RLME (RLME §3.1): evaluator j's teacher-forced probability of the whole target string a_k
-  (e.g. "Yes") for meta-question q_k, p_{j,k} = pi_phi_j(a_k | x, y, q_k) (Eq. 2), and the reward
-  r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (Eq. 3). Optional and off by default (not the
-  paper's reward): renormalise over {target, negative}, log p(a_k) - log(p(a_k) + p(neg_k)); sum
-  p_{j,k} instead of log p_{j,k} (transform "prob"); add an RLVR part (hybrid_reward).
-* RM-NLHF (RM-NLHF §3.1-3.2): the GRM writes a critique c and a verdict. On D_H (items with a
-  human critique h): R_process = 1 if S(h, c) >= threshold else 0 (Eq. 4; see process_reward) and
-  R = -1 invalid format, 0 wrong verdict, 1 + lam * R_process right verdict (Eq. 5, outcome
-  regularisation: the judge is only asked about right verdicts). On D_O (no human critique):
-  R' = -1 / 0 / 1 + clip(max(0, R_hat - 1), 0, lam) (Eq. 8), with R_hat the MetaRM's prediction
-  of R (Eq. 6, metarm.py).
-* S(h, c), the critique similarity (RM-NLHF §2.3 "Similarity w/ Core HC", App. E): F1 of the
-  core arguments the two critiques share, decided by an LLM judge behind any OpenAI-compatible
-  server; proxy_f1 is an offline lexical stand-in for tests.
-
-Every function works on plain strings, lists and tensors so a reader can recompute any logged
-reward by hand from samples.jsonl. Sections: RLVR, RLME, the RLME reward outside our trainer (a
-TRL reward function, a verl compute_score, load_evaluator), RM-NLHF, the judge; the pairwise data
-loaders and the command line are plumbing at the end.
-
-Run alone (JSONL rows with problem and completion in, the same rows with logp and reward out):
-    python reward.py --evaluator PATH --in samples.jsonl --out scored.jsonl
+Plain strings, lists and tensors throughout, so any logged reward can be recomputed by hand from
+samples.jsonl. Run alone: python reward.py --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
 import collections
 import concurrent.futures
@@ -46,16 +32,9 @@ from rollout import token_logprobs
 
 
 def extract_boxed(text):
-    """Content of the LAST `\\boxed{...}` in `text`, braces matched (nested braces allowed).
-
-    A naive regex stops at the first '}' and breaks on `\\boxed{\\frac{1}{2}}`. Also accepts
-    `\\boxed 5` (a single token without braces) and `\\fbox{}`.
-
-    Args:
-        text: str, a completion.
-    Returns:
-        str, the stripped box content, or None when there is no (closed) box.
-    """
+    """Content (stripped) of the LAST `\\boxed{...}` or `\\fbox{...}` in `text`, braces matched,
+    so `\\boxed{\\frac{1}{2}}` works (a naive regex stops at the first '}'); also `\\boxed 5`, a
+    single token without braces. None when there is no closed box."""
     if not text:
         return None
     starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
@@ -80,14 +59,6 @@ def rlvr_reward(completion, label):
     """RLVR baseline reward (RLME §4.1; docs/method.md §4.3): 1.0 if the last boxed answer equals
     the cleaned label, else 0.0 (no box -> 0.0)."""
     return 1.0 if numeric_equal(extract_boxed(completion), label) else 0.0
-
-
-def clean_gsm8k_label(answer):
-    """GSM8K gold answer: the text after '####', with ',', '$' and spaces removed.
-    '... #### 1,234' -> '1234'. Raises ValueError when there is no '####'."""
-    if "####" not in answer:
-        raise ValueError("GSM8K answer has no '####' line")
-    return clean_number(answer.split("####")[-1])
 
 
 def clean_number(s):
@@ -133,16 +104,8 @@ _DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 def normalize_answer(s):
     """SQuAD answer normalisation: lower case, drop ASCII punctuation, drop the articles a / an /
-    the (whole words only), collapse white space.
-
-    The steps run in that order, so a word joined by punctuation is joined for good:
-    "The A-Team!" -> "ateam" (the hyphen goes first, then "ateam" is no article).
-
-    Args:
-        s: str.
-    Returns:
-        str, the normalised answer ("" when nothing is left).
-    """
+    the (whole words), collapse white space. In that order, so a word joined by punctuation stays
+    joined: "The A-Team!" -> "ateam" (the hyphen goes first, then "ateam" is no article)."""
     s = s.lower().translate(_DROP_PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", s).split())
 
@@ -156,16 +119,9 @@ def _gold_list(golds):
 
 
 def qa_exact_match(prediction, golds):
-    """SQuAD exact match: EM = max_g 1[norm(prediction) == norm(g)]  (RLME §4 Tables 1-2).
-
-    Args:
-        prediction: str, or None (no answer extracted).
-        golds: str or non-empty list of str, the accepted answers.
-    Returns:
-        float, 1.0 or 0.0 (prediction None -> 0.0).
-    Raises:
-        ValueError: golds empty or not str.
-    """
+    """SQuAD exact match EM = max_g 1[norm(prediction) == norm(g)] (RLME §4 Tables 1-2): 1.0 or
+    0.0; prediction None (no answer extracted) -> 0.0. golds: str or non-empty list of str
+    (ValueError otherwise)."""
     golds = _gold_list(golds)
     if prediction is None:
         return 0.0
@@ -174,22 +130,10 @@ def qa_exact_match(prediction, golds):
 
 
 def qa_f1(prediction, golds):
-    """SQuAD token F1, the best over the gold answers (RLME §4 Tables 1-2):
-
-        common = |P ∩ G| (multiset: a token counts min(#in P, #in G) times)
-        precision = common / |P|,  recall = common / |G|,  F1 = 2 precision recall / (precision + recall)
-
-    with P, G the tokens of the normalised prediction and gold (normalize_answer, split on
-    white space). An empty side gives 0.0, unless both are empty: 1.0 (as SQuAD).
-
-    Args:
-        prediction: str, or None (no answer extracted).
-        golds: str or non-empty list of str.
-    Returns:
-        float in [0, 1] (prediction None -> 0.0).
-    Raises:
-        ValueError: golds empty or not str.
-    """
+    """SQuAD token F1, the best over the gold answers (RLME §4 Tables 1-2): with P, G the tokens of
+    the normalised prediction and gold and common = |P ∩ G| as multisets (min of the two counts),
+    precision = common / |P|, recall = common / |G|, F1 = 2 precision recall / (precision + recall).
+    An empty side gives 0.0, both empty 1.0 (as SQuAD); prediction None -> 0.0."""
     golds = _gold_list(golds)
     if prediction is None:
         return 0.0
@@ -213,25 +157,10 @@ QA_METRICS = ("em", "f1")
 
 
 def answer_reward(completion, label, label_format, qa_metric="em"):
-    """RLVR reward for any label (RLME §4.1 for numbers; RLME §4 Tables 1-2 for string answers):
-
-        gsm8k / plain: 1.0 if the last \\boxed{} answer equals the label as a number, else 0.0
-                       (rlvr_reward; the label is already cleaned: clean_gsm8k_label / clean_number)
-        text:          EM or F1 (qa_metric) of the last \\boxed{} content against the gold answers
-
-    No box -> 0.0. Text labels are never passed through clean_number: it deletes spaces and
-    commas, which are part of a string answer ("New York, USA").
-
-    Args:
-        completion: str, the policy's answer.
-        label: str (gsm8k / plain); str or list of str (text).
-        label_format: "gsm8k" | "plain" | "text" (config data.label_format).
-        qa_metric: "em" (qa_exact_match) | "f1" (qa_f1); read for text labels only.
-    Returns:
-        float in [0, 1].
-    Raises:
-        ValueError: unknown label_format or qa_metric.
-    """
+    """RLVR reward in [0, 1] for label_format "gsm8k" / "plain" (rlvr_reward on the cleaned number,
+    RLME §4.1) or "text" (qa_metric "em" or "f1" of the last \\boxed{} against the golds, §4 Tables
+    1-2); no box -> 0.0. Text labels never go through clean_number: it deletes spaces and commas,
+    which are part of a string answer ("New York, USA")."""
     if label_format not in LABEL_FORMATS:
         raise ValueError(f"label_format {label_format!r}: expected one of {', '.join(LABEL_FORMATS)}")
     if qa_metric not in QA_METRICS:
@@ -260,11 +189,10 @@ DEFAULT_EVALUATOR_TEMPLATE = (
 REFERENCE_LINE = "Reference answer (from the answer key): {answer}\n\n"
 SOLUTION_DELIMITERS = ("<<<BEGIN SOLUTION>>>", "<<<END SOLUTION>>>")
 
-# Context QA (reading comprehension, RLME §4 Tables 1-2): {problem} is the rendered context
-# (render_context) followed by the question; the paper's meta-question for it is "Is the answer
-# supported by the context, regardless of whether it seems right or wrong?". Same placeholders as
-# DEFAULT_EVALUATOR_TEMPLATE, and the same delimiter strings: build_evaluator_text cuts exactly
-# these out of the answer, which is what keeps an injected meta-question or fake delimiter out.
+# Context QA (RLME §4 Tables 1-2; meta-question "Is the answer supported by the context, regardless
+# of whether it seems right or wrong?"): {problem} is the context and the question. The delimiters
+# are DEFAULT_EVALUATOR_TEMPLATE's: build_evaluator_text cuts exactly these out of the answer,
+# which is what keeps an injected meta-question or fake delimiter out.
 QA_EVALUATOR_TEMPLATE = (
     "Below is a context (one or more passages), a question about it, and a proposed answer to the "
     "question.\n\n"
@@ -275,46 +203,6 @@ QA_EVALUATOR_TEMPLATE = (
     "Question about the proposed answer above: {question}\n"
     "Reply with Yes or No."
 )
-
-
-def render_context(value, max_chars):
-    """A QA context field as the text the policy and the evaluator read (RLME §4: contexts cut at
-    4,000 characters).
-
-        str                                  -> as is
-        list of str                          -> joined by blank lines
-        list of [title, sentence, ...] lists -> "title: sentence sentence ..." per passage,
-                                                passages joined by blank lines (QA-Feedback's
-                                                `passages`, ../shared/data/qa_feedback/SOURCE.md)
-
-    then cut to the first max_chars characters.
-
-    Args:
-        value: the row's context field.
-        max_chars: int >= 0; 0 = no cut.
-    Returns:
-        str.
-    Raises:
-        ValueError: any other type (one line naming it), or max_chars < 0.
-    """
-    if max_chars < 0:
-        raise ValueError(f"max_chars must be >= 0 (0 = no cut), got {max_chars}")
-    expected = "expected a str, a list of str, or a list of [title, sentence, ...] passages"
-    if isinstance(value, str):
-        text = value
-    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
-        text = "\n\n".join(value)
-    elif isinstance(value, list) and all(isinstance(x, list) and x and all(isinstance(t, str) for t in x)
-                                         for x in value):
-        text = "\n\n".join(f"{title}: {' '.join(sentences)}" if sentences else title
-                            for title, *sentences in value)
-    else:
-        found = type(value).__name__
-        if isinstance(value, list):  # it holds something that is not a str (else the 2nd branch took it)
-            bad = next(x for x in value if not isinstance(x, str))
-            found = f"a list holding {type(bad).__name__} {bad!r:.40}"
-        raise ValueError(f"context: {expected}; got {found}")
-    return text[:max_chars] if max_chars else text
 
 
 def check_evaluator_template(template):
@@ -328,7 +216,8 @@ def check_evaluator_template(template):
 
 
 def build_evaluator_text(template, problem, solution, question, meta_questions=(), reference=None):
-    """Fill the evaluator template for one (sample, meta-question) (docs/method.md §4.2).
+    """The evaluator's user message for one (sample, meta-question) (docs/method.md §4.2);
+    meta_questions: all the run's question strings; reference: the gold answer of an anchored item.
 
     The policy can and will write "Is the answer correct? Yes" or a fake closing delimiter into
     its solution, so every meta-question string and both delimiters are cut out of the solution
@@ -338,13 +227,6 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
     "Is the answer Is the answer correct?correct?" (cutting the inner copy leaves the outer one).
     Each pass that changes the text shortens it, so the loop ends.
     str.format does not re-read substituted values, so braces in the solution are harmless.
-
-    Args:
-        problem, solution, question: str.
-        meta_questions: all meta-question strings of the run (each is removed from the solution).
-        reference: str gold answer for anchored items, else None.
-    Returns:
-        str, the evaluator's user message (or plain prompt before the answer stub).
     """
     extracted = extract_boxed(solution)
     cut = list(meta_questions) + [question, *SOLUTION_DELIMITERS]
@@ -361,18 +243,9 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
 
 
 def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
-    """The evaluator prompt as a string, and prompt + target: what an in-process evaluator
-    tokenises (evaluator_prompt_and_target_ids) and what a remote one sends (score_remote).
-
-    Args:
-        tokenizer: the evaluator's tokenizer (only read when chat is True: its chat template).
-        text: evaluator user message (build_evaluator_text). target: a_k, e.g. "Yes".
-        chat: False (text + answer_stub), or True / the chat options of use_chat_template:
-            `text` in the chat template with the generation prompt.
-    Returns:
-        (prompt str, full str): full = prompt + " " + target, without the space when the prompt
-        ends in white space (after "Answer:" the natural continuation is " Yes").
-    """
+    """(prompt, prompt + target) strings for evaluator message `text` and target a_k (what a local
+    evaluator tokenises, what a remote one sends): text + answer_stub, or with `chat` (use_chat_template's
+    options) `text` in the chat template; the target after a space unless the prompt ends in one."""
     if chat:
         prompt = rollout.chat_prompt(tokenizer, text, chat, tokenize=False)
     else:
@@ -381,24 +254,14 @@ def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"
 
 
 def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
-    """Token ids of the evaluator prompt and of the target answer string a_k (RLME Eq. 2;
-    docs/method.md §4.2).
+    """(prompt_ids, target_ids) of the evaluator prompt and the target string a_k (RLME Eq. 2;
+    docs/method.md §4.2); arguments as evaluator_prompt_text.
 
     The target ids are found by tokenising prompt + target and removing the prompt ids, never
     by `tokenizer.encode("Yes")[0]`: after "Answer:" the natural continuation is " Yes" (with a
     space), after a chat header "...assistant\\n" it is "Yes", and multi-token answers need all
-    their tokens. A separating space is added when the prompt does not end in white space.
-
-    Args:
-        text: evaluator user message (build_evaluator_text).
-        target: answer string a_k, e.g. "Yes".
-        chat: False, or True / the chat options of use_chat_template: wrap `text` in the
-            evaluator's chat template (then no answer stub).
-    Returns:
-        (prompt_ids list[int], target_ids list[int])
-    Raises:
-        ValueError: the tokenizer merges the prompt's last token with the target, so the
-            prompt ids are not a prefix (change the template's ending).
+    their tokens. ValueError when the tokenizer merges the prompt's last token with the target
+    (the prompt ids are not a prefix: change the template's ending).
     """
     prompt, full = evaluator_prompt_text(tokenizer, text, target, chat, answer_stub=answer_stub)
     # A rendered chat string already holds its special tokens: do not add a second BOS.
@@ -410,31 +273,12 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
     return prompt_ids, full_ids[len(prompt_ids):]
 
 
-# A REMOTE evaluator (`kind: remote`): the same log p(target | prompt), scored by an
-# OpenAI-compatible /v1/completions server that echoes the prompt with its log-probs (`echo: true`,
-# `logprobs`, no generation): the target's log p is the sum of the echoed log-probs of the tokens
-# that spell " Yes" at the end of prompt + target (echo_target_logprob). A request that fails
-# after its retries gives None, never a number: the sample is masked (rlme_reward's "valid").
-# Servers that work, and the tokenizer caveat: docs/scale-out.md, "Remote evaluators".
-
-
 @torch.no_grad()
 def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
-    """log p(target | prompt) under `model`, teacher-forced (the plain twin of score_targets):
-
-        score[i, k] = sum_t log softmax(f(prompt_ik + target_ik[:t]))[target_ik[t]]
-
-    one unpadded forward per (prompt + target) row, so no padding, positions or cache are involved.
-
-    Args:
-        model: causal LM (run in eval mode, rollout.eval_mode, its modes restored after; no grad).
-        prompt_ids: list (N) of lists (K) of list[int], each non-empty.
-        target_ids: same nesting, the target answer ids (each non-empty).
-        pad_id, micro_batch_size, groups: unused here (no padding, one row per forward); the fast
-            twin (fast.score_targets) takes them.
-    Returns:
-        FloatTensor [N, K] float32, on CPU.
-    """
+    """log p(target | prompt) under `model`, teacher-forced (the plain twin of fast.score_targets):
+    score[i, k] = sum_t log softmax(f(prompt_ik + target_ik[:t]))[target_ik[t]], FloatTensor [N, K]
+    on CPU, for lists (N) of lists (K) of non-empty id lists. One unpadded forward per row, so no
+    padding, positions or cache are involved (pad_id, micro_batch_size, groups: the fast twin's)."""
     device = next(model.parameters()).device
     out = torch.zeros(len(prompt_ids), len(prompt_ids[0]))
     with rollout.eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
@@ -448,21 +292,12 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
 
 def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, answer_stub="\nAnswer:",
                     micro_batch_size=8, score=score_targets):
-    """An in-process evaluator j as the dict rlme_reward reads: {"name", "weight": v_j, "score"}.
-
-    score(texts, targets, groups=None) -> FloatTensor [N, K] of log p(target_k | texts[i][k]), the
-    log p_{j,k} of RLME Eq. 2: each text is rendered as an evaluator prompt
-    (evaluator_prompt_and_target_ids: the chat template, or plain text + `answer_stub`) and scored
-    by `score` (score_targets, or its fast twin fast.score_targets, which shares the prompts'
-    common prefixes: samples with the same `groups` key next to each other share their problem).
+    """An in-process evaluator j as the dict rlme_reward reads: {"name", "weight": v_j, "score"}, with
+    score(texts, targets, groups=None) -> [N, K] log p(target_k | texts[i][k]) = log p_{j,k} (RLME
+    Eq. 2) through evaluator_prompt_and_target_ids and `score` (score_targets or fast.score_targets,
+    which runs a shared prefix of adjacent samples with the same `groups` key once).
     A NaN a model computes is a broken number, not a failed request: it comes back as -inf, so
-    rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score").
-
-    Args:
-        model: causal LM, scored in eval mode without grad (the policy itself for `kind: live`).
-        tokenizer: its tokenizer. chat: False, or the chat options of use_chat_template.
-        micro_batch_size: samples (each with all K rows) per forward.
-    """
+    rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score")."""
     def fn(texts, targets, groups=None):
         ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat=chat, answer_stub=answer_stub)
                 for t, a in zip(row, targets)] for row in texts]
@@ -475,38 +310,20 @@ def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, an
 
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, renormalize=False, nonfinite_logp=-50.0, transform="log"):
-    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k}   (RLME Eq. 2-3; docs/method.md §4.2).
+    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (RLME Eq. 2-3; docs/method.md §4.2),
+    p_{j,k} = pi_phi_j(a_k | x, y, q_k) evaluator j's probability of the whole target string a_k
+    after the prompt for meta-question q_k (0 = certainty). transform "prob": sum_j v_j sum_k w_k
+    p_{j,k} instead (the abstract's "probability": a near-0 p costs at most v w, not an unbounded log).
 
-    p_{j,k} = pi_phi_j(a_k | x, y, q_k) is evaluator j's probability of the whole target string
-    a_k after the evaluator prompt for meta-question q_k. The reward is <= 0; 0 means certainty.
-    With transform "prob" it is r = sum_j v_j sum_k w_k p_{j,k} instead (the abstract's wording,
-    "probability"; in [0, sum v w] for positive weights: a near-0 p costs at most v w, not an
-    unbounded log).
-
-    Args:
-        evaluators: list of dicts {"name", "weight": v_j, "score"} (local_evaluator; a remote one,
-            plumbing/services.py's remote_evaluator, also has "failures": the reasons of the
-            requests that failed in its last call).
-        meta_questions: list of dicts {"question", "weight": w_k, "target": a_k, "negative": str}.
-        problems, solutions: list[str] of length N.
-        references: list[str] gold answers (only read for anchored items), or None.
-        anchored: list[bool], True = show the reference answer to the evaluator (sparse
-            ground-truth anchoring), or None.
-        renormalize: use log p(a_k) - log(p(a_k) + p(negative_k)) instead (off by default: not
-            the paper's reward).
-        nonfinite_logp: a log p that is inf (a broken evaluator) is replaced by this value and
-            counted, so the update never sees it.
-        transform: "log" (RLME Eq. 3) | "prob" (sum of p); config `reward.transform`.
-    Returns:
-        dict with "reward" FloatTensor [N], "logp" FloatTensor [N, J, K] (log p whatever the
-        transform, after renormalising and the nonfinite replacement), "nonfinite" int count of
-        replaced values; "failed" BoolTensor [N, J, K]: the evaluator could not score that term
-        (a remote request that failed after its retries: NaN, not replaced); "valid" BoolTensor [N]:
-        no term failed (where False the reward is NaN: the caller masks the sample, never scores
-        it); "why" {evaluator name: the first failure's reason, "" if none} for evaluators that
-        report failures.
-    Raises:
-        ValueError: unknown transform.
+    evaluators: {"name", "weight": v_j, "score"} (local_evaluator; a remote one's "failures" holds
+    the reasons its last call's failed requests give); meta_questions: {"question", "weight": w_k,
+    "target": a_k, "negative"}; anchored[i] True shows references[i] to the evaluator (sparse
+    ground-truth anchoring); renormalize: log p(a_k) - log(p(a_k) + p(negative_k)) instead; a log p
+    that is inf (a broken evaluator) is replaced by nonfinite_logp and counted, so the update never
+    sees it. Returns {"reward" [N], "logp" [N, J, K] (log p whatever the transform, after both),
+    "nonfinite" count, "failed" [N, J, K] (not scored, e.g. a remote request failed after its
+    retries: NaN, kept), "valid" [N] (no term failed; else the reward is NaN and the caller masks
+    the sample), "why" {evaluator name: its first failure's reason or ""}}.
     """
     if transform not in ("log", "prob"):
         raise ValueError(f"transform {transform!r}: expected log or prob")
@@ -535,35 +352,17 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
 
 
 def weighted_reward(logp, v, w):
-    """r = sum_j v_j sum_k w_k log p_{j,k}  (RLME Eq. 3).
-
-    Args:
-        logp: FloatTensor [N, J, K]; v: J evaluator weights; w: K meta-question weights.
-    Returns:
-        FloatTensor [N].
-    """
+    """r = sum_j v_j sum_k w_k log p_{j,k}  (RLME Eq. 3): logp [N, J, K], v J evaluator weights,
+    w K meta-question weights -> FloatTensor [N]."""
     v = torch.as_tensor(v, dtype=logp.dtype)
     w = torch.as_tensor(w, dtype=logp.dtype)
     return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
 
 
 def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
-    """r = rlvr_weight * r_RLVR + r_RLME: the verifiable reward plus the weighted meta-evaluation
-    terms (RLME §4 Tables 1-2, "RLVR + RLME").
-
-    The paper's rule for combining the two is not in the text we have: this additive form is our
-    choice. The caller logs both parts separately (samples.jsonl rlvr_reward / rlme_reward), so
-    either can be recomputed from the log.
-
-    Args:
-        rlvr: FloatTensor [N] (or N floats), answer_reward per sample.
-        rlme: FloatTensor [N] (or N floats), rlme_reward's "reward".
-        rlvr_weight: float, the RLVR part's weight (config `reward.rlvr_weight`).
-    Returns:
-        FloatTensor [N], float32.
-    Raises:
-        ValueError: the two parts differ in shape.
-    """
+    """r = rlvr_weight * r_RLVR + r_RLME (RLME §4 Tables 1-2, "RLVR + RLME"), float32 [N];
+    ValueError when the parts differ in shape. The paper's rule for combining the two is not in the
+    text we have: this additive form is our choice; both parts are logged (samples.jsonl)."""
     rlvr = torch.as_tensor(rlvr, dtype=torch.float32)
     rlme = torch.as_tensor(rlme, dtype=torch.float32)
     if rlvr.shape != rlme.shape:
@@ -572,37 +371,10 @@ def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
     return rlvr_weight * rlvr + rlme
 
 
-# ----------------------------------------------------------------------------------------------
-# The RLME reward outside our trainer: a TRL reward function, a verl compute_score, an evaluator
-# loader (RLME Eq. 2-3; `python reward.py` scores a JSONL file, see reward_main)
-#
-# The factories below close over already-loaded evaluators and return the callable each trainer
-# expects; every score is reward.rlme_reward on the same (problem, completion) pairs, so a reward
-# logged by TRL or verl can be recomputed with this file alone. Only FROZEN evaluators: a reward
-# function gets texts, not the trainer's current weights, so train.py's `kind: live` (the policy
-# scoring its own answers) is not possible from outside a trainer (scripts/bench_vs_trl.py shows
-# a TRL-internal workaround for benchmarking only).
-#
-#   import reward
-#   ev = reward.load_evaluator("HuggingFaceTB/SmolLM2-135M-Instruct")
-#   fn = reward.trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
-#   GRPOTrainer(model=..., reward_funcs=fn, ...)        # TRL: one call per generation batch
-#   compute_score = reward.verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
-
-
 def meta_question_dicts(meta_questions, target="Yes"):
-    """Meta-questions k as the dicts rlme_reward reads (RLME Eq. 2-3: q_k, a_k, w_k).
-
-    Args:
-        meta_questions: list of str (target `target`, weight 1.0) or dicts {"question", optional
-            "weight", "target", "negative"} (config.yaml's reward.meta_questions form).
-        target: str, a_k for questions given as plain strings.
-    Returns:
-        list of dicts {"question", "weight": float, "target", "negative"}.
-    Raises:
-        ValueError: empty list, a question that is not a non-empty str, or the same question twice
-            (the logp dicts are keyed by question).
-    """
+    """Meta-questions as rlme_reward's dicts {"question", "weight", "target", "negative"} (q_k, w_k,
+    a_k of RLME Eq. 2-3) from str (target `target`, weight 1) or reward.meta_questions dicts;
+    ValueError on none, a blank one or a repeat (the logp dicts are keyed by question)."""
     out = []
     for m in meta_questions:
         m = {"question": m} if isinstance(m, str) else dict(m)
@@ -691,13 +463,13 @@ Note: Use [[A]] if A is better, or [[B]] if B is better."""
 GRM_PROMPT_STYLES = ("ours", "authors")
 
 
-def nlhf_step_items(dh, do, step, cfg, rank, world):
-    """This rank's pairwise items for `step`: round(nlhf.dh_per_step x P) prompts from D_H and the
-    rest from D_O, each set read as its own seeded stream (step_items, so a resumed run sees the
-    same prompts), then the P prompts shuffled by (seed, step) so every rank gets a mix of both.
-    Returns list of item dicts tagged "set": "dh" | "do"."""
-    P, seed = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"]
-    n_dh = round(cfg["nlhf"]["dh_per_step"] * P) if do else P
+def nlhf_step_items(dh, do, step, *, prompts_per_step, dh_per_step, seed, rank, world):
+    """This rank's pairwise items for `step`: round(dh_per_step x P) of the P = prompts_per_step
+    prompts from D_H and the rest from D_O (all from D_H when `do` is empty), each set read as its
+    own seeded stream (step_items, so a resumed run sees the same prompts), then the P prompts
+    shuffled by (seed, step) so every rank gets a mix of both. Items are tagged "set": "dh" | "do"."""
+    P = prompts_per_step
+    n_dh = round(dh_per_step * P) if do else P
     # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
     both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh, seed=seed,
                                                              rank=0, world=1)]
@@ -718,15 +490,10 @@ def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
 
 
 def build_grm_prompt(context, response_a, response_b, max_lines=4, style="ours", turns=None):
-    """The GRM user message (docs/method.md §5.2); the caller applies the chat template
-    (rollout.build_prompt_ids).
-
-    Args: context, response_a, response_b: str. max_lines: the critique limit told to the model
-        (style "ours"; the same value parse_grm_output enforces). style: "ours" (GRM_PROMPT) or
-        "authors" (AUTHORS_GRM_PROMPT; the conversation is `turns` rendered by authors_context
-        when the item kept its turns, else `context` as is).
-    Returns: str.
-    """
+    """The GRM user message (docs/method.md §5.2; the caller applies the chat template): style
+    "ours" (GRM_PROMPT, telling the model the critique limit max_lines that parse_grm_output
+    enforces) or "authors" (AUTHORS_GRM_PROMPT, with `turns` rendered by authors_context when the
+    item kept its turns, else `context` as is)."""
     if style == "authors":
         conv = authors_context(turns) if turns else context.strip()
         return AUTHORS_GRM_PROMPT.format(context=conv, response_a=response_a, response_b=response_b)
@@ -755,12 +522,8 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     (anywhere, e.g. "[[A]]" or "A"), else none; only when there is no <choice> block at all, the
     first [[A]] / [[ B ]] anywhere. Lines = every line, blank ones included (split on "\n").
 
-    Args:
-        text: str, the decoded completion. max_lines, max_chars: int, the format limits.
-        style: "ours" | "authors".
-    Returns:
-        dict(critique: str|None, choice: 'A'|'B'|None, valid: bool, why: str) with why one of
-        '' (valid), 'no_critique', 'no_choice', 'too_many_lines', 'too_long'.
+    Returns dict(critique: str|None, choice: 'A'|'B'|None, valid: bool, why: str), why one of ''
+    (valid), 'no_critique', 'no_choice', 'too_many_lines' (> max_lines), 'too_long' (> max_chars).
     """
     text = text or ""
     blocks = re.findall(r"<critics>(.*?)</critics>", text, flags=re.S)
@@ -830,9 +593,8 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
         lam = 0                   ->  R_outcome: no process term, and no judge call needed
                                       ("w/o process reward", RM-NLHF Table 3)
 
-    Args: valid, correct: bool; f1: float in [0, 1] or None; lam: λ; threshold, inclusive: on S
-        (process_reward).
-    Returns: (reward float|None, r_process 0.0|1.0|None).
+    f1: S(h, c) in [0, 1] or None; threshold, inclusive: process_reward's. Returns (reward
+    float|None, r_process 0.0|1.0|None).
     """
     if not valid:
         return -1.0, None
@@ -846,8 +608,6 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
 
 
 METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier")
-
-
 DO_REWARD_FORMS = ("paper", "released")
 
 
@@ -865,11 +625,9 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
                                     wrong verdict (R = 0 + λ·R_process on D_H without the gate):
                                     the "w/o outcome regularisation" ablation on D_O too
 
-    Args: valid, correct: bool; r_hat: float (MetaRM output on the R scale) or None for mode
-        'none'; lam: λ; mode: one of METARM_MODES; gate_on_outcome: nlhf.gate_on_outcome;
-        form: nlhf.do_reward, one of DO_REWARD_FORMS (config.py refuses 'released' where it
-        would change nothing: modes 'none' / 'metarm_only', no outcome gate).
-    Returns: float.
+    r_hat: the MetaRM output on the R scale (None for mode 'none'); mode: one of METARM_MODES;
+    form: nlhf.do_reward, one of DO_REWARD_FORMS (config.py refuses 'released' where it would
+    change nothing: modes 'none' / 'metarm_only', no outcome gate).
     """
     if not valid:
         return -1.0
@@ -888,21 +646,15 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
              similarity="f1"):
     """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
 
-    Args:
-        parsed: list of parse_grm_output dicts, one per completion.
-        items: list of pairwise dicts (same length; repeat an item G times for a group).
-        judge: a judge dict (judge_scores).
-        similarity: which of the judge's numbers is S(h, c) in Eq. 4: "f1" (the paper's), "precision"
-            or "recall" (RM-NLHF §2.3 compares them; config nlhf.similarity).
-        judge["on_failure"]: "mask" (ours: a failed call gives reward None, the sample is left out)
-            or "zero" (the authors' released code: a failed call scores S = 0, so R_process = 0).
-    Returns:
-        list of sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
-        recall, judge_why, judge_attempts, judged (bool), judge_failed (bool), r_process, reward
-        (float or None).
-    Raises:
-        ValueError (a caller bug, before any judge call): lengths differ or an item has no critique.
-        Judge failures never raise: they give reward None.
+    parsed: parse_grm_output dicts, one per completion; items: their pairwise dicts (an item
+    repeated G times for a group); judge: a judge dict (judge_scores), whose "on_failure" is "mask"
+    (ours: a failed call gives reward None, the sample is left out) or "zero" (the authors'
+    released code: S = 0, so R_process = 0); similarity: which judge number is S(h, c) in Eq. 4,
+    "f1" (the paper's), "precision" or "recall" (RM-NLHF §2.3 compares them).
+    Returns sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
+    recall, judge_why, judge_attempts, judged, judge_failed, r_process, reward (float or None).
+    ValueError (a caller bug, before any judge call): lengths differ or an item has no critique;
+    judge failures never raise.
     """
     if len(parsed) != len(items):
         raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
@@ -988,10 +740,9 @@ def nlhf_step_metrics(records, step_metrics):
 # docs/method.md §5.3)
 #
 # S(h, c) = F1 of core arguments between the human critique h and the GRM critique c, decided by
-# an LLM behind any OpenAI-compatible server (vllm serve, transformers serve, a hosted API).
-# Failures (HTTP 429/5xx, timeouts, refused connections, HTML pages, unparseable answers) are
-# retried with exponential backoff and jitter; after the last retry the result is f1=None with the
-# reason in `why`. Nothing in here raises into the training loop.
+# an LLM behind any OpenAI-compatible server. Its client (plumbing/services.py's make_judge)
+# retries failures with backoff; after the last retry the result is f1=None with the reason in
+# `why`. Nothing in here raises into the training loop.
 
 # The judge's prompts, one per process-reward design of RM-NLHF §2.3 / App. E (judge.variant).
 # "core" (the paper's choice, "Similarity w/ Core HC") and "all" ("Similarity w/ All HC") extract
@@ -1075,15 +826,9 @@ _DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 
 
 def parse_judge_output(text):
-    """Strictly parse the judge's tags (the LAST <precision>, <recall> and <f1> blocks).
-
-    Args:
-        text: str, the judge's answer.
-    Returns:
-        dict(precision, recall, f1, why): floats in [0, 1] and why '' on success; on a missing
-        tag, a value that is not a plain decimal (see _DECIMAL: '1e-1' is rejected) or a value
-        outside [0, 1]: all three None and why says which.
-    """
+    """Strictly parse the judge's answer (the LAST <precision>, <recall> and <f1> blocks) to
+    dict(precision, recall, f1, why): floats in [0, 1] and why ''; on a missing tag, a value that
+    is not a plain decimal (_DECIMAL) or one outside [0, 1], all three None and why says which."""
     out = {"precision": None, "recall": None, "f1": None, "why": ""}
     vals = {}
     for tag in ("precision", "recall", "f1"):
@@ -1101,20 +846,12 @@ def parse_judge_output(text):
 
 
 def judge_scores(judge, pairs):
-    """Critique similarity S(h, c) for many (human, model) critique pairs (RM-NLHF §2.3, App. E;
-    docs/method.md §5.3), judge["concurrency"] calls at a time.
-
-    Args:
-        judge: a judge dict: {"similarity": callable(human, critique, item) -> dict(f1, precision,
-            recall, why, attempts), "concurrency", "on_failure", ...}; plumbing/services.py's
-            make_judge builds the LLM judge (judge_prompt, a strict parser, retries) and the
-            offline proxy (lexical F1) from config.yaml's `judge:` section.
-        pairs: list of (human critique str, GRM critique str) or of (human, GRM critique, pair
-            item): the item is what judge.variant meta_judge reads.
-    Returns:
-        list (same order) of dict(f1, precision, recall, why, attempts); f1 None = failure.
-        Never raises: every failure is returned with its reason.
-    """
+    """Critique similarity S(h, c) for many (human, GRM critique[, pair item]) pairs (RM-NLHF §2.3,
+    App. E; docs/method.md §5.3), judge["concurrency"] calls at a time. judge: {"similarity":
+    callable(human, critique, item) -> dict(f1, precision, recall, why, attempts), "concurrency",
+    "on_failure", ...} (plumbing/services.py's make_judge: the LLM judge or the offline proxy); the
+    item is what judge.variant meta_judge reads. Returns those dicts in order, f1 None = failure;
+    never raises: every failure comes back with its reason."""
     def one(pair):
         try:
             return judge["similarity"](pair[0], pair[1], pair[2] if len(pair) > 2 else None)
@@ -1125,6 +862,19 @@ def judge_scores(judge, pairs):
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(judge["concurrency"]))) as pool:
         return list(pool.map(one, pairs))
+
+
+# The README's public imports: reward.load_evaluator, remote_evaluator, trl_reward_function and
+# verl_compute_score are built in plumbing/services.py (they load models and call servers); this
+# forwards those four names lazily, so reading or copying this file needs nothing from plumbing/.
+SERVICES = ("load_evaluator", "remote_evaluator", "trl_reward_function", "verl_compute_score")
+
+
+def __getattr__(name):
+    if name in SERVICES:
+        import importlib
+        return getattr(importlib.import_module("plumbing.services"), name)
+    raise AttributeError(f"module 'reward' has no attribute {name!r}")
 
 
 if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's reward_main

@@ -116,10 +116,8 @@ def train(cfg):
 
 
 def fast_or_plain(fast_paths):
-    """The one switch (train.fast_paths): the functions every pass of a step calls, the speed
-    twins of fast.py or the plain ones a reader reads (same signatures; the tests compare each
-    pair). Returns {"generate", "completion_logprobs", "score_targets", "score_remote",
-    "clip_grad_norm"}."""
+    """The one switch (train.fast_paths): the functions every pass of a step calls, fast.py's speed
+    twins or the plain ones a reader reads (same signatures; tests/algorithm/test_fast.py)."""
     if fast_paths:
         return {"generate": fast.generate, "completion_logprobs": fast.completion_logprobs,
                 "score_targets": fast.score_targets, "score_remote": fast.score_remote,
@@ -164,12 +162,12 @@ def loss_function(algo):
 
 
 def step_prompts(state, cfg, step):
-    """1. This rank's share of the step's prompts, as (items, prompt_ids): RLME's items x ~ D
-    (a seeded permutation per epoch, rollout.step_items) in the policy's prompt template, or
-    RM-NLHF's mix of D_H and D_O pairs (RM-NLHF §3.2) in the GRM prompt."""
+    """1. This rank's share of the step's prompts, as (items, prompt_ids): RLME's items x ~ D in the
+    policy's prompt template, or RM-NLHF's mix of D_H and D_O pairs (RM-NLHF §3.2) in the GRM prompt."""
     rank, world, tok, chat = state["rank"], state["world"], state["tokenizer"], state["chat"]
     if cfg["task"] == "rm_nlhf":
-        items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, cfg=cfg, rank=rank, world=world)
+        items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, prompts_per_step=cfg["rollout"]["prompts_per_step"],
+                                  dh_per_step=cfg["nlhf"]["dh_per_step"], seed=cfg["run"]["seed"], rank=rank, world=world)
         return items, [R.grm_prompt_ids(tok, it, chat, cfg["nlhf"]) for it in items]
     items = rollout.step_items(state["items"], step, cfg["rollout"]["prompts_per_step"], seed=cfg["run"]["seed"],
                                rank=rank, world=world)
@@ -364,7 +362,7 @@ def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, ma
 
     The loss of one optimizer step is sum(per-token loss) / normaliser with ONE normaliser counted
     over all its micro-batches on all ranks (loss_normaliser), so 1 rank x 4 micro-batches,
-    2 ranks x 2 and 1 rank x 1 give the same update (tests/test_train.py).
+    2 ranks x 2 and 1 rank x 1 give the same update (tests/algorithm/test_train.py).
 
     Args: as update_policy, plus
         behaviour: list (N) of FloatTensor [L_i] (frozen_logprobs of the policy) when off-policy, else None.
@@ -532,7 +530,7 @@ def sample_records(step, rank, ro_out, *, fields, advantages, upd, group_size):
 
 def clip_grad_norm(policy, max_norm):
     """Clip the global gradient norm to `max_norm` (<= 0: measure only); returns the norm before
-    clipping (float). Under FSDP2 torch reduces it over the mesh: the global one (tests/test_scale.py)."""
+    clipping (float). Under FSDP2 torch reduces it over the mesh: the global one (tests/plumbing/test_scale.py)."""
     from torch.distributed.tensor import DTensor
     gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
     return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)

@@ -91,6 +91,47 @@ def val_draw(cfg, n):
     return sorted(perm[:cfg["data"]["val_size"]])
 
 
+def clean_gsm8k_label(answer):
+    """GSM8K gold answer: the text after '####', with ',', '$' and spaces removed
+    (reward.clean_number). '... #### 1,234' -> '1234'. Raises ValueError when there is no '####'."""
+    if "####" not in answer:
+        raise ValueError("GSM8K answer has no '####' line")
+    return reward.clean_number(answer.split("####")[-1])
+
+
+def render_context(value, max_chars):
+    """A QA context field as the text the policy and the evaluator read (RLME §4: contexts cut at
+    4,000 characters).
+
+        str                                  -> as is
+        list of str                          -> joined by blank lines
+        list of [title, sentence, ...] lists -> "title: sentence sentence ..." per passage,
+                                                passages joined by blank lines (QA-Feedback's
+                                                `passages`, ../shared/data/qa_feedback/SOURCE.md)
+
+    then cut to the first max_chars characters (0 = no cut). Raises ValueError (one line naming
+    the type found) on any other type, or on max_chars < 0.
+    """
+    if max_chars < 0:
+        raise ValueError(f"max_chars must be >= 0 (0 = no cut), got {max_chars}")
+    expected = "expected a str, a list of str, or a list of [title, sentence, ...] passages"
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        text = "\n\n".join(value)
+    elif isinstance(value, list) and all(isinstance(x, list) and x and all(isinstance(t, str) for t in x)
+                                         for x in value):
+        text = "\n\n".join(f"{title}: {' '.join(sentences)}" if sentences else title
+                            for title, *sentences in value)
+    else:
+        found = type(value).__name__
+        if isinstance(value, list):  # it holds something that is not a str (else the 2nd branch took it)
+            bad = next(x for x in value if not isinstance(x, str))
+            found = f"a list holding {type(bad).__name__} {bad!r:.40}"
+        raise ValueError(f"context: {expected}; got {found}")
+    return text[:max_chars] if max_chars else text
+
+
 def items_from_rows(ds, cfg, source):
     """Item dicts (see load_train_items) of a datasets.Dataset read with the data.* field settings."""
     d = cfg["data"]
@@ -113,14 +154,14 @@ def items_from_rows(ds, cfg, source):
                     label = str(label)
             else:
                 try:
-                    label = reward.clean_gsm8k_label(str(value)) if d["label_format"] == "gsm8k" else reward.clean_number(str(value))
+                    label = clean_gsm8k_label(str(value)) if d["label_format"] == "gsm8k" else reward.clean_number(str(value))
                 except ValueError:
                     raise SystemExit(f"{source} item {i}: field {d['answer_field']!r} has no '####' "
                                      f"(set data.label_format=plain for bare answers)")
         context = None
         if d["context_field"] is not None:
             try:
-                context = reward.render_context(row[d["context_field"]], d["context_max_chars"])
+                context = render_context(row[d["context_field"]], d["context_max_chars"])
             except ValueError as e:
                 raise SystemExit(f"{source} item {i}: field {d['context_field']!r}: {e}")
         question = str(row[d["question_field"]])
@@ -882,7 +923,7 @@ def load_math_problems(path, n=None, split="test", hub_config=None):
     out = []
     for i, r in enumerate(rows[:n] if n else rows):
         if "question" in r and "answer" in r and "####" in str(r["answer"]):
-            label = reward.clean_gsm8k_label(r["answer"])
+            label = clean_gsm8k_label(r["answer"])
             out.append({"id": i, "question": r["question"], "label": label, "answer_text": label,
                         "kind": "gsm8k", "reference": r["answer"]})
         elif "problem" in r and "answer" in r:
@@ -949,7 +990,7 @@ def load_qa_items(path, n=None, split="test", hub_config=None, question_field="q
                   answer_field="answer", choices_field=None, context_max_chars=4000):
     """Context-QA items of a local JSONL file or a hub split, the first `n` in order.
 
-    The context is reward.render_context(row[context_field], context_max_chars) (a str, a list of
+    The context is render_context(row[context_field], context_max_chars) (a str, a list of
     str, or QA-Feedback's [title, sentence, ...] passages; RLME §4 cuts at 4,000 characters). The
     golds are the answer field (qa_golds). With `choices_field` (multiple choice, FaithEval) the
     answer field is the answer key: the options are listed under the question ("A) text" lines,
@@ -976,7 +1017,7 @@ def load_qa_items(path, n=None, split="test", hub_config=None, question_field="q
             if f is not None and f not in r:
                 raise SystemExit(f"{where}: no field {f!r} ({flag}); fields found: {sorted(r)}")
         try:
-            context = reward.render_context(r[context_field], context_max_chars)
+            context = render_context(r[context_field], context_max_chars)
         except ValueError as e:
             raise SystemExit(f"{where}: field {context_field!r} (--context-field): {e}")
         question = str(r[question_field])

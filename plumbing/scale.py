@@ -139,7 +139,7 @@ def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=Fa
     gradient_checkpointing: "none", "full" (keep only each decoder layer's input, replay the
         layer in backward) or "selective" (also keep the matrix-multiply outputs, replay only the
         cheap ops: `keep_matmul_outputs`). Non-reentrant: the variant that works under FSDP2 and
-        with DDP no_sync. Neither changes what is computed (tests/test_rollout.py).
+        with DDP no_sync. Neither changes what is computed (tests/algorithm/test_rollout.py).
 
     Returns:
         the module to run forward/backward on (DDP wrapper, or the policy).
@@ -359,7 +359,7 @@ class BaseModelView(torch.nn.Module):
     evaluators and the GRPO reference pi_ref (both "the initial policy") are this, instead of a
     second copy of the model in memory. Each forward runs the policy inside base_model(); it
     shares (never changes) the policy's parameters. Plain twin: the separately loaded frozen copy
-    (train.fast_paths false; tests/test_lora.py compares the two)."""
+    (train.fast_paths false; tests/plumbing/test_lora.py compares the two)."""
 
     def __init__(self, policy):
         super().__init__()
@@ -378,7 +378,7 @@ def merged_state_items(policy):
         W' = W + (alpha / r) B A        (peft's lora.Linear; (B A)^T for fan_in_fan_out layers)
 
     peft's "base_model.model." prefix and ".base_layer" are dropped, lora_A / lora_B skipped. The
-    policy itself is not changed (peft's merge_and_unload merges in place; tests/test_lora.py
+    policy itself is not changed (peft's merge_and_unload merges in place; tests/plumbing/test_lora.py
     checks the two agree). Every other entry is passed through as it is.
     """
     from peft.tuners.lora import LoraLayer

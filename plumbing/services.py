@@ -1,7 +1,7 @@
 """Services around the method: evaluators built from a config or a path (local models and remote
 OpenAI-compatible servers, as reward.local_evaluator's dict), the critique judge (the LLM judge's
 client with retries and backoff, the offline proxy judge), and the RLME reward as a TRL reward
-function or a verl compute_score (reward.trl_reward_function etc. forward here).
+function or a verl compute_score (trl_reward_function, verl_compute_score).
 """
 import math
 import os
@@ -132,6 +132,21 @@ def checked_template(template):
         raise SystemExit(f"evaluator template: cannot be filled ({type(e).__name__}: {e}); allowed "
                          f"placeholders: {{problem}} {{solution}} {{extracted}} {{reference}} {{question}}")
     return template
+
+
+# The RLME reward outside our trainer (RLME Eq. 2-3): trl_reward_function and verl_compute_score
+# close over already-loaded evaluators and return the callable each trainer expects; every score
+# is reward.rlme_reward on the same (problem, completion) pairs, so a reward logged by TRL or verl
+# can be recomputed with reward.py alone. Only FROZEN evaluators: a reward function gets texts,
+# not the trainer's current weights, so train.py's `kind: live` (the policy scoring its own
+# answers) is not possible from outside a trainer (scripts/bench_vs_trl.py shows a TRL-internal
+# workaround for benchmarking only).
+#
+#   from plumbing import services
+#   ev = services.load_evaluator("HuggingFaceTB/SmolLM2-135M-Instruct")
+#   fn = services.trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
+#   GRPOTrainer(model=..., reward_funcs=fn, ...)        # TRL: one call per generation batch
+#   compute_score = services.verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
 
 
 def _checked_setup(evaluators, meta_questions, template, transform):
@@ -498,6 +513,14 @@ def proxy_f1(human, model, match=0.4, repeat=0.8):
     return {"f1": f1, "precision": p, "recall": r, "why": "proxy"}
 
 
+# A REMOTE evaluator (`kind: remote`): the same log p(target | prompt), scored by an
+# OpenAI-compatible /v1/completions server that echoes the prompt with its log-probs (`echo: true`,
+# `logprobs`, no generation): the target's log p is the sum of the echoed log-probs of the tokens
+# that spell " Yes" at the end of prompt + target (echo_target_logprob). A request that fails
+# after its retries gives None (NaN in the scores), never a number: the sample is masked
+# (rlme_reward's "valid").
+# Servers that work, and the tokenizer caveat: docs/scale-out.md, "Remote evaluators".
+#
 # Settings of a remote evaluator and their defaults (config.yaml's reward.evaluators comment
 # documents them; config.validate_config fills them in for `kind: remote` entries).
 REMOTE_DEFAULTS = {"api_key_env": None, "timeout_s": 60.0, "max_retries": 4, "backoff_base_s": 1.0,
@@ -510,7 +533,7 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
     """A remote evaluator j as the dict rlme_reward reads: log p(target | prompt) from an
     OpenAI-compatible /v1/completions server that returns prompt log-probs (`echo` + `logprobs`:
     vllm serve, llama-cpp-python's server; docs/scale-out.md). Usable outside train.py too:
-    reward.trl_reward_function([reward.remote_evaluator("http://127.0.0.1:8000/v1", "M")], ...).
+    trl_reward_function([remote_evaluator("http://127.0.0.1:8000/v1", "M")], ...).
 
     Args:
         base_url: str, e.g. "http://127.0.0.1:8000/v1". model: str, the model name the server serves.

@@ -23,7 +23,7 @@
 #                    holds any; `--wheels none`: none. rollout.py and reward.py call the model with
 #                    `cache=`, which transformers 5.17 (the GPU machine's) does not take: their fast
 #                    paths crash there, so carry 5.24 (else the runs fall back to train.fast_paths=false).
-#       --device cpu --smoke   tiny shapes, 1-2 steps each: the CPU smoke test (tests/test_gpu_check.py)
+#       --device cpu --smoke   tiny shapes, 1-2 steps each: the CPU smoke test (tests/plumbing/test_gpu_check.py)
 #       --keep       keep the random models and checkpoints (deleted at the end by default)
 #
 #   1. HERE, before sending (a few MB; runs/ and .whl/ are git-ignored, so they travel only as `carry`):

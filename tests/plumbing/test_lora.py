@@ -10,7 +10,7 @@ import train as T
 from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
 from plumbing.data import load_model, load_pairwise
-from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_push_weights, vllm_weight_name, wrap_policy
+from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_weight_name, wrap_policy
 from plumbing.services import load_evaluators
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}
@@ -20,7 +20,6 @@ CPU = torch.device("cpu")
 def lora_policy(model_path, lora=LORA, seed=0, perturb=True):
     """A LoRA policy on `model_path`; perturb=True gives B random values (peft starts B at 0, when
     the adapters change nothing and a test comparing with the base could not fail)."""
-    import rollout
     policy, tok = load_model(model_path)
     policy = apply_lora(policy, lora, seed=seed)
     if perturb:
@@ -63,7 +62,6 @@ def test_lora_config_layers_and_switches_off():
 
 
 def test_missing_or_non_linear_target_module_is_one_line(tiny_model_path):
-    import rollout
     policy, _ = load_model(tiny_model_path)
     with pytest.raises(SystemExit) as e:
         apply_lora(policy, dict(LORA, target_modules=["q_proj", "qkv_proj"]), seed=0)
@@ -159,7 +157,6 @@ def test_frozen_self_under_lora_scores_what_a_frozen_copy_scores(tiny_model_path
 
 def test_grpo_reference_under_lora_is_the_base(tiny_model_path):
     """pi_ref for GRPO's KL: frozen_logprobs through BaseModelView == through the frozen copy."""
-    import rollout
     from test_train import _layout_batch, _layout_cfg
     policy, tok = lora_policy(tiny_model_path)
     base, _ = load_model(tiny_model_path)
@@ -274,7 +271,6 @@ def test_lora_resume_is_exact(tiny_model_path, tmp_path):
     """2 steps in one go == 1 step, stop (as if killed), the same command again: metrics,
     completions and the adapter weights at step 2, with a frozen_self evaluator and LoRA dropout.
     The merged/ folder loads as a plain model that computes what the adapted policy computes."""
-    import rollout
     extra = ["reward.evaluators=[{name: self, kind: live}, {name: base, kind: frozen_self}]",
              "model.lora.merged=true"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
@@ -320,8 +316,6 @@ def test_checkpoint_and_model_lora_must_agree(tmp_path):
 def test_lora_rm_nlhf_grpo_reference_and_metarm_run(tiny_model_path, tmp_path, monkeypatch):
     """configs/cpu_rm_nlhf.yaml under LoRA, one step: GRPO's KL reference is the policy with its
     adapters off (no reference model is loaded), the MetaRM cold start samples from the LoRA policy."""
-    import reward
-    import rollout
     from test_configs import swaps
     from test_e2e_nlhf import force_verdicts
     cfg = T.load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")])

@@ -14,7 +14,8 @@ import reward
 from conftest import REPO, SMOLLM2, data_path
 from plumbing import cli
 from plumbing.cli import curve, ema, evaluate_main, load_or_sample, parse_curve, prompt_template
-from plumbing.data import BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems, load_model, load_pairwise, load_qa_items, passes_contamination_rule, select_benchmarks
+from plumbing.data import BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems, load_model, load_qa_items, passes_contamination_rule, render_context, select_benchmarks
+from plumbing.run import wrong_answer
 
 HAS_PAIRWISE = all(hasattr(reward, f) for f in ("load_pairwise", "build_grm_prompt", "parse_grm_output"))
 needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="load_pairwise & co. not merged yet (nlhf)")
@@ -184,7 +185,6 @@ def test_pairwise_accuracy_both_orders_and_format_failure():
 
 @needs_pairwise
 def test_grm_judge_real_generation_and_too_long_prompt(tiny_model_path):
-    import rollout
     model, tok = load_model(tiny_model_path)
     judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, max_prompt_tokens=1)
     assert judge([("q", "a", "b")]) == [{"critique": None, "choice": None, "valid": False,
@@ -736,7 +736,7 @@ def test_math_inject_text_labels_take_the_next_answer(tmp_path, monkeypatch):
 
 
 def old_train_wrong_answer(val, k):
-    """train.wrong_answer as it was before the rule moved to evaluate.wrong_answer (a copy)."""
+    """wrong_answer as it was before the rule moved to evaluate.wrong_answer (a copy)."""
     it = val[k]
     if isinstance(it["label"], str) and reward.to_number(it["label"]) is not None:
         return evaluate.known_wrong_answer(it["label"])
@@ -745,7 +745,6 @@ def old_train_wrong_answer(val, k):
 
 
 def test_wrong_answer_is_the_training_rule():
-    import train
     lists = [
         [{"label": "18", "answer_text": "18"}, {"label": ["Paris", "paris"], "answer_text": "Paris"},
          {"label": "Lyon", "answer_text": "Lyon"}, {"label": "Lyon", "answer_text": "Lyon"}],
@@ -756,7 +755,7 @@ def test_wrong_answer_is_the_training_rule():
     ]
     for val in lists:
         for k in range(len(val)):
-            assert evaluate.wrong_answer(val, k) == old_train_wrong_answer(val, k) == train.wrong_answer(val, k)
+            assert evaluate.wrong_answer(val, k) == old_train_wrong_answer(val, k) == wrong_answer(val, k)
     assert [evaluate.wrong_answer(lists[1], k) for k in range(4)] == ["1235", "1.5", "(1,2)", "1,234"]
     assert evaluate.wrong_answer(lists[2], 0) == "none" and evaluate.wrong_answer(lists[3], 0) == "none"
 
@@ -869,7 +868,7 @@ def test_cli_qa_generic_fields_on_qa_feedback(tmp_path, monkeypatch):
     r = evaluate_main(["qa", "--model", "fake", "--data", path, "--context-field", "passages", "--answer-field", "gold",
                        "--context-max-chars", "300", "--n-problems", "2", "--out", str(tmp_path)])
     assert r["greedy_em"] == 0.5 and r["greedy_f1"] == pytest.approx(0.54) and not r["multiple_choice"]
-    ctx = reward.render_context(rows[0]["passages"], 300)
+    ctx = render_context(rows[0]["passages"], 300)
     assert len(ctx) == 300 and ctx.startswith("Bloom (Troye Sivan album): Bloom (Troye Sivan album)\n\nBloom is")
     assert prompts[0] == evaluate.QA_PROMPT_TEMPLATE.format(context=ctx, question=rows[0]["question"])
     assert [it["greedy"]["f1"] for it in read_items(tmp_path, "qa_")] == [1.0, pytest.approx(0.08)]

@@ -17,7 +17,7 @@ import rollout
 import train
 import fast
 from plumbing.data import keep_short, load_pairwise, prompt_token_limit
-from plumbing.run import load_metarm, load_saved_metarm, setup_metarm
+from plumbing.run import load_metarm, load_saved_metarm
 from plumbing.services import JUDGE_KEYS
 
 CPU_PRESET = os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")
@@ -69,17 +69,15 @@ def test_config_schema_has_the_nlhf_sections():
 
 
 def test_step_items_mix_sets_and_split_ranks():
-    cfg = small_cfg()
-    cfg["rollout"]["prompts_per_step"] = 8
-    cfg["nlhf"]["dh_per_step"] = 0.25
+    mix = dict(prompts_per_step=8, dh_per_step=0.25, seed=small_cfg()["run"]["seed"])
     dh, do = [pair(i) for i in range(5)], [dict(pair(100 + i), critique=None) for i in range(7)]
-    whole = reward.nlhf_step_items(dh, do, 3, cfg, 0, 1)
+    whole = reward.nlhf_step_items(dh, do, 3, **mix, rank=0, world=1)
     assert sum(it["set"] == "dh" for it in whole) == 2 and sum(it["set"] == "do" for it in whole) == 6
-    halves = reward.nlhf_step_items(dh, do, 3, cfg, 0, 2) + reward.nlhf_step_items(dh, do, 3, cfg, 1, 2)
+    halves = (reward.nlhf_step_items(dh, do, 3, **mix, rank=0, world=2)
+              + reward.nlhf_step_items(dh, do, 3, **mix, rank=1, world=2))
     assert [it["id"] for it in halves] == [it["id"] for it in whole]  # ranks partition the same global batch
-    assert [it["id"] for it in reward.nlhf_step_items(dh, do, 3, cfg, 0, 1)] == [it["id"] for it in whole]
-    cfg["nlhf"]["do"] = None
-    assert all(it["set"] == "dh" for it in reward.nlhf_step_items(dh, [], 3, cfg, 0, 1))
+    assert [it["id"] for it in reward.nlhf_step_items(dh, do, 3, **mix, rank=0, world=1)] == [it["id"] for it in whole]
+    assert all(it["set"] == "dh" for it in reward.nlhf_step_items(dh, [], 3, **mix, rank=0, world=1))
 
 
 def test_keep_short_drops_long_prompts(tiny_model_path):
@@ -112,6 +110,13 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
         prompt_token_limit(0, model, 2048, "data.max_prompt_tokens")
 
 
+def reward_step(items, comps, *, mrm, cfg, step):
+    """metarm.nlhf_reward_step with the proxy judge and the config's values, as train.py passes them."""
+    return metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, nlhf=cfg["nlhf"],
+                                   mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"],
+                                   seed=cfg["run"]["seed"] * 7_919 + step, world=1, t0=0.0)
+
+
 def test_rewards_without_metarm_hand_numbers():
     """metarm.mode none: D_O gets the outcome only. D_H: a copied human critique has proxy F1 1 ->
     1 + 0.5; a wrong verdict 0 without a judge call; no tags -1."""
@@ -120,8 +125,7 @@ def test_rewards_without_metarm_hand_numbers():
     h = "Response B adds 2 and 3 wrongly. Response A is right."
     items = [dict(pair(0, critique=h), set="dh")] * 3 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict(h, "B"), "no tags", verdict("B is right.", "B"), verdict("A.", "A")]
-    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=None, cfg=cfg,
-                                   world=1, step=0, t0=0.0)
+    out = reward_step(items, comps, mrm=None, cfg=cfg, step=0)
     assert out["reward"].tolist() == [1.5, 0.0, -1.0, 1.0, 0.0] and out["valid"].all()
     s = out["records"]
     assert s[0]["f1"] == 1.0 and s[0]["judged"] and not s[1]["judged"] and s[1]["f1_why"].startswith("wrong verdict")
@@ -146,12 +150,10 @@ def test_train_on_do_adds_the_valid_do_verdicts_to_the_metarm_update(tiny_model_
     mrm = load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=128, online_lr=1e-2)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
-    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
-                                  world=1, step=0, t0=0.0)
+    out = reward_step(items, comps, mrm=mrm, cfg=cfg, step=0)
     assert out["metrics"]["metarm/n"] == 3  # 2 D_H + the 1 valid D_O verdict
     cfg["metarm"]["train_on_do"] = False
-    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
-                                  world=1, step=1, t0=0.0)
+    out = reward_step(items, comps, mrm=mrm, cfg=cfg, step=1)
     assert out["metrics"]["metarm/n"] == 2
 
 
@@ -164,8 +166,7 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     before = copy.deepcopy(mrm)
     items = [dict(pair(0, critique=h), set="dh")] * 2 + [dict(pair(1, "B", None), set="do")] * 2
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
-    out = metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, cfg=cfg,
-                                   world=1, step=4, t0=0.0)
+    out = reward_step(items, comps, mrm=mrm, cfg=cfg, step=4)
     r_hat = out["records"][2]["r_hat"]
     assert r_hat == pytest.approx(metarm.predict(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)
     assert abs(r_hat - metarm.predict(before, [items[2]], ["Response B is right."])[0]) > 1e-4

@@ -151,7 +151,6 @@ def test_config_keys_are_checked_before_any_model_loads():
 
 
 def test_cli_bad_json_is_one_line_before_the_model_loads(tmp_path):
-    import evaluate
     for main, argv in [(evaluate_main, ["math", "--model", "no/such-model", "--chat-template-kwargs", "{oops"]),
                        (reward_main, ["--evaluator", "no/such-model", "--in", str(tmp_path / "x.jsonl"),
                                  "--out", str(tmp_path / "y.jsonl"), "--chat-template-kwargs", "[1]"])]:

@@ -162,7 +162,7 @@ def test_cli_round_trip_equals_rlme_reward(tmp_path, tiny_model_path, capsys):
             "--question", "Is the solution concise?", "--evaluator-name", "tiny", "--micro-batch-size", "3"])
     assert f"{out}: 4 rows scored" in capsys.readouterr().out
     got = [json.loads(line) for line in open(out)]
-    ev = load_evaluator(tiny_model_path, name="tiny")
+    ev = load_evaluator(tiny_model_path, name="tiny", micro_batch_size=3)  # as --micro-batch-size 3
     qs = R.meta_question_dicts(["Is the answer correct?", "Is the solution concise?"])
     want = R.rlme_reward([ev], qs, PROBLEMS, COMPLETIONS, references=[None, None, "3", None],
                          anchored=[False, False, True, False])

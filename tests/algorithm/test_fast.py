@@ -1,56 +1,114 @@
-"""rollout.py: masks with pad == EOS, temperature-scaled log-probs, padding-invariant forwards."""
+"""The fast paths (fast.py) against their plain twins: the same values, and gradients where there
+are any (docs/method.md §4.4). train.fast_paths switches every pass of a step between the two
+(train.fast_or_plain); each fast function's docstring names the test here that pins it."""
+import copy
 import math
 
 import pytest
 import torch
 
-import rollout
+from conftest import update_policy
 import fast
-from plumbing.cli import rollout_main
-from plumbing.data import load_model, read_jsonl, resolve_model_path
+import reward as R
+import rollout
+from test_remote_evaluator import fake_evaluator, fake_server, fake_yes
+from test_rollout import _small_vocab_model
+from test_train import _layout_batch, _layout_cfg, other_model_path
+import train as T
+
+from plumbing.data import load_model
 from plumbing.scale import wrap_policy
+from plumbing.services import score_remote
 
 
-def test_mask_pad_equals_eos():
-    eos = 2  # SmolLM2: pad id == EOS id == 2
-    ids = torch.tensor([[5, 6, 2, 2, 2],    # EOS at 2, then pad (=EOS)
-                        [2, 2, 2, 2, 2],    # empty completion: the EOS itself is kept
-                        [5, 6, 7, 8, 9],    # no EOS: truncated
-                        [5, 2, 7, 2, 9]])   # junk after the first EOS is masked
-    mask, truncated = rollout.completion_mask(ids, [eos])
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert truncated.tolist() == [False, False, True, False]
-    # `ids != pad` would have dropped the real EOS of row 0:
-    assert (ids[0] != eos).float().tolist() != mask[0].tolist()
+def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():
+    """The global norm sqrt(sum_i g_i^2) (what clipping divides by) within 1e-6 of float64, also for
+    a 33M-element gradient (float32 norms of one long CPU tensor drift: ~1e-3 at this size); then
+    clipping to max_norm = E/2 scales every gradient by (E/2) / (E + 1e-6) (torch's eps)."""
+    torch.manual_seed(0)
+    long = torch.nn.Parameter(torch.zeros(1 << 25))
+    short = torch.nn.Parameter(torch.zeros(3))
+    long.grad = torch.randn(1 << 25) * 1e-5
+    short.grad = torch.tensor([3e-3, -4e-3, 12e-3])  # 3-4-12-13: norm 0.013
+    policy = torch.nn.ParameterList([long, short])
+    exact = float((long.grad.double().pow(2).sum() + 0.013 ** 2) ** 0.5)
+    assert fast.clip_grad_norm(policy, 0.0) == pytest.approx(exact, rel=1e-6)
+    assert short.grad.tolist() == pytest.approx([3e-3, -4e-3, 12e-3])  # measure only: unchanged
+    assert fast.clip_grad_norm(policy, exact / 2) == pytest.approx(exact, rel=1e-6)
+    coef = (exact / 2) / (exact + 1e-6)
+    assert short.grad.tolist() == pytest.approx([3e-3 * coef, -4e-3 * coef, 12e-3 * coef], rel=1e-6)
+    clipped = float((long.grad.double().pow(2).sum() + short.grad.double().pow(2).sum()) ** 0.5)
+    assert clipped == pytest.approx(exact * coef, rel=1e-6)
 
 
-def test_mask_several_eos_ids():
-    mask, truncated = rollout.completion_mask(torch.tensor([[4, 7, 3, 3], [4, 9, 3, 3]]), [7, 9])
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and truncated.tolist() == [False, False]
+def _grm_batch(tok):
+    """Two groups of 2 GRM prompts (RM-NLHF's pairwise prompt, ~100+ tokens) with random completions."""
+    import reward as R
+    g = torch.Generator().manual_seed(1)
+    items = [{"context": "What is 2+3?", "response_a": "5", "response_b": "6"},
+             {"context": "Name a prime number larger than ten.", "response_a": "12", "response_b": "13"}]
+    prompts = [R.grm_prompt_ids(tok, it, True, {"max_critique_lines": 4, "grm_prompt": "ours"}) for it in items for _ in range(2)]
+    comp = torch.randint(3, 200, (4, 6), generator=g)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 3 + [0.0] * 3, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
+    return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.7, -0.7])}
 
 
-@pytest.mark.parametrize("use_fast", [True, False])
-def test_token_logprobs_temperature_by_hand(use_fast):
-    logits = torch.tensor([[1.0, 2.0, 3.0]])
-    target = torch.tensor([2])
-    # T = 2: logits/2 = [0.5, 1, 1.5]; log p(2) = 1.5 - log(e^0.5 + e^1 + e^1.5)
-    expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
-    assert (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, target, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
-    # T = 1 is the plain log-softmax
-    expected1 = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
-    assert (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, target).item() == pytest.approx(expected1, abs=1e-6)
+def _update(model_path, cfg, batch, ref_path=None, checkpointing="none"):
+    """One update_policy call with SGD(lr=1) (update = -grad); returns loss, grad norm, delta."""
+    torch.manual_seed(0)
+    policy, tok = load_model(model_path)
+    before = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
+    model = wrap_policy(policy, "ddp", 1, torch.device("cpu"), gradient_checkpointing=checkpointing)
+    ref = load_model(ref_path)[0].eval().requires_grad_(False) if ref_path else None
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    upd = update_policy(model, policy, opt, batch, cfg, world=1, device=torch.device("cpu"), pad_id=tok.pad_token_id,
+                          ref_model=ref)
+    delta = torch.cat([p.detach().flatten() for p in policy.parameters()]) - before
+    return {"loss": upd["loss"], "grad_norm": upd["grad_norms"][-1], "delta": delta}
 
 
-@pytest.mark.parametrize("use_fast", [True, False])
-def test_token_logprobs_gradient_by_hand(use_fast):
-    # d log softmax(z)[t] / d logits = (onehot(t) - softmax(z)) / T with z = logits / T.
-    logits = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
-    (fast.token_logprobs if use_fast else rollout.token_logprobs)(logits, torch.tensor([2]), temperature=2.0).sum().backward()
-    e = [math.exp(0.5), math.exp(1.0), math.exp(1.5)]
-    p = [x / sum(e) for x in e]
-    expected = [(-p[0]) / 2, (-p[1]) / 2, (1 - p[2]) / 2]
-    assert logits.grad[0].tolist() == pytest.approx(expected, abs=1e-7)
-    assert logits.tolist() == [[1.0, 2.0, 3.0]]  # the caller's leaf is not overwritten
+@pytest.mark.parametrize("case", ["cispo", "cispo_off_policy", "grpo_kl", "grpo_kl_grm", "full", "selective"])
+def test_update_passes_fast_equal_plain(tiny_model_path, other_model_path, case):
+    """Every pass of the update through the fast paths (shared prompt pass, read-only cache,
+    closed-form log-prob backward, chunked norm) gives what the plain twins give (one forward over
+    prompt + completion per row, log_softmax + gather, clip_grad_norm_): the policy pass with
+    gradient; the behaviour pass (off-policy: 2 updates per batch); the GRPO reference pass
+    (kl_coef 1 so that the KL term weighs); the RM-NLHF GRM pass; under activation checkpointing."""
+    cfg = _layout_cfg(2, "seq_sum")
+    batch, ref = _layout_batch(), None
+    if case == "cispo_off_policy":
+        cfg["algo"]["updates_per_batch"] = 2
+    if case.startswith("grpo"):
+        cfg["algo"].update(loss="grpo", kl_coef=1.0, aggregation="token_mean", advantage_std=True)
+        ref = other_model_path
+    if case == "grpo_kl_grm":
+        batch = _grm_batch(load_model(tiny_model_path)[1])
+    checkpointing = case if case in ("full", "selective") else "none"
+    cfg["optim"]["grad_clip"] = 1e-3  # clipping active: the norm itself is compared through the update
+    fast_run = _update(tiny_model_path, cfg, batch, ref, checkpointing)
+    plain = _update(tiny_model_path, copy.deepcopy(cfg) | {"train": dict(cfg["train"], fast_paths=False)}, batch, ref,
+                    checkpointing)
+    assert fast_run["delta"].abs().max() > 1e-6  # a real update
+    assert fast_run["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-6)
+    assert fast_run["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert (fast_run["delta"] - plain["delta"]).abs().max().item() < 1e-6 + 1e-4 * plain["delta"].abs().max().item()
+
+
+def test_clip_grad_norm_fast_equals_plain():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1 << 18, 7)]
+    grads = [torch.randn(1 << 18) * 1e-3, torch.randn(7)]
+    norms = []
+    for use_fast in (True, False):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        norms.append((fast.clip_grad_norm if use_fast else T.clip_grad_norm)(torch.nn.ParameterList(params), 0.5))
+        clipped = [p.grad.clone() for p in params]
+        norms.append(clipped)
+    assert norms[0] == pytest.approx(norms[2], rel=1e-6)
+    for a, b in zip(norms[1], norms[3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
@@ -79,44 +137,6 @@ def test_token_logprobs_fast_equals_plain(temperature, dtype):
     # float32 rounding of log-probs of magnitude ~10 and of gradients of magnitude ~1
     assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
     assert ours_grad.abs().sum() > 0
-
-
-def test_left_pad_and_positions():
-    ids, mask = rollout.left_pad([[7, 8, 9], [5]], pad_id=0)
-    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert rollout.positions_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
-
-
-@pytest.mark.parametrize("use_fast", [True, False])
-def test_completion_logprobs_ignore_padding(tiny_model_path, use_fast):
-    """A row's log-probs must not depend on how much left padding its batch needed."""
-    model, tok = load_model(tiny_model_path)
-    model.eval()
-    short, long = [1, 50, 60], [1, 50, 60, 70, 80, 90, 100]
-    comp = torch.tensor([[11, 12, 13, 2], [21, 22, 2, 2]])
-    with torch.no_grad():
-        both = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, [short, long], comp, tok.pad_token_id, temperature=0.7)
-        alone = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, [short], comp[:1], tok.pad_token_id, temperature=0.7)
-        # the same thing by hand: one unpadded forward, logits / T, log-softmax
-        full = torch.tensor([short + comp[0].tolist()])
-        logits = model(input_ids=full).logits[0, len(short) - 1:-1] / 0.7
-        manual = torch.log_softmax(logits, -1).gather(-1, comp[0][:, None]).squeeze(-1)
-    assert torch.allclose(both[0], alone[0], atol=1e-5)
-    assert torch.allclose(alone[0], manual, atol=1e-5)
-
-
-def test_generate_groups_masks_and_seed(tiny_model_path):
-    model, tok = load_model(tiny_model_path)
-    prompts = [[1, 50, 60], [1, 70]]
-    a = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
-    b = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=123)
-    c = fast.generate(model, tok, prompts, group_size=3, max_new_tokens=6, seed=124)
-    assert a["prompt_ids"] == [prompts[0]] * 3 + [prompts[1]] * 3  # groups are adjacent rows
-    assert a["completion_ids"].shape[0] == 6 and a["completion_ids"].shape[1] <= 6
-    assert torch.equal(a["completion_ids"], b["completion_ids"])      # same seed, same samples
-    assert not torch.equal(a["completion_ids"], c["completion_ids"])  # per-rank/step seeds differ
-    mask, trunc = rollout.completion_mask(a["completion_ids"], rollout.eos_ids(model, tok))
-    assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
 
 
 def test_prompt_runs():
@@ -152,26 +172,6 @@ def test_sample_next_top_k_top_p_and_greedy():
     # top_p = 0.5: the most likely token alone already reaches it
     assert set(_draw(probs, 1000, top_p=0.5).tolist()) == {2}
     assert set(_draw(probs, 10, temperature=0.0).tolist()) == {2}  # T = 0: argmax
-
-
-def _small_vocab_model(tok, sharpen, seed=0, vocab=96):
-    """A tiny untied Llama over the first `vocab` ids of the real tokenizer, built in memory, its
-    final norm scaled by `sharpen` so that its next-token distribution is peaked: greedy decoding
-    then changes token from step to step and some rows reach EOS early, and a few thousand samples
-    resolve the whole sampling distribution (over the full 49k vocabulary each draw would cost a
-    [rows, 49152] softmax)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(sharpen)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model.eval()
 
 
 @pytest.mark.parametrize("which, pad", [("tiny", "eos"), ("small_vocab", "eos"), ("small_vocab", "other")])
@@ -281,26 +281,6 @@ def test_sampled_generate_full_vocabulary_top_k(tiny_model_path):
         assert ok, (use_fast, stat, threshold)
 
 
-def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
-    """generate_plain: same seed, same samples; another seed, other samples; the caller's global
-    RNG stream is not advanced (the draws run in a forked RNG)."""
-    _, tok = load_model(tiny_model_path)
-    model = _small_vocab_model(tok, sharpen=20.0)
-    prompts = [[1, 50, 60], [1, 70]]
-    kw = dict(group_size=4, max_new_tokens=6)
-    torch.manual_seed(99)
-    before = torch.random.get_rng_state()
-    a = rollout.generate(model, tok, prompts, seed=5, **kw)
-    assert torch.equal(torch.random.get_rng_state(), before)
-    b = rollout.generate(model, tok, prompts, seed=5, **kw)
-    c = rollout.generate(model, tok, prompts, seed=6, **kw)
-    assert torch.equal(a["completion_ids"], b["completion_ids"])
-    assert not torch.equal(a["completion_ids"], c["completion_ids"])
-    assert a["prompt_ids"] == [prompts[0]] * 4 + [prompts[1]] * 4
-    mask, trunc = rollout.completion_mask(a["completion_ids"], rollout.eos_ids(model, tok))
-    assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
-
-
 @torch.no_grad()
 def test_decode_cache_logits_equal_full_forward(tiny_model_path):
     """Decoding token by token into fast.decode_cache (attention over the filled part only, left
@@ -375,65 +355,12 @@ def test_completion_logprobs_fast_equals_plain_bf16_autocast(tiny_model_path):
         assert (g1 - g0).abs().max() <= 3e-2 * g0.abs().max()
 
 
-def test_model_path_errors(tmp_path):
-    with pytest.raises(SystemExit, match="does not exist"):
-        resolve_model_path(str(tmp_path / "nope"))
-    with pytest.raises(SystemExit, match="without config.json"):
-        resolve_model_path(str(tmp_path))
-    with pytest.raises(SystemExit, match="not installed"):
-        resolve_model_path("gguf:no_such_package_xyz/model.gguf")
-
-
-@pytest.mark.parametrize("content, message", [
-    (b'{"prompt": "a"}\n{"question": "b"}\n', "in.jsonl:2: missing field 'prompt' (--field; fields found: ['question'])"),
-    (b'{"prompt": "a"}\n{"prompt": \n', "in.jsonl:2: not valid JSON"),
-    ('{"prompt": "é"}\n'.encode("latin-1"), "in.jsonl:1: not UTF-8 text"),
-])
-def test_rollout_cli_input_errors_are_one_line_before_the_model_loads(tmp_path, content, message):
-    """The model path does not exist: reaching the model load would end in its own error instead."""
-    (tmp_path / "in.jsonl").write_bytes(content)
-    with pytest.raises(SystemExit) as e:
-        rollout_main(["--model", str(tmp_path / "no_model"), "--in", str(tmp_path / "in.jsonl"),
-                      "--out", str(tmp_path / "out.jsonl")])
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_read_jsonl_lines_and_errors(tmp_path):
-    """The one JSONL reader every stage uses: rows with their line numbers, one-line errors."""
-    good = tmp_path / "good.jsonl"
-    good.write_text('{"a": 1}\n\n{"a": 2}\n')
-    assert read_jsonl(str(good)) == [(1, {"a": 1}), (3, {"a": 2})]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"a": 1}\n{"a": \n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON \(Expecting value at column 7\)$"):
-        read_jsonl(str(bad))
-    bad.write_text('{"a": 1}\n\n{"a": "b\n')  # an unclosed string: json's message alone has no position
-    with pytest.raises(SystemExit, match=r"bad.jsonl:3: not valid JSON \(Unterminated string starting at column 7\)$"):
-        read_jsonl(str(bad))
-    listed = tmp_path / "list.jsonl"
-    listed.write_text('[1, 2]\n')
-    with pytest.raises(SystemExit, match=r"list.jsonl:1: expected a JSON object, got list"):
-        read_jsonl(str(listed))
-    with pytest.raises(SystemExit, match=r"missing.jsonl: file does not exist"):
-        read_jsonl(str(tmp_path / "missing.jsonl"))
-    # not UTF-8: a UTF-16 export (its BOM on line 1), a Latin-1 byte on line 2 (was a traceback)
-    wide = tmp_path / "utf16.jsonl"
-    wide.write_bytes('{"a": 1}\n'.encode("utf-16"))
-    with pytest.raises(SystemExit, match=r"utf16.jsonl:1: not UTF-8 text \(byte b'\\xff': invalid start byte\); save it as UTF-8$"):
-        read_jsonl(str(wide))
-    latin = tmp_path / "latin1.jsonl"
-    latin.write_bytes('{"a": "x"}\n{"a": "café"}\n'.encode("latin-1"))
-    with pytest.raises(SystemExit, match=r"latin1.jsonl:2: not UTF-8 text"):
-        read_jsonl(str(latin))
-
-
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])
 def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_path, checkpointing):
     """Under activation checkpointing (wrap_policy) the use_fast path still runs each group's
     prompt once (the prompt pass un-checkpointed, the completion pass reading a read-only cache),
     and both paths, with or without checkpointing, compute the log-probs and gradients of the
     plain twin without checkpointing."""
-    import train
     a, b = [1, 50, 60, 70], [1, 90]
     prompts = [a, a, a, b, b]
     comp = torch.randint(3, 200, (5, 6), generator=torch.Generator().manual_seed(1))
@@ -470,3 +397,72 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
     ro = fast.read_only_cache(cache)
     k, v = ro.layers[0].update(torch.zeros(5, 2, 6, 16), torch.zeros(5, 2, 6, 16), 0)
     assert k.shape[2] == 4 + 6 and ro.get_seq_length() == 4
+
+
+def test_batched_requests_equal_one_request_per_prompt(fake_server):
+    fulls = [(f"Problem {i} {'x' * i}\nAnswer: Yes", " Yes") for i in range(7)]
+    ev = fake_evaluator(fake_server, batch_size=3, concurrency=2)
+    fast_out = fast.score_remote(ev["remote"], fulls)
+    assert sorted(len(p) for p in fake_server.requests) == [1, 3, 3]  # 3 requests for 7 prompts
+    fake_server.requests.clear()
+    plain = score_remote(ev["remote"], fulls)
+    assert len(fake_server.requests) == 7
+    assert fast_out == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
+
+
+@pytest.fixture(scope="module")
+def frozen_evaluator_path(tmp_path_factory):
+    """A second tiny model, differently seeded: a frozen evaluator that is not the policy."""
+    from conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_evaluator"), seed=1)
+
+
+@pytest.mark.parametrize("which", ["policy", "frozen_evaluator"])
+def test_score_targets_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_path, which):
+    """score_targets' stages A (group prefix) + B (sample prefix) + C (K suffixes) ==
+    score_targets_plain (one forward per prompt + target), with uneven groups and prompt lengths,
+    a group split across micro-batches, identical solutions in a group, K = 2 questions and
+    multi-token targets; on the policy and on a differently-seeded frozen evaluator."""
+    model, tok = load_model(tiny_model_path if which == "policy" else frozen_evaluator_path)
+    model.eval()
+    problem = {0: [1, 11, 12, 13, 14, 15], 1: [1, 21, 22]}
+    sols = [[40, 41, 42], [40, 43], [40, 41, 42], [50, 51, 52, 53], [60]]
+    keys = [0, 0, 0, 1, 1]
+    tails = [[7, 8], [7, 9, 9]]
+    prompts = [[problem[g] + s + t for t in tails] for g, s in zip(keys, sols)]
+    targets = [[[30], [31, 32]] for _ in sols]
+    plain = R.score_targets(model, prompts, targets, tok.pad_token_id)
+    assert plain.shape == (5, 2) and plain.dtype == torch.float32 and plain.device.type == "cpu"
+    assert torch.equal(R.score_targets(model, prompts, targets, tok.pad_token_id, groups=keys), plain)
+    for mb in (2, 5):
+        for groups in (keys, None):
+            fast_lp = fast.score_targets(model, prompts, targets, tok.pad_token_id, micro_batch_size=mb, groups=groups)
+            assert torch.allclose(fast_lp, plain, atol=1e-5), (mb, groups, fast_lp, plain)
+    # the plain twin by hand for one entry: log p(31 | prompt) + log p(32 | prompt, 31)
+    with torch.no_grad():
+        ids = torch.tensor([prompts[3][1] + [31, 32]])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0], -1)
+    n = len(prompts[3][1])
+    assert plain[3, 1].item() == pytest.approx((logp[n - 1, 31] + logp[n, 32]).item(), abs=1e-5)
+
+
+def test_rlme_reward_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_path):
+    """Evaluators built on fast.score_targets and on reward.score_targets give rlme_reward the same
+    log-probs and rewards (shared-prefix scoring vs one forward per (prompt + target) row); two
+    evaluators (one a chat-template one), K = 2 questions, a multi-token target, groups of samples
+    per problem."""
+    evs = {True: [], False: []}
+    for path, chat, weight in ((tiny_model_path, False, 1.0), (frozen_evaluator_path, True, 0.5)):
+        model, tok = load_model(path)
+        for use_fast in (True, False):
+            evs[use_fast].append(R.local_evaluator(model.eval(), tok, chat=chat, name=path, weight=weight,
+                                                   micro_batch_size=3,
+                                                   score=fast.score_targets if use_fast else R.score_targets))
+    mq = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"},
+          {"question": "Is the final answer boxed?", "weight": 0.5, "target": "Yes, it is"}]
+    problems = ["What is 2+3?", "What is 2+3?", "What is 2+3?", "What is 7*6?"]
+    solutions = [r"2 + 3 = 5, so \boxed{5}.", r"\boxed{6}", "", "7*6 = 42"]
+    fast_out = R.rlme_reward(evs[True], mq, problems, solutions)
+    plain = R.rlme_reward(evs[False], mq, problems, solutions)
+    assert torch.allclose(fast_out["logp"], plain["logp"], atol=1e-5)
+    assert torch.allclose(fast_out["reward"], plain["reward"], atol=1e-5)

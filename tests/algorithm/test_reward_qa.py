@@ -1,5 +1,5 @@
 """reward.py for string answers and context QA (RLME §4 Tables 1-2): SQuAD normalisation, EM and
-F1, answer_reward per label format, render_context, the QA evaluator template, rlme_reward's
+F1, answer_reward per label format, render_context (plumbing/data.py), the QA evaluator template, rlme_reward's
 transform ("log" = RLME Eq. 3, "prob"), and hybrid_reward."""
 import json
 import math
@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-import reward as R
-import rollout
 from conftest import data_path
-from plumbing.data import load_model
+import reward as R
+
+from plumbing.data import load_model, render_context
+
 
 PAPER_QA_QUESTION = "Is the answer supported by the context, regardless of whether it seems right or wrong?"
 BLOOM_PROBLEM = "Bloom: Bloom is an album released in 2018.\n\nWhen was Bloom released?"  # rendered context + question
@@ -106,25 +107,25 @@ def test_answer_reward_default_metric_is_em_and_bad_names_raise():
 # --- render_context ---------------------------------------------------------------------------
 
 def test_render_context_shapes():
-    assert R.render_context("Some passage.", 0) == "Some passage."
-    assert R.render_context("Some passage.", 4) == "Some"
-    assert R.render_context(["First passage.", "Second passage."], 0) == "First passage.\n\nSecond passage."
+    assert render_context("Some passage.", 0) == "Some passage."
+    assert render_context("Some passage.", 4) == "Some"
+    assert render_context(["First passage.", "Second passage."], 0) == "First passage.\n\nSecond passage."
     passages = [["Title A", "Sentence one.", "Sentence two."], ["Title B", "Sentence three."]]
-    assert R.render_context(passages, 0) == "Title A: Sentence one. Sentence two.\n\nTitle B: Sentence three."
-    assert R.render_context(passages, 12) == "Title A: Sen"
-    assert R.render_context([["Title only"]], 0) == "Title only"
-    assert R.render_context([], 0) == ""
+    assert render_context(passages, 0) == "Title A: Sentence one. Sentence two.\n\nTitle B: Sentence three."
+    assert render_context(passages, 12) == "Title A: Sen"
+    assert render_context([["Title only"]], 0) == "Title only"
+    assert render_context([], 0) == ""
 
 
 def test_render_context_4000_char_cut():
     long = "x" * 5000
-    assert R.render_context(long, 4000) == "x" * 4000
-    assert R.render_context(long, 0) == long                       # 0 = no cut
+    assert render_context(long, 4000) == "x" * 4000
+    assert render_context(long, 0) == long                       # 0 = no cut
     parts = ["a" * 1500, "b" * 1500, "c" * 1500]                   # 4500 + 2 * 2 separators
-    out = R.render_context(parts, 4000)
+    out = render_context(parts, 4000)
     assert len(out) == 4000 and out == ("\n\n".join(parts))[:4000]
     assert out.endswith("c" * (4000 - 3004))                       # 1500 + 2 + 1500 + 2 = 3004 before "c"
-    assert R.render_context("short", 4000) == "short"
+    assert render_context("short", 4000) == "short"
 
 
 @pytest.mark.parametrize("value, found", [
@@ -138,7 +139,7 @@ def test_render_context_4000_char_cut():
 ])
 def test_render_context_bad_type(value, found):
     with pytest.raises(ValueError, match=found) as e:
-        R.render_context(value, 4000)
+        render_context(value, 4000)
     assert "\n" not in str(e.value)
 
 
@@ -149,16 +150,16 @@ def test_render_context_qa_feedback_first_row():
     with open(data_path("qa_feedback", "dev_feedback.jsonl")) as f:
         rows = [json.loads(line) for _, line in zip(range(15), f)]
     passages = rows[0]["passages"]
-    full = R.render_context(passages, 0)
+    full = render_context(passages, 0)
     assert full.startswith("Bloom (Troye Sivan album): Bloom (Troye Sivan album)\n\nBloom is the second studio album")
     assert full.count("Bloom (Troye Sivan album): ") == 2
     assert "\n\nBloom (Troye Sivan album): was released as the lead single" in full  # passage 2, after a blank line
     assert len(full) == 2379
-    assert R.render_context(passages, 4000) == full
-    assert R.render_context(passages, 1000) == full[:1000]
-    long = R.render_context(rows[14]["passages"], 0)
+    assert render_context(passages, 4000) == full
+    assert render_context(passages, 1000) == full[:1000]
+    long = render_context(rows[14]["passages"], 0)
     assert len(long) > 4000
-    assert R.render_context(rows[14]["passages"], 4000) == long[:4000]
+    assert render_context(rows[14]["passages"], 4000) == long[:4000]
 
 
 # --- QA evaluator template ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ import yaml
 
 from conftest import REPO, TINY_MODEL_FIXTURE, data_path
 import fast
-from plumbing.data import load_pairwise, load_train_items
+from plumbing.data import load_pairwise
 
 # name (relative to the repo) -> the --config layers a user runs it with, and whether its runs
 # go through the command line (`python train.py --config ...`) instead of train.main in-process
@@ -268,7 +268,6 @@ class Runs:
                 train.main(args)
         elif cfg["task"] == "rm_nlhf":
             from test_e2e_nlhf import force_verdicts
-            import reward
             n = cfg["nlhf"]
             pairs = (load_pairwise(data_path("mr_ben_math", "math.jsonl"), n["dh_schema"], seed=cfg["run"]["seed"])
                      + [dict(it, critique=None) for it in
@@ -321,7 +320,7 @@ def preset_or_skip(name, full_checks=False):
     if name in SKIPPED:
         pytest.skip(SKIPPED[name])
     assert name in PRESETS, (f"{name} is a shipped config that no test exercises: add it to PRESETS in "
-                             f"tests/test_configs.py (or to SKIPPED with the reason and where it is exercised)")
+                             f"tests/plumbing/test_configs.py (or to SKIPPED with the reason and where it is exercised)")
     if full_checks and PRESETS[name].get("light"):
         pytest.skip(f"an ablation layer over {PAPER}: it runs end to end in test_config_runs; the precision "
                     f"and resume checks run on {PAPER}")
@@ -332,7 +331,7 @@ def preset_or_skip(name, full_checks=False):
 def test_every_shipped_config_is_listed():
     names = shipped_configs()
     unlisted = [n for n in names if n not in PRESETS and n not in SKIPPED]
-    assert not unlisted, f"shipped configs with no exercise in tests/test_configs.py: {unlisted}"
+    assert not unlisted, f"shipped configs with no exercise in tests/plumbing/test_configs.py: {unlisted}"
     stale = [n for n in list(PRESETS) + list(SKIPPED) if n not in names]
     assert not stale, f"listed but not shipped: {stale}"
     # the layering is the one the preset's own header documents

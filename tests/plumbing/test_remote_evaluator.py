@@ -27,12 +27,10 @@ import pytest
 
 from plumbing import config
 import reward as R
-import rollout
 from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
 import fast
 from plumbing.cli import reward_main
 from plumbing.data import _gguf_location
-from plumbing.run import setup
 from plumbing.services import echo_target_logprob, remote_evaluator, remote_request, score_remote, trl_reward_function
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1
@@ -187,17 +185,6 @@ def test_failures_are_none_with_a_reason(fake_server, mode, why, requests):
     vals, whys = remote_request(ev["remote"], [("Answer: Yes", " Yes")])
     assert vals == [None] and why in whys[0], whys
     assert len(fake_server.requests) == requests
-
-
-def test_batched_requests_equal_one_request_per_prompt(fake_server):
-    fulls = [(f"Problem {i} {'x' * i}\nAnswer: Yes", " Yes") for i in range(7)]
-    ev = fake_evaluator(fake_server, batch_size=3, concurrency=2)
-    fast_out = fast.score_remote(ev["remote"], fulls)
-    assert sorted(len(p) for p in fake_server.requests) == [1, 3, 3]  # 3 requests for 7 prompts
-    fake_server.requests.clear()
-    plain = score_remote(ev["remote"], fulls)
-    assert len(fake_server.requests) == 7
-    assert fast_out == plain and plain[0] == [fake_yes(f) for f, _ in fulls]
 
 
 def test_a_failed_sample_is_masked_never_scored(fake_server):

@@ -2,7 +2,6 @@
 checkpoints both ways, per-rank seeds, config errors, and the pure parts of the vLLM backend
 (with plain stand-in objects: vLLM itself is never imported here). GPU tests at the end are
 marked `gpu` and skipped without CUDA (and without vllm)."""
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,7 @@ import rollout
 from test_train import _free_port, _layout_batch, _layout_cfg
 import train as T
 
-from plumbing.data import load_model
+from plumbing.data import load_model, REPO
 from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
 from plumbing.scale import (all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded,
                             vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs,
@@ -357,7 +356,7 @@ def test_importing_the_stages_never_imports_vllm():
     import subprocess
     import sys
     code = "import sys, rollout, train, reward; sys.exit('vllm' in sys.modules)"
-    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO)
     assert p.returncode == 0
 
 

@@ -1,0 +1,87 @@
+"""The MetaRM's plumbing: atomic save and load (plumbing/run.py), the metarm.py command line, SmolLM2 as the sequence classifier."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, SMOLLM2, data_path
+import metarm
+from test_metarm import fresh, item
+
+from plumbing.cli import metarm_main
+from plumbing.run import load_metarm, load_saved_metarm, save_metarm
+
+
+def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
+    mrm = fresh(tiny_model_path, online_lr=1e-3)
+    metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
+    out = str(tmp_path / "metarm")
+    save_metarm(mrm, out)
+    save_metarm(mrm, out)  # overwriting an existing save goes through <out>.old and leaves nothing behind
+    assert sorted(os.listdir(tmp_path)) == ["metarm"]
+    back = load_saved_metarm(out)
+    assert back["updates"] == 1 and back["mode"] == "online" and back["online_lr"] == 1e-3
+    assert back["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id
+    texts = ["abc", "longer text here"]
+    assert metarm.predict_texts(back, texts) == pytest.approx(metarm.predict_texts(mrm, texts), abs=1e-6)
+    a, b = mrm["optimizer"].state_dict()["state"], back["optimizer"].state_dict()["state"]
+    assert torch.equal(a[0]["exp_avg"], b[0]["exp_avg"])
+    os.replace(out, out + ".old")  # as if a crash hit between the two renames
+    assert load_saved_metarm(out)["updates"] == 1
+    with pytest.raises(SystemExit, match="no saved MetaRM"):
+        load_saved_metarm(str(tmp_path / "nothing"))
+
+
+def write_yaml(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_errors(tmp_path):
+    """The CLI reads its config with train.load_config (config.yaml is the schema): one-line errors."""
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: onlien\n")
+    with pytest.raises(SystemExit, match=r"config key metarm.mode: 'onlien' is not one of \['none'"):
+        metarm_main(["--config", cfg, "cold-start"])
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  lrr: 1\n")
+    with pytest.raises(SystemExit, match=r"unknown config key metarm.lrr"):
+        metarm_main(["--config", cfg, "cold-start"])
+    cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: none\n")
+    with pytest.raises(SystemExit, match="metarm.mode is 'none'"):
+        metarm_main(["--config", cfg, "cold-start"])
+    cfg = write_yaml(tmp_path / "c.yaml", f"nlhf:\n  dh: {tmp_path}/missing.jsonl\njudge:\n  backend: proxy\n")
+    with pytest.raises(SystemExit, match="missing.jsonl: file does not exist"):
+        metarm_main(["--config", cfg, "cold-start"])
+    with pytest.raises(SystemExit, match="invalid YAML"):
+        metarm_main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
+
+
+@pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s
+def test_cli_cold_start_runs(tiny_model_path, tmp_path):
+    cfg = write_yaml(tmp_path / "c.yaml", f"""
+run: {{out_dir: {tmp_path}/run, seed: 0}}
+model: {{policy: {tiny_model_path}}}
+nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
+judge: {{backend: proxy}}
+metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs: 1, batch_size: 2, max_length: 128}}
+""")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "metarm.py"), "--config", cfg, "cold-start"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["rollouts"] == 4 and stats["saved"] == f"{tmp_path}/run/metarm"
+    assert os.path.isfile(os.path.join(stats["saved"], "metarm.json"))
+
+
+@pytest.mark.slow
+def test_smollm2_as_sequence_classifier():
+    mrm = load_metarm(SMOLLM2, batch_size=2, max_length=256, online_lr=1e-5)
+    assert mrm["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id == 2
+    samples = [{"valid": True, "reward": 1.5, "critique": "Response B adds wrongly."},
+               {"valid": True, "reward": 0.0, "critique": "Response A is wrong."}]
+    preds = metarm.predict(mrm, [item(1), item(2)], [s["critique"] for s in samples])
+    assert all(isinstance(p, float) and p == p for p in preds)
+    m = metarm.update(mrm, [item(1), item(2)], samples)
+    assert m["metarm/n"] == 2 and m["metarm/loss"] >= 0.0
