@@ -32,12 +32,12 @@ import sys
 import tempfile
 import time
 import types
-from plumbing.data import load_model, load_train_items, policy_chat
-from plumbing.scale import wrap_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from plumbing.data import load_model, load_train_items, policy_chat  # noqa: E402
+from plumbing.scale import wrap_policy  # noqa: E402
 
 # Our config values that make our step TRL's: TRL's CISPO divides the summed token loss by the
 # batch's token count (our token_mean; our default, RLME Eq. 8, divides by the sequence count:
