@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 from conftest import update_policy
 import fast
 import rollout
-from test_train import _free_port, _layout_batch, _layout_cfg
+from test_train import _layout_batch, _layout_cfg
+from test_train_run import _free_port
 import train as T
 
 from plumbing.data import load_model, REPO
