@@ -274,7 +274,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def autocast(dtype, device_type):
     """Compute in `dtype` ("float32" | "bfloat16" | "float16") over float32 weights: torch.autocast
     on `device_type` ("cpu" | "cuda"), a no-op context for float32. Mixed precision of every
-    trained model (train.compute_context, metarm)."""
+    trained model (plumbing/scale.py's compute_context, metarm)."""
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=DTYPES[dtype])
@@ -295,7 +295,7 @@ def is_fsdp(model):
 
 
 def checkpointed_modules(model):
-    """The modules of `model` with activation checkpointing on (train.wrap_policy): transformers'
+    """The modules of `model` with activation checkpointing on (plumbing/scale.py's wrap_policy): transformers'
     decoder layers, and the model that holds the flag."""
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
 

@@ -236,7 +236,7 @@ def validate_config(cfg, world_size=1):
         ev.setdefault("weight", 1.0)
         ev.setdefault("path", None)
         ev.setdefault("chat_template", "auto")
-        ev.setdefault("chat_template_kwargs", None)  # None: the policy's, for live / frozen_self (train.load_evaluators)
+        ev.setdefault("chat_template_kwargs", None)  # None: the policy's, for live / frozen_self (plumbing.services.load_evaluators)
         ev.setdefault("system_prompt", None)
         if ev["chat_template_kwargs"] is not None and not all(isinstance(k, str) for k in ev["chat_template_kwargs"]):
             raise SystemExit(f"config key reward.evaluators[{i}].chat_template_kwargs: expected a mapping of names to values")
@@ -381,7 +381,7 @@ def check_data_config(cfg):
             raise SystemExit(f"config key {key}: must be >= {lo}, got {v}")
 
 
-# run.report_to: the experiment trackers train.py can log to (train.open_trackers); each name is
+# run.report_to: the experiment trackers train.py can log to (plumbing.run.open_trackers); each name is
 # also the package to install
 TRACKERS = ["tensorboard", "trackio", "wandb"]
 
@@ -389,7 +389,7 @@ TRACKERS = ["tensorboard", "trackio", "wandb"]
 def check_report_to(cfg):
     """run.report_to: names from TRACKERS, each once; run.tracking_project only with a tracker that
     has projects (trackio, wandb). One-line SystemExit naming the key. Whether each package is
-    installed is checked at start-up (train.check_startup)."""
+    installed is checked at start-up (plumbing.run.check_startup)."""
     run = cfg["run"]
     names = run["report_to"]
     for name in names:
@@ -418,7 +418,7 @@ LORA_FIELDS = {
 def check_lora_config(cfg):
     """model.lora (docs/method.md §4.7): null, or {r, alpha, target_modules, dropout (default 0),
     merged (default false)}; fills the defaults. One-line SystemExit naming the field. Whether each
-    target module exists is checked once the model is loaded (train.apply_lora)."""
+    target module exists is checked once the model is loaded (plumbing.scale.apply_lora)."""
     lora = cfg["model"]["lora"]
     if lora is None:
         return

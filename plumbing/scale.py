@@ -574,7 +574,7 @@ def vllm_model(llm):
 def vllm_sleep(engine):
     """Free the engine's GPU memory for reward scoring and the update (docs/method.md §7): level 1 keeps a
     CPU copy of the weights, level 2 drops them (they are overwritten by the next push anyway).
-    engine: dict {"llm", "asleep", "sleep_level", "tied"} (train.make_rollout_engine)."""
+    engine: dict {"llm", "asleep", "sleep_level", "tied"} (make_rollout_engine)."""
     if not engine["asleep"]:
         engine["llm"].sleep(level=engine["sleep_level"])
         engine["asleep"] = True
@@ -585,7 +585,7 @@ def vllm_push_weights(engine, named_tensors):
 
     Wakes the weights first and the KV cache only after the load, so the peak is weights + one
     gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name, full
-    tensor) one at a time (train.full_state_items: gathered from FSDP2 shards), so the push
+    tensor) one at a time (full_state_items: gathered from FSDP2 shards), so the push
     never holds a second copy of the model.
     """
     llm = engine["llm"]

@@ -82,7 +82,7 @@ def load_evaluators(cfg, policy, tokenizer, device, passes, remote=None):
 def load_evaluator(path, name="evaluator", weight=1.0, chat_template="auto", dtype="float32", device="cpu",
                    system_prompt=None, chat_template_kwargs=None, answer_stub="\nAnswer:", micro_batch_size=8,
                    score=fast.score_targets):
-    """A frozen evaluator j as the dict rlme_reward reads (what train.load_evaluators builds for
+    """A frozen evaluator j as the dict rlme_reward reads (what load_evaluators builds for
     `kind: frozen`), so no train.py or config is needed.
 
     Args:

@@ -96,7 +96,7 @@ def test_merged_state_items_equal_peft_merge_and_unload(tiny_model_path):
 
 
 def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
-    """train.push_weights into a stand-in vLLM engine (the attribute path and load_weights that
+    """plumbing.scale.push_weights into a stand-in vLLM engine (the attribute path and load_weights that
     vllm_push_weights uses): under LoRA it sends the plain model's weights under vLLM's
     names (no lora_A / lora_B, no base_layer) with the adapters merged in, so a plain model given
     exactly those weights computes what the adapted policy computes."""

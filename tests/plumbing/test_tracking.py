@@ -1,4 +1,4 @@
-"""Experiment trackers (run.report_to, train.open_trackers / track_step; docs/method.md §9): each
+"""Experiment trackers (run.report_to, plumbing.run.open_trackers / track_step; docs/method.md §9): each
 tracker holds what metrics.jsonl and samples.jsonl hold, read back from its own files, offline
 (TensorBoard event files, trackio's local SQLite store, wandb's offline run file); a resumed run
 continues the same tracker runs without duplicate steps; bad names and missing packages are

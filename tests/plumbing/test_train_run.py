@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 
 def test_selective_checkpointing_keeps_only_matmul_outputs():
-    """train.keep_matmul_outputs: matrix multiplies are saved, everything else is replayed."""
+    """plumbing.scale.keep_matmul_outputs: matrix multiplies are saved, everything else is replayed."""
     from torch.utils.checkpoint import CheckpointPolicy
     aten = torch.ops.aten
     for op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
