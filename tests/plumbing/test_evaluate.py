@@ -17,8 +17,6 @@ from plumbing.cli import curve, ema, evaluate_main, load_or_sample, parse_curve,
 from plumbing.data import BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems, load_model, load_qa_items, passes_contamination_rule, render_context, select_benchmarks
 from plumbing.run import wrong_answer
 
-HAS_PAIRWISE = all(hasattr(reward, f) for f in ("load_pairwise", "build_grm_prompt", "parse_grm_output"))
-needs_pairwise = pytest.mark.skipif(not HAS_PAIRWISE, reason="load_pairwise & co. not merged yet (nlhf)")
 
 
 def run_cli(*args, timeout=600, **env_vars):
@@ -183,7 +181,6 @@ def test_pairwise_accuracy_both_orders_and_format_failure():
     assert [r["ba"]["right"] for r in records] == [True, True, True, False]
 
 
-@needs_pairwise
 def test_grm_judge_real_generation_and_too_long_prompt(tiny_model_path):
     model, tok = load_model(tiny_model_path)
     judge = evaluate.make_grm_judge(model, tok, max_new_tokens=4, max_prompt_tokens=1)
@@ -219,7 +216,6 @@ def test_rm_bench_grid():
     assert g == {"acc_easy": 1.0, "acc_normal": 0.5, "acc_hard": 0.25}
 
 
-@needs_pairwise
 def test_load_benchmark_subset_and_helpsteer3(tmp_path):
     items = load_benchmark(data_path("llmbar", "LLMBar_Natural.jsonl"), 5, seed=0)
     assert len(items) == 5 and all(it["winner"] in ("A", "B") for it in items)
@@ -332,7 +328,6 @@ def test_hub_unreachable_is_one_line():
     assert_one_line_error(p, "nvidia/HelpSteer3", "--source helpsteer3=PATH")
 
 
-@needs_pairwise
 def test_reward_bench_2_best_of_4_hand_computed():
     """tests/fixtures/reward_bench_2_sample.jsonl with marker_judge; a row counts in an order only
     if all 3 of its pairs are right in that order (the Ties row is dropped):
@@ -361,7 +356,6 @@ def test_reward_bench_2_best_of_4_hand_computed():
         evaluate.best_of_group_accuracy(records[1:])
 
 
-@needs_pairwise
 def test_subsample_keeps_reward_bench_2_rows_whole():
     """--n counts RewardBench 2 rows: n=2 gives 2 rows x 3 pairs, never a split row."""
     picks = set()
@@ -384,7 +378,6 @@ def fake_grm(monkeypatch, seen):
     monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
 
 
-@needs_pairwise
 def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, capsys):
     """The default set (base 2025-01) = HelpSteer3 + RewardBench 2, read from the fixtures via
     --source. HelpSteer3 (tie dropped): row 1 right in both orders, row 2 wrong:both, row 3
@@ -416,7 +409,6 @@ def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, c
     assert r["grm_prompt"] == "authors" and seen["style"] == "authors"
 
 
-@needs_pairwise
 def test_cli_pairwise_explicit_old_benchmark_warns(tmp_path, monkeypatch, capsys):
     """Asking for JudgeBench (2024-10) with a 2025-01 base: evaluated, one warning line naming it;
     an explicit RM-Bench file: the same; HelpSteer3 (2025-05): no warning."""
@@ -432,7 +424,6 @@ def test_cli_pairwise_explicit_old_benchmark_warns(tmp_path, monkeypatch, capsys
     assert r["selection"]["mode"] == "explicit" and r["selection"]["left_out"] == {}
 
 
-@needs_pairwise
 def test_grm_judge_authors_prompt_and_parser(monkeypatch):
     """--grm-prompt authors: the judge builds the RM-NLHF authors' prompt (their 'role:\\ncontent'
     rendering of the item's turns) and parses with their parser, which takes a bare 'A' in
@@ -639,7 +630,6 @@ def test_bad_inputs_one_line(tmp_path):
                           "unknown ['swiss']")
 
 
-@needs_pairwise
 def test_bad_benchmark_schema_one_line(tmp_path):
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"question": "q", "good": "x", "worse": "y"}])
     p = run_cli("pairwise", "--model", SMOLLM2, odd, timeout=120)
@@ -994,7 +984,6 @@ def test_cli_evaluator_check(gsm8k_items, tmp_path):
 
 
 @pytest.mark.slow
-@needs_pairwise
 def test_cli_bon(gsm8k_items, tmp_path):
     p = run_cli("bon", "--judge", SMOLLM2, "--samples", gsm8k_items / "math_gsm8k-test.items.jsonl",
                 "--n-problems", 2, "--ns", "1,2", "--judge-max-new-tokens", 16, "--out", tmp_path)
@@ -1012,7 +1001,6 @@ def test_cli_bon(gsm8k_items, tmp_path):
 
 
 @pytest.mark.slow
-@needs_pairwise
 def test_cli_pairwise(tmp_path):
     files = [data_path("llmbar", "LLMBar_Natural.jsonl"), data_path("hh_rlhf_harmless_base", "test.jsonl")]
     p = run_cli("pairwise", "--model", SMOLLM2, *files, "--n", 2, "--max-new-tokens", 16, "--out", tmp_path)
@@ -1030,7 +1018,6 @@ def test_cli_pairwise(tmp_path):
 
 
 @pytest.mark.slow
-@needs_pairwise
 def test_cli_policy_sampling_paths_on_tiny_model(tiny_model_path, tmp_path):
     """bon and evaluator-check sampling their own answers (--policy) instead of reading a file."""
     gsm = data_path("gsm8k", "test.jsonl")

@@ -14,7 +14,7 @@ import reward as R
 from plumbing.cli import reward_main
 from plumbing.services import load_evaluator, trl_reward_function, verl_compute_score
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/plumbing/ -> the repository
 
 QUESTIONS = [{"question": "Is the answer correct?", "weight": 1.0, "target": "Yes"},
              {"question": "Is the solution concise?", "weight": 0.5, "target": "Yes"}]
