@@ -42,7 +42,7 @@ import reward as R
 import rollout
 from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
-from plumbing.run import emit, finish, save_and_stop, setup, step_metrics, validation_step
+from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validation_step
 from plumbing.scale import (all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded,
                             vllm_sleep)
 from plumbing.services import score_remote
@@ -298,8 +298,7 @@ def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_
     the vLLM gap; reference log-probs pi_ref for GRPO's KL when `ref_model` is given.
 
     Args:
-        model: the policy, DDP-wrapped when world > 1 (the forward with grad).
-        policy: the unwrapped policy (float32 master weights; no-grad passes, grad clipping).
+        model: the policy, DDP-wrapped when world > 1 (the forward with grad). policy: unwrapped.
         batch: dict with "prompt_ids" list[list[int]] (N), "completion_ids" LongTensor [N, L],
             "completion_mask" FloatTensor [N, L], "advantages" FloatTensor [N], optionally
             "valid" BoolTensor [N] (False rows are left out of the loss and the normaliser) and
@@ -369,7 +368,8 @@ def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, ma
         ref: list (N) of FloatTensor [L_i] (frozen_logprobs of the reference) for GRPO's KL, else None.
     Returns:
         dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
-        (list[float], global, before clipping), "is_weight" / "clipped" (FloatTensor [N], last pass).
+        (list[float], global, before clipping; a non-finite one: that step skipped), "is_weight" /
+        "clipped" (FloatTensor [N], last pass).
     """
     mask = update_mask(batch)
     advantages = batch["advantages"]
@@ -408,8 +408,8 @@ def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, ma
             if scaler is not None:
                 scaler.step(optimizer)  # skipped when a gradient is inf/NaN (float16 overflow)
                 scaler.update()
-            else:
-                optimizer.step()
+            elif math.isfinite(grad_norms[-1]):  # a NaN/inf gradient never reaches AdamW or a checkpoint:
+                optimizer.step()  # the step is skipped; plumbing.run counts it and stops a run that keeps it up
             optimizer.zero_grad(set_to_none=True)
     return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped}
 
@@ -543,7 +543,7 @@ def main(argv=None):
                          "(e.g. --config configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
     a = ap.parse_args(argv)
-    train(load_config(a.config, a.overrides))
+    run_interruptible(train, load_config(a.config, a.overrides))  # Ctrl-C: one line, exit 130
 
 
 if __name__ == "__main__":
