@@ -3,7 +3,8 @@
 What each subcommand measures (docs/method.md §6 says the same in prose):
 
 * math: GSM8K / MATH-500 accuracy of a checkpoint, greedy and sampled pass@1 (the RLME paper's
-  accuracy, RLME §4.1; answers graded as in RLVR: last \\boxed{}, docs/method.md §4.3). With a
+  accuracy, RLME §4.1; the last \\boxed{} as in RLVR, docs/method.md §4.3, graded by numbers and
+  then math-verify: numeric_correct, more lenient than the RLVR reward). With a
   NoCheat template ({answer}), --inject wrong gives the counterfactual accuracy (RLME §4, Fig. 7).
 * qa: context-QA exact match and token F1 of the boxed answer (RLME §4, Tables 1-2), on a JSONL
   file or hub id with configurable fields, or --preset faitheval (FaithEval-Counterfactual).
@@ -16,11 +17,11 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
   from wrong answers (AUROC, calibration) before a run spends compute on it.
 * judge-check: the critique judge's agreement with human 0/1 labels of GRM critiques (RM-NLHF
   §2.3, Table 1: accuracy of S > 0.5 for F1, recall and precision), through a real server.
-* plot: learning curves with an exponential moving average (0.9) and a ±1 std band across runs,
-  as in RLME §4.1's figures.
+* plot: learning curves: the raw per-step values, a bias-corrected exponential moving average
+  (0.9, as RLME §4.1's figures; ema) over them and, for several runs, a ±1 standard-error band.
 
 Every subcommand writes its results as JSON (summary) and JSONL (one record per item)
-under --out and prints a readable table:
+under --out (default runs/eval, git-ignored) and prints a readable table:
 
     python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
     python evaluate.py math --model PATH --config configs/paper/rlme/nocheat.yaml --inject wrong
@@ -73,12 +74,22 @@ def math_equal(pred, gold):
     return bool(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
 
 
+def numeric_correct(pred, label):
+    """Evaluation's grade of an answer to a numeric label (GSM8K; data.label_format gsm8k / plain,
+    so in-run validation's val/accuracy too): the RLVR rule reward.numeric_equal, and where it
+    fails, math-verify (math_equal), which reads what a right solution may box around the number:
+    `18 \\text{ apples}`, `x = 18`, `−18` (Unicode minus), `\\frac12`, `18 \\mbox{ cm}`. Accuracy
+    should count every right answer; the RLVR reward keeps its stricter rule (docs/method.md §4.3).
+    Args: pred: str | None (None = no box = wrong); label: str, a number. Returns: bool."""
+    return reward.numeric_equal(pred, label) or math_equal(pred, label)
+
+
 def grade(problem, completion):
-    """(extracted answer, correct) of one completion: last \\boxed{} (docs/method.md §4.3), then numeric
-    comparison for GSM8K and math-verify for MATH. No box -> (None, False)."""
+    """(extracted answer, correct) of one completion: last \\boxed{} (docs/method.md §4.3), then
+    numeric_correct for GSM8K and math-verify for MATH. No box -> (None, False)."""
     pred = reward.extract_boxed(completion)
     if problem["kind"] == "gsm8k":
-        return pred, reward.numeric_equal(pred, problem["label"])
+        return pred, numeric_correct(pred, problem["label"])
     return pred, math_equal(pred, problem["label"])
 
 
@@ -599,6 +610,30 @@ def mean_std(xs):
     """(mean, population std) of a non-empty list of numbers; std of one value is 0."""
     m = sum(xs) / len(xs)
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def standard_error(xs):
+    """Standard error of the mean of `xs` (list of numbers): the sample std (divided by n - 1)
+    over sqrt(n); None for fewer than two values (one run says nothing about run-to-run spread:
+    no band, not a zero-width one)."""
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def ema(values, alpha=0.9):
+    """Bias-corrected exponential moving average (Adam's debiasing, TensorBoard's smoothing):
+    m_0 = 0, m_t = alpha * m_{t-1} + (1 - alpha) * v_t, e_t = m_t / (1 - alpha^t), t = 1, 2, ...
+    e_t is the mean of v_1..v_t weighted by alpha^(t-i): the first point weighs as any other,
+    instead of seeding the curve (e_1 = v_1 keeps weight alpha^(t-1) on v_1, 0.35 after ten
+    steps, which draws the early curve toward one noisy step). alpha = 0: the raw values.
+    Args: values: list[float]; alpha: float in [0, 1). Returns: list[float], len(values)."""
+    out, m = [], 0.0
+    for t, v in enumerate(values, start=1):
+        m = alpha * m + (1 - alpha) * v
+        out.append(m / (1 - alpha ** t))
+    return out
 
 
 def midranks(values):

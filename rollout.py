@@ -56,9 +56,19 @@ def policy_prompt_ids(tokenizer, item, chat, template, text_only=False, answer=N
     """Token ids of the policy prompt for one training item (data.prompt_template, chat template
     when `chat`); its text with text_only=True. The template's {question}, {context} and {answer}
     are the item's question, context and reference answer; `answer` replaces the reference (the
-    validation's seeded wrong answer for NoCheat, docs/method.md §4.6)."""
+    validation's seeded wrong answer for NoCheat, docs/method.md §4.6). A conversational item
+    (item["messages"], TRL's format) keeps its messages, the template filling its last (user)
+    message; text_only gives its rendered chat prompt. SystemExit (one line naming the data row)
+    for one with a plain-text prompt."""
     text = template.format(question=item["question"], context=item.get("context") or "",
                            answer=item.get("answer_text") if answer is None else answer)
+    if item.get("messages"):
+        if not chat:
+            raise SystemExit(f"{item.get('where', 'a data row')}: the question is chat messages, but the policy "
+                             f"prompt is plain text (config key model.chat_template); use a model with a chat template")
+        text = item["messages"][:-1] + [dict(item["messages"][-1], content=text)]
+        if text_only:  # the whole rendered prompt: keep_short's byte bound must cover every message
+            return chat_prompt(tokenizer, text, chat, tokenize=False)
     return text if text_only else build_prompt_ids(tokenizer, text, chat)
 
 
@@ -70,7 +80,7 @@ def build_prompt_ids(tokenizer, text, chat):
     tokenizers that prepend one.
 
     Args:
-        text: the user message (chat) or the whole plain-text prompt.
+        text: the user message or a list of chat messages (chat), or the whole plain-text prompt.
         chat: False (plain text), or True / the chat options dict from use_chat_template.
     Returns:
         list[int]
@@ -248,7 +258,7 @@ def completion_logits(model, prompt_ids, completion_ids, pad_id):
 
 
 def chat_prompt(tokenizer, text, chat, tokenize):
-    """The user message `text` in the chat template, with the generation prompt.
+    """The user message `text` (or a list of chat messages) in the chat template, with the generation prompt.
 
     Args:
         chat: True (no options) or the options dict {"system", "kwargs"} from use_chat_template.
@@ -256,7 +266,7 @@ def chat_prompt(tokenizer, text, chat, tokenize):
             False for the rendered string.
     """
     options = chat if isinstance(chat, dict) else {}
-    messages = [{"role": "user", "content": text}]
+    messages = list(text) if isinstance(text, list) else [{"role": "user", "content": text}]
     if options.get("system") is not None:  # "" is an empty system message (it replaces a template's default one)
         messages.insert(0, {"role": "system", "content": options["system"]})
     out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,

@@ -50,8 +50,11 @@ def load_train_items(cfg):
     (what the evaluator is shown: context + question), label (gsm8k/plain: the cleaned number as a
     string; text: a str or list of str; None without data.answer_field), answer_text (the
     reference as text, for {answer} and anchoring), anchored (docs/method.md §4.2: chosen once by
-    seed at load time)}. With data.val: holdout, the held-out draw is left out.
-    SystemExit (one line) on a missing field or a label that cannot be read."""
+    seed at load time), messages (list of {role, content} dicts for a conversational question,
+    else None; see read_question), where ('data.train: FILE row N', 1-based, for later errors)}.
+    With data.val: holdout, the held-out draw is left out.
+    SystemExit (one line naming file and row) on a missing field, a missing or empty question, or
+    a label that cannot be read."""
     d = cfg["data"]
     items = items_from_rows(load_dataset_rows(d["train"], d["train_config"], d["train_split"]), cfg, d["train"])
     if d["max_items"]:
@@ -81,7 +84,8 @@ def load_val_items(cfg):
         pool = items_from_rows(load_dataset_rows(d["train"], d["train_config"], d["train_split"]), cfg, d["train"])
         pool = pool[:d["max_items"]] if d["max_items"] else pool
     else:
-        pool = items_from_rows(load_dataset_rows(d["val"], d["val_config"], d["val_split"], key="data.val"), cfg, d["val"])
+        rows = load_dataset_rows(d["val"], d["val_config"], d["val_split"], key="data.val")
+        pool = items_from_rows(rows, cfg, d["val"], key="data.val")
     return [pool[i] for i in val_draw(cfg, len(pool))]
 
 
@@ -132,15 +136,68 @@ def render_context(value, max_chars):
     return text[:max_chars] if max_chars else text
 
 
-def items_from_rows(ds, cfg, source):
-    """Item dicts (see load_train_items) of a datasets.Dataset read with the data.* field settings."""
+def is_chat_messages(value):
+    """True for a non-empty list of {"role": str, "content": str, ...} dicts: chat messages, as in
+    TRL's conversational dataset format (its `prompt`, `chosen` and `rejected` columns)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def read_question(value, where, field):
+    """The question of one RLME data row: (question text, chat messages or None).
+
+    A str is the question. A list of {"role", "content"} dicts is a conversation (TRL's
+    conversational `prompt` column): the messages are kept (keys holding None dropped: `datasets`
+    gives every row the keys any row has) and the question is the content of the last message,
+    which must be the user's (the policy answers it; the evaluators read it as the question).
+    A number is its text.
+    Args: value: the row's field. where: 'data.train: FILE row N'. field: data.question_field.
+    Raises: SystemExit (one line naming `where` and the field): missing (null), empty or blank,
+        or anything but a str, a number or a conversation ending in a non-empty user message.
+    """
+    name = f"the question field {field!r}"
+    if value is None:
+        raise SystemExit(f"{where}: {name} is missing (null)")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if value == [] or isinstance(value, str) and not value.strip():
+        raise SystemExit(f"{where}: {name} is empty")
+    if isinstance(value, str):
+        return value, None
+    if not is_chat_messages(value):
+        raise SystemExit(f"{where}: {name} must be a string or a list of chat messages {{role, content}} "
+                         f"(TRL's conversational format), got {type(value).__name__} {value!r:.60}")
+    messages = [{k: v for k, v in m.items() if v is not None} for m in value]
+    if messages[-1]["role"] != "user":
+        raise SystemExit(f"{where}: {name} is a conversation that ends with a {messages[-1]['role']!r} message, "
+                         f"not the user's (the policy answers the last user message)")
+    if not messages[-1]["content"].strip():
+        raise SystemExit(f"{where}: {name} is a conversation whose last user message is empty")
+    return messages[-1]["content"], messages
+
+
+def items_from_rows(ds, cfg, source, key="data.train"):
+    """Item dicts (see load_train_items) of a datasets.Dataset read with the data.* field settings;
+    `key` (data.train | data.val) is the config key that names `source` in errors. A conversational
+    question needs the chat template: refused here when model.chat_template is false, and when
+    model.system_prompt is set for a conversation with its own system message (two system
+    messages); rollout.policy_prompt_ids refuses it for a plain-text policy found by `auto`."""
     d = cfg["data"]
-    for key in ("question_field", "answer_field", "context_field"):
-        if d[key] is not None and d[key] not in ds.column_names:
-            raise SystemExit(f"config key data.{key}={d[key]!r}: no such field in {source} "
+    m = cfg.get("model", {})
+    for field in ("question_field", "answer_field", "context_field"):
+        if d[field] is not None and d[field] not in ds.column_names:
+            raise SystemExit(f"config key data.{field}={d[field]!r}: no such field in {source} "
                              f"(fields: {', '.join(ds.column_names)})")
     items = []
     for i, row in enumerate(ds):
+        where = f"{key}: {source} row {i + 1}"
+        question, messages = read_question(row[d["question_field"]], where, d["question_field"])
+        if messages and m.get("chat_template") is False:
+            raise SystemExit(f"{where}: the question field {d['question_field']!r} holds chat messages, but "
+                             f"config key model.chat_template is false (a plain-text prompt)")
+        if messages and m.get("system_prompt") is not None and messages[0]["role"] == "system":
+            raise SystemExit(f"{where}: the conversation has its own system message and config key "
+                             f"model.system_prompt adds another; set model.system_prompt=null")
         label = None
         if d["answer_field"] is not None:
             value = row[d["answer_field"]]
@@ -149,25 +206,25 @@ def items_from_rows(ds, cfg, source):
                 if isinstance(label, list):
                     label = [str(x) for x in label]
                     if not label:
-                        raise SystemExit(f"{source} item {i}: field {d['answer_field']!r} holds no answer")
+                        raise SystemExit(f"{where}: field {d['answer_field']!r} holds no answer")
                 else:
                     label = str(label)
             else:
                 try:
                     label = clean_gsm8k_label(str(value)) if d["label_format"] == "gsm8k" else reward.clean_number(str(value))
                 except ValueError:
-                    raise SystemExit(f"{source} item {i}: field {d['answer_field']!r} has no '####' "
+                    raise SystemExit(f"{where}: field {d['answer_field']!r} has no '####' "
                                      f"(set data.label_format=plain for bare answers)")
         context = None
         if d["context_field"] is not None:
             try:
                 context = render_context(row[d["context_field"]], d["context_max_chars"])
             except ValueError as e:
-                raise SystemExit(f"{source} item {i}: field {d['context_field']!r}: {e}")
-        question = str(row[d["question_field"]])
+                raise SystemExit(f"{where}: field {d['context_field']!r}: {e}")
         items.append({"index": i, "question": question, "context": context,
                       "problem": f"{context}\n\n{question}" if context else question, "label": label,
-                      "answer_text": label[0] if isinstance(label, list) else label, "anchored": False})
+                      "answer_text": label[0] if isinstance(label, list) else label, "anchored": False,
+                      "messages": messages, "where": where})
     return items
 
 
@@ -459,14 +516,24 @@ PAIR_SCHEMAS = {
     "pandalm": ("instruction", "response1", "response2", "annotator1", "annotator2", "annotator3"),
     "llmbar": ("input", "output_1", "output_2", "label"),
     "judgebench": ("question", "response_A", "response_B", "label"),
+    "trl_conversational": ("chosen", "rejected"),       # chosen/rejected: chat messages (TRL), + optional prompt
     "reward_bench_2": ("prompt", "chosen", "rejected", "num_correct"),  # 1 chosen vs 3 rejected
-    "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles
+    "rm_bench": ("prompt", "chosen", "rejected"),        # chosen/rejected: list of 3 styles (str)
     "chosen_rejected": ("chosen", "rejected"),          # + optional prompt, optional critique
 }
 
 
+# The field each schema's context (the prompt) comes from, for the error on an empty one
+PROMPT_FIELDS = {"rm_nlhf": "extra_info.context", "helpsteer3": "context", "mr_ben": "Question",
+                 "pandalm": "instruction", "llmbar": "input", "judgebench": "question",
+                 "trl_conversational": "prompt", "reward_bench_2": "prompt", "rm_bench": "prompt",
+                 "chosen_rejected": "prompt"}
+
+
 def detect_schema(row, where):
-    """Schema name of one row from its field names (docs/method.md §5.1).
+    """Schema name of one row from its field names (docs/method.md §5.1), and for the ones that
+    share `chosen`/`rejected`, their types: chat messages -> trl_conversational, a list of str
+    with a prompt -> rm_bench (reward_bench_2 also has num_correct), str -> chosen_rejected.
 
     Args:
         row: dict, the first row of a file. where: str, 'file:line' for the error message.
@@ -479,7 +546,10 @@ def detect_schema(row, where):
         raise SystemExit(f"{where}: expected a JSON object per row, got {type(row).__name__}")
     for name, fields in PAIR_SCHEMAS.items():
         if all(f in row for f in fields):
-            if name == "rm_bench" and not isinstance(row["chosen"], list):
+            if name == "trl_conversational" and not is_chat_messages(row["chosen"]):
+                continue
+            if name == "rm_bench" and not (isinstance(row["chosen"], list)
+                                           and all(isinstance(c, str) for c in row["chosen"])):
                 continue  # plain chosen/rejected strings with a prompt field: the generic schema
             return name
     raise SystemExit(f"{where}: unknown pairwise schema, fields found: {sorted(row)}; "
@@ -710,6 +780,11 @@ def _raw_pairs(schema, where, row, stem, n):
         return [dict(base, id=str(row.get("pair_id", f"{stem}:{n}")), context=_need(row, "question", where, schema),
                      r1=_need(row, "response_A", where, schema), r2=_need(row, "response_B", where, schema),
                      winner=1 if label == "A>B" else 2, meta={"category": row.get("source")})]
+    if schema in ("rm_bench", "chosen_rejected") and is_chat_messages(row.get("chosen")):
+        raise SystemExit(f"{where}: field 'chosen' holds chat messages (TRL's conversational preference format), "
+                         f"not schema {schema}'s; read it with schema trl_conversational (or auto)")
+    if schema == "trl_conversational":
+        return _trl_pair(where, row, stem, n)
     if schema == "rm_bench":
         chosen = _need(row, "chosen", where, schema, kind=list)
         rejected = _need(row, "rejected", where, schema, kind=list)
@@ -728,7 +803,8 @@ def _raw_pairs(schema, where, row, stem, n):
             split = _split_hh(chosen, rejected)
             if split is None:
                 raise SystemExit(f"{where}: no 'prompt' field and no '\\n\\nAssistant:' turn in "
-                                 f"'chosen'/'rejected' (schema {schema})")
+                                 f"'chosen'/'rejected' (schema {schema}; TRL's implicit-prompt format with "
+                                 f"plain text is read only as hh-rlhf transcripts: add a 'prompt' field)")
             context, chosen, rejected = split
         if chosen == rejected:
             return []
@@ -737,6 +813,58 @@ def _raw_pairs(schema, where, row, stem, n):
                      r1=chosen, r2=rejected, winner=1,
                      critique=critique.strip() or None if isinstance(critique, str) else None)]
     raise SystemExit(f"{where}: schema {schema!r} unknown; known: {', '.join(PAIR_SCHEMAS)}")
+
+
+def _trl_pair(where, row, stem, n):
+    """One row of TRL's conversational preference format (TRL docs, "Dataset formats"): explicit
+    prompt {prompt: [messages], chosen: [messages], rejected: [messages]}, or implicit prompt
+    {chosen: [conversation], rejected: [conversation]} whose shared leading messages are the
+    prompt. -> one raw pair: context = the prompt turns as text (render_turns; meta.turns keeps
+    them, as for HelpSteer3), r1 = the chosen reply, r2 = the rejected one, winner 1 (finalize_pair
+    then draws the A/B order); an optional 'critique' string as in chosen_rejected. Each
+    completion must be one assistant message: a pair compares two replies to one context, so a
+    completion of several messages (turns, tool calls) has no faithful mapping and is refused.
+    [] (dropped) when both replies are the same."""
+    fmt = "TRL's conversational preference format"
+    for f in ("chosen", "rejected"):
+        if not is_chat_messages(row.get(f)):
+            raise SystemExit(f"{where}: field {f!r} must be a list of chat messages {{role, content}} ({fmt}), "
+                             f"got {type(row.get(f)).__name__} {row.get(f)!r:.60}")
+    # role and content only: datasets gives every message the keys any message has (None elsewhere)
+    chosen, rejected = ([{"role": m["role"], "content": m["content"]} for m in row[f]] for f in ("chosen", "rejected"))
+    prompt = row.get("prompt")
+    if prompt is not None:
+        if not (isinstance(prompt, str) or is_chat_messages(prompt)):
+            raise SystemExit(f"{where}: field 'prompt' must be a string or a list of chat messages ({fmt}), "
+                             f"got {type(prompt).__name__} {prompt!r:.60}")
+        turns = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:  # implicit prompt: the messages both conversations begin with
+        k = 0
+        while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+            k += 1
+        if k == 0:
+            raise SystemExit(f"{where}: no 'prompt' field, and 'chosen' and 'rejected' share no leading message "
+                             f"({fmt}, implicit prompt)")
+        turns, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+    if chosen == rejected:
+        return []
+    for f, msgs in (("chosen", chosen), ("rejected", rejected)):
+        if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+            raise SystemExit(f"{where}: the {f} completion is {[m['role'] for m in msgs]} messages; a pairwise item "
+                             f"needs one assistant reply each ({fmt})")
+    critique = row.get("critique")
+    return [{"id": str(row.get("id", f"{stem}:{n}")), "context": render_turns(turns, where),
+             "r1": chosen[0]["content"], "r2": rejected[0]["content"], "winner": 1,
+             "critique": critique.strip() or None if isinstance(critique, str) else None,
+             "source": f"trl_conversational/{stem}", "meta": {"turns": turns} if isinstance(turns, list) else {}}]
+
+
+def _empty_prompt(pair):
+    """True when a raw pair's context is blank (a conversation: every turn's content blank)."""
+    turns = pair["meta"].get("turns")
+    if isinstance(turns, list):
+        return not any(isinstance(t, dict) and str(t.get("content") or "").strip() for t in turns)
+    return not pair["context"].strip()
 
 
 def _mr_ben_pairs(rows, stem):
@@ -749,6 +877,8 @@ def _mr_ben_pairs(rows, stem):
     for where, row in rows:
         for f in PAIR_SCHEMAS["mr_ben"]:
             _need(row, f, where, "mr_ben", kind=None)
+        if not str(row["Question"]).strip():
+            raise SystemExit(f"{where}: the prompt field 'Question' is empty (schema mr_ben)")
         if row["Model_Solution_Correctness"] not in ("correct", "incorrect"):
             raise SystemExit(f"{where}: field 'Model_Solution_Correctness' must be 'correct' or "
                              f"'incorrect', got {row['Model_Solution_Correctness']!r}")
@@ -827,7 +957,9 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
             the row; Ties dropped), pandalm (majority of 3 annotators; no
             majority or majority tie dropped), llmbar (label 1|2), judgebench ('A>B'|'B>A'),
             rm_bench (3x3 style grid per row, meta holds the styles), chosen_rejected (prompt +
-            chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field).
+            chosen + rejected strings, or hh-rlhf transcripts; optional 'critique' field),
+            trl_conversational (TRL's conversational preference rows, explicit or implicit
+            prompt; see _trl_pair).
         seed: int, the A/B shuffling seed. shuffle: False keeps the dataset's own order (response1
             / chosen first), e.g. for evaluating both orders.
         max_items: keep the first N items (after dropping ties), None = all.
@@ -837,7 +969,8 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
         list of {"id", "context", "response_a", "response_b", "winner": "A"|"B",
                  "critique": str|None, "source", "meta": dict}. D_H = items with a critique.
     Raises:
-        SystemExit, one line naming the file, line and field, on any malformed row or unknown schema.
+        SystemExit, one line naming the file, line and field, on any malformed row, a missing or
+        empty prompt (PROMPT_FIELDS) or an unknown schema.
     """
     if schema != "auto" and schema not in PAIR_SCHEMAS:
         raise SystemExit(f"schema {schema!r} unknown; allowed: auto, {', '.join(PAIR_SCHEMAS)}")
@@ -862,6 +995,10 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
                 if not isinstance(row, dict):
                     raise SystemExit(f"{where}: expected a JSON object, got {type(row).__name__}")
                 pairs = _raw_pairs(name, where, row, stem=stem, n=n)
+                if any(_empty_prompt(p) for p in pairs):  # a judge shown no question: refused, not trained on
+                    implicit = name in ("chosen_rejected", "trl_conversational") and row.get("prompt") is None
+                    field = "the part shared by 'chosen' and 'rejected'" if implicit else PROMPT_FIELDS[name]
+                    raise SystemExit(f"{where}: the prompt ({field}) is empty (schema {name})")
                 dropped += not pairs  # ties
                 raw += pairs
     items = [finalize_pair(r, seed, shuffle) for r in raw]

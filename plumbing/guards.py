@@ -113,10 +113,10 @@ def flatten(cfg, prefix=""):
 
 def resume_changes(saved, cfg):
     """The keys whose value differs between the run's saved config and this one, as
-    {key: (saved value, new value)}; a key one of them lacks counts, with "<absent>"."""
+    {key: (saved value, new value)}. Keys only one of them has are left out: they come from a
+    different version of config.yaml (a new key takes its default), not from the user."""
     a, b = flatten(saved), flatten(cfg)
-    return {k: (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
-            if a.get(k, "<absent>") != b.get(k, "<absent>")}
+    return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
 
 
 def check_resume(cfg, ckpt):

@@ -29,6 +29,9 @@ import reward
 import rollout
 
 from plumbing.config import check_scale_config, check_single_pass, validate_config
+from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
+                             checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
+                             record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
 from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model, load_train_items, load_val_items,
                            policy_chat, prompt_token_limit, resolve_model_path)
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
@@ -44,24 +47,48 @@ def setup(cfg, passes):
     """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
-    size, data files, the judge's settings), then the policy (float32 master weights, whatever
+    size; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
+    guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
     it with model.lora, apply_lora), prompts over the
     length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
-    AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf).
+    AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf), the
+    free space the checkpoints need (guards.check_free_space), then the run folder.
 
     Returns:
         dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
         wrapper or the FSDP2-sharded policy), tokenizer, chat, engine (None for HF), evaluators,
-        ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), and the data:
-        items (rlme) or judge, dh_items, do_items (rm_nlhf).
+        ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), lock (rank 0),
+        checkpoint_bytes, the streaks emit and step_metrics count (no_signal_streak,
+        skipped_streak), and the data: items (rlme) or judge, dh_items, do_items (rm_nlhf).
     """
-    tc, run, ro, algo = cfg["train"], cfg["run"], cfg["rollout"], cfg["algo"]
+    tc = cfg["train"]
     check_startup(cfg)
     rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
                                             cpu_collectives=tc["cpu_offload"])
     validate_config(cfg, world)
     check_scale_config(cfg, device)
+    out_dir = cfg["run"]["out_dir"]
+    created = not os.path.exists(out_dir)
+    lock = lock_out_dir(out_dir, rank, world)  # held until this process ends (a second run stops here)
+    try:
+        state = start_run(cfg, passes, rank, world, device)
+    except BaseException:  # a failed start leaves no run folder of its own behind
+        if lock:
+            lock.close()
+        if created and rank == 0 and os.listdir(out_dir) == [LOCK_NAME]:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    if state is None and lock:
+        lock.close()
+    elif state is not None:
+        state["lock"] = lock
+    return state
+
+
+def start_run(cfg, passes, rank, world, device):
+    """setup's work once the run folder is locked; the same return value."""
+    tc, run, ro, algo = cfg["train"], cfg["run"], cfg["rollout"], cfg["algo"]
     out_dir, is_main = run["out_dir"], rank == 0
     ckpt = latest_checkpoint(out_dir) if run["resume"] else None
     stopped = os.path.join(out_dir, "early_stop.json")
@@ -72,8 +99,10 @@ def setup(cfg, passes):
         if dist.is_initialized():
             dist.destroy_process_group()
         return None
+    # a resume keeps the run's config but for the keys guards.RESUMABLE lists (or run.force_resume)
+    changes = check_resume(cfg, ckpt) if ckpt else {}
     state = {"rank": rank, "world": world, "device": device, "passes": passes, "val_items": [], "val_history": [],
-             "rewards_since_eval": []}
+             "rewards_since_eval": [], "no_signal_streak": 0, "skipped_streak": 0}
 
     # data (rm_nlhf: the judge's start-up checks, model name and API key variable, come first)
     task = cfg["task"]
@@ -144,18 +173,28 @@ def setup(cfg, passes):
     if ckpt:
         state["start_step"] = load_trainer_state(ckpt, policy, state["optimizer"], state["scheduler"],
                                                  scaler=state["scaler"])
+        apply_optim_settings(state["optimizer"], state["scheduler"], o)  # the config's lr / betas, not the saved ones
     state["mrm"], mrm_source = None, None
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
         state["mrm"], mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
                                                           judge=state["judge"], device=device, rank=rank,
                                                           world=world, generate=passes["generate"])
 
+    # free space for the checkpoints still to come, before the first step (every rank stops alike)
+    state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
+                                                 mrm=state["mrm"])
+    stop_together(free_space_problem(cfg, state) if is_main else None, rank, world)
+
     # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
     state["pbar"], state["trackers"] = None, []
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:  # the config of the steps from here on
             yaml.safe_dump(cfg, f, sort_keys=False)
+        if changes:  # what changed at this resume (resumes.jsonl; config.yaml now says the new values)
+            record_resume(out_dir, state["start_step"], changes, forced=run["force_resume"])
+            print(f"[train] resuming with changed {', '.join(changes)} (recorded in {out_dir}/resumes.jsonl)",
+                  flush=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
             if state["start_step"]:
                 truncate_jsonl(os.path.join(out_dir, name), state["start_step"])
@@ -180,6 +219,24 @@ def setup(cfg, passes):
             state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
                                     for m in map(json.loads, f) if "val/accuracy" in m]
     return state
+
+
+def free_space_problem(cfg, state):
+    """The one line why run.out_dir cannot hold the run's checkpoints, or None (guards.check_free_space)."""
+    r, start = cfg["run"], state["start_step"]
+    steps = range(start + 1, r["total_steps"] + 1)
+    to_write = sum(1 for s in steps if (r["save_every"] and s % r["save_every"] == 0) or s == r["total_steps"])
+    root = os.path.join(r["out_dir"], "checkpoints")
+    existing = len([d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)]) if os.path.isdir(root) else 0
+    n = checkpoints_at_peak(keep=r["keep_checkpoints"], existing=existing, to_write=to_write)
+    where = r["out_dir"] if os.path.isdir(r["out_dir"]) else os.path.dirname(os.path.abspath(r["out_dir"]))
+    try:
+        check_free_space(where, need=n * state["checkpoint_bytes"],
+                         detail=f"{n} more checkpoint folder(s) of {state['checkpoint_bytes'] / 1e9:.2f} GB at the "
+                                f"peak, run.keep_checkpoints={r['keep_checkpoints']}")
+    except SystemExit as e:
+        return str(e)
+    return None
 
 
 def finished_run(out_dir, ckpt, total_steps):
@@ -219,6 +276,8 @@ def finish(state):
     if state["pbar"] is not None:
         state["pbar"].close()
     close_trackers(state["trackers"])
+    if state.get("lock"):
+        state["lock"].close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -243,6 +302,14 @@ def save_and_stop(state, cfg, step, val, metrics):
     run.stop_after steps ran in this process (as if killed; it says what the same command does).
     Returns: True when the loop must stop."""
     r = cfg["run"]
+    limit = cfg["optim"]["max_skipped_steps"]
+    if limit and state.get("skipped_streak", 0) >= limit:  # every rank: the streak is global
+        ckpt = latest_checkpoint(r["out_dir"])
+        raise SystemExit(f"[train] step {step}: the gradient norm was non-finite (NaN/inf) in every optimizer step of "
+                         f"the last {state['skipped_streak']} steps (optim.max_skipped_steps={limit}); each was skipped, "
+                         f"so no NaN reached the weights or a checkpoint. Usual causes: a non-finite reward or "
+                         f"advantage (reward/mean, samples.jsonl), too high an optim.lr, model.dtype float16 without "
+                         f"headroom. The same command resumes from " + (ckpt or "the start (no checkpoint yet)"))
     stop_early = bool(val) and monitor(state, cfg, val, metrics)
     if (r["save_every"] and step % r["save_every"] == 0) or step == r["total_steps"] or stop_early:
         save_run(state, cfg, step)
@@ -265,22 +332,30 @@ def emit(state, cfg, metrics, records):
     if metrics is None:
         return None
     n, known = len(records), metrics["reward/mean"] is not None
+    metrics = finite_or_none(metrics)  # NaN / inf as null: json.dumps would write NaN, which is not JSON
     with open(os.path.join(cfg["run"]["out_dir"], "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     if cfg["run"]["log_samples"]:
         with open(os.path.join(cfg["run"]["out_dir"], "samples.jsonl"), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(finite_or_none(r)) + "\n" for r in records)
     track_step(state["trackers"], metrics, records if cfg["run"]["log_samples"] else None)  # run.report_to
     # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
     acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
+    # a step that cannot move the policy (every reward masked, every group flat) says so in the bar,
+    # in the log the first time, and again after 10, 100, ... such steps in a row
+    note = no_signal_note(metrics, temperature=cfg["rollout"]["temperature"])
+    streak = state["no_signal_streak"] = state.get("no_signal_streak", 0) + 1 if note else 0
     state["pbar"].set_postfix(reward=f"{metrics['reward/mean']:.3f}" if known else "masked",
                               **({"acc": f"{acc:.2f}"} if acc is not None else {}),
-                              s=f"{metrics['time/step']:.0f}", refresh=False)
+                              **({"signal": "none"} if note else {}), s=f"{metrics['time/step']:.0f}", refresh=False)
     if known:
         state["rewards_since_eval"].append(metrics["reward/mean"])  # for the reward-hacking monitor
-    else:
+    if note and not known and streak == 1:
         state["pbar"].write(f"[train] step {metrics['step']}: no reward known, all {n} samples masked "
                             f"(failed judge / remote evaluator calls; reward/masked, samples.jsonl)")
+    elif note and (streak == 1 or math.log10(streak).is_integer()):
+        state["pbar"].write(f"[train] step {metrics['step']}: nothing to learn from" +
+                            (f" for {streak} steps in a row" if streak > 1 else "") + f": {note}")
     state["pbar"].update(1)
     return metrics
 
@@ -330,22 +405,31 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with no_progress_bars():
-        model.save_pretrained(tmp, state_dict=model_sd)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else None},
-                   os.path.join(tmp, "trainer_state.pt"))
-        if merged:
-            save_merged(model, tokenizer, os.path.join(tmp, "merged"))
-        if extra is not None:
-            extra(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
-    for d in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    # Ctrl-C / SIGTERM wait for the rename: the checkpoint is written whole or not at all
+    with deferred_interrupts():
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with no_progress_bars():
+                model.save_pretrained(tmp, state_dict=model_sd)
+                tokenizer.save_pretrained(tmp)
+                torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                            "scaler": scaler.state_dict() if scaler is not None else None},
+                           os.path.join(tmp, "trainer_state.pt"))
+                if merged:
+                    save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+                if extra is not None:
+                    extra(tmp)
+        except (OSError, RuntimeError) as e:  # disk full / file-size limit: one line, no .tmp left
+            why = write_failure(e, final, checkpoint_bytes(model, lora=hasattr(model, "peft_config"), merged=merged))
+            shutil.rmtree(tmp, ignore_errors=True)
+            if why is None:
+                raise
+            raise SystemExit(why) from None
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+        for d in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -607,6 +691,11 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
                                micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
                                log=lambda s: print(f"[train] {s}", flush=True))
             del grm
+            if not stats["examples"]:  # a MetaRM trained on nothing: its D_O bonus is a random head's
+                print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
+                      f"{stats['invalid']} unparseable, {stats['judge_failures']} judge failures): its D_O predictions "
+                      f"start untrained; the GRM cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)",
+                      flush=True)
             save_metarm(mrm, path)
     if world > 1:
         dist.barrier()
@@ -725,6 +814,10 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
     gap = upd["logp_gap"]
     if gap is not None:
         gap = (all_sum(gap[0], world) / max(all_sum(gap[1], world), 1.0), all_max(gap[2], world))
+    # optimizer steps skipped for a non-finite gradient norm (global: every rank counts alike;
+    # under float16's GradScaler the scaler skips and recalibrates, which is not counted)
+    skipped = 0 if state.get("scaler") else sum(not math.isfinite(g) for g in upd["grad_norms"])
+    state["skipped_streak"] = state.get("skipped_streak", 0) + 1 if skipped == len(upd["grad_norms"]) else 0
     if state["rank"] != 0:
         return None, None
     # None: the judge call / remote evaluator failed. A step with no known reward has no mean
@@ -749,6 +842,7 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
         "is_weight/max": max(r["importance_weight"] for r in records),
         "is_weight/clip_frac": sum(r["clipped"] for r in records) / n,
         "loss": loss / steps, "grad_norm": sum(upd["grad_norms"]) / len(upd["grad_norms"]),
+        "update/skipped_steps": skipped,
         "lr": state["scheduler"].get_last_lr()[0],
         **{f"time/{k}": v for k, v in times.items()}, "time/step": sum(times.values()),
         "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9),
@@ -767,11 +861,12 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
 
 def rlme_step_metrics(records, cfg):
     """RLME's own entries of metrics.jsonl from all ranks' records: RLVR reward of the rewarded
-    answers, the share with a \\boxed{} answer, the RLME part's mean (hybrid: both parts), each
-    evaluator's mean log p and p per meta-question."""
+    answers, the share with a non-empty \\boxed{} answer, the RLME part's mean (hybrid: both
+    parts), each evaluator's mean log p and p per meta-question."""
     n = len(records)
+    # extracted: reward.extract_boxed's stripped content, "" for an empty \boxed{}: not an answer
     out = {"rlvr_reward/mean": sum(r["rlvr_reward"] for r in records) / n,
-           "completion/boxed_frac": sum(r["extracted"] is not None for r in records) / n}
+           "completion/boxed_frac": sum(bool(r["extracted"]) for r in records) / n}
     if "logp" in records[0]:  # None: a remote evaluator's failed request, left out of the means
         known = [r["rlme_reward"] for r in records if r["rlme_reward"] is not None]
         out["rlme_reward/mean"] = sum(known) / len(known) if known else None
@@ -789,11 +884,13 @@ def validation_step(state, cfg, step, records, reward_step):
     early stopping on held-out accuracy; docs/method.md §4.6). Every rank calls it (collectives).
 
     On data.val's fixed held-out problems (never trained on), with the current policy:
-      val/accuracy        greedy answers against the true labels. When data.prompt_template shows
+      val/accuracy        greedy answers against the true labels, graded as `evaluate.py math` does
+                          (numeric labels: evaluate.numeric_correct). When data.prompt_template shows
                           {answer} (NoCheat), each prompt shows a seeded WRONG answer instead, so
                           this is the counterfactual accuracy (val/injected = true)
-      val/reward_mean     the training reward of those greedy answers; val/boxed_frac and
-                          val/chars_mean say what they look like (a reward can rise through format)
+      val/reward_mean     the training reward of those greedy answers; val/boxed_frac (non-empty
+                          boxes) and val/chars_mean say what they look like (a reward can rise
+                          through format)
       val/canary/<name>   the training reward of a non-answer (evaluate.CANARIES) to the first
                           problems: an evaluator that rewards ":" as much as a solution is hacked
       val/auroc           this step's training samples: AUROC of their reward against correctness
@@ -817,12 +914,17 @@ def validation_step(state, cfg, step, records, reward_step):
     items = [val[k] for k in mine]
     rew = reward_step(items, greedy["completions"])
     n = all_sum(len(items), world)
+    # numeric labels: evaluation's grade (evaluate.numeric_correct: numbers, then math-verify), as
+    # `evaluate.py math`; r["correct"] is the RLVR reward's stricter rule, which rejects `x = 18`
+    numeric = d["label_format"] != "text"
+    correct = [evaluate.numeric_correct(r["extracted"], r["label"]) if numeric and r["label"] is not None
+               else bool(r["correct"]) for r in rew["records"]]
     out = {"val/n": n, "val/injected": inject,
-           "val/accuracy": all_sum(sum(bool(r["correct"]) for r in rew["records"]), world) / n,
+           "val/accuracy": all_sum(sum(correct), world) / n,
            # over the answers whose reward is known (a remote evaluator may have failed on some)
            "val/reward_mean": all_sum(float(rew["reward"].nansum()), world) / max(1, all_sum(known(rew), world)),
            # what the answers look like: a reward can rise through format alone (boxes, length)
-           "val/boxed_frac": all_sum(sum(r["extracted"] is not None for r in rew["records"]), world) / n,
+           "val/boxed_frac": all_sum(sum(bool(r["extracted"]) for r in rew["records"]), world) / n,  # "": empty box
            "val/chars_mean": all_sum(sum(len(c) for c in greedy["completions"]), world) / n}
     canary_items = items[:max(1, 8 // world)]
     for name, text in evaluate.CANARIES.items():

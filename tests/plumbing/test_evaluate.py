@@ -75,9 +75,9 @@ def test_reliability_table_and_ece():
     assert ece == pytest.approx(0.166)
 
 
-def test_ema_exact():
-    assert ema([1.0, 0.0, 0.0, 10.0], 0.9) == pytest.approx([1.0, 0.9, 0.81, 1.729])
-    assert ema([4.0, 2.0], 0.5) == pytest.approx([4.0, 3.0])
+def test_ema_exact():  # bias-corrected (evaluate.ema): the alpha^(t-i)-weighted mean of v_1..v_t
+    assert ema([1.0, 0.0, 0.0, 10.0], 0.9) == pytest.approx([1.0, 0.09 / 0.19, 0.081 / 0.271, 1.0729 / 0.3439])
+    assert ema([4.0, 2.0], 0.5) == pytest.approx([4.0, 4 / 1.5])
     assert ema([], 0.9) == []
 
 
@@ -581,11 +581,13 @@ def test_curve_mean_std_across_runs(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"step": 0, "r": 0.0}, {"step": 1, "r": 1.0}, {"step": 2, "r": 5.0}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"step": 0, "r": 2.0}, {"step": 1, "r": 3.0}])  # shorter run
     c = curve([a, b], "r", 0.9)
-    # EMA a: [0, 0.1, 0.59], b: [2, 2.1]; common steps 0, 1
-    assert c["x"] == [0, 1] and c["runs"] == 2
-    assert c["mean"] == pytest.approx([1.0, 1.1]) and c["std"] == pytest.approx([1.0, 1.0])
+    # bias-corrected EMA a: [0, 0.1/0.19], b: [2, (0.18 + 0.3)/0.19]; common steps 0, 1
+    assert c["x"] == [0, 1] and c["runs"] == 2 and c["raw"] == pytest.approx([1.0, 2.0])
+    assert c["ema"] == pytest.approx([1.0, (0.1 + 0.48) / 0.19 / 2])
+    assert c["se"] == pytest.approx([1.0, abs(0.48 - 0.1) / 0.19 / 2])  # 2 runs: s.e. = |difference| / 2
     nan = write_jsonl(tmp_path / "n.jsonl", [{"step": 0, "r": 1.0}, {"step": 1}, {"step": 2, "r": 0.0}])
-    assert curve([nan], "r", 0.5) == {"x": [0, 2], "mean": [1.0, 0.5], "std": [0.0, 0.0], "runs": 1}
+    assert curve([nan], "r", 0.5) == {"x": [0, 2], "raw": [1.0, 0.0], "ema": [1.0, pytest.approx(0.5 / 1.5)],
+                                      "se": None, "runs": 1}
     with pytest.raises(SystemExit, match=r"no numeric values for metric 'acc'; keys found: \['r', 'step'\]"):
         curve([a], "acc")
     assert parse_curve("rlme=x/m.jsonl,y/m.jsonl") == ("rlme", ["x/m.jsonl", "y/m.jsonl"])
@@ -607,7 +609,7 @@ def test_cli_plot_end_to_end(tmp_path):
     assert rows[("rlme", "reward/mean")]["runs"] == 2 and rows[("rlme", "reward/mean")]["steps"] == 20
     assert rows[("rlme", "reward/mean")]["last"] > rows[("rlme", "reward/mean")]["first"]  # rising reward
     assert rows[("rlme", "accuracy")]["last"] < rows[("rlme", "accuracy")]["first"]         # falling accuracy
-    assert rows[("single", "accuracy")]["last_std"] == 0.0
+    assert rows[("single", "accuracy")]["last_se"] is None and rows[("rlme", "accuracy")]["last_se"] > 0
     assert "rlme" in p.stdout and "reward_vs_accuracy.png" in p.stdout
 
 
@@ -951,7 +953,7 @@ def test_cli_math_gsm8k(gsm8k_items):
     for it in items:
         assert it["greedy"]["completion"] and len(it["samples"]) == 2
         for a in [it["greedy"]] + it["samples"]:
-            assert a["correct"] == (a["pred"] is not None and reward.numeric_equal(a["pred"], it["label"]))
+            assert a["correct"] == evaluate.numeric_correct(a["pred"], it["label"])
 
 
 @pytest.mark.slow

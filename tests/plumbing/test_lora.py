@@ -150,7 +150,9 @@ def test_frozen_self_under_lora_scores_what_a_frozen_copy_scores(tiny_model_path
     a = R.rlme_reward(evs_view, **kw)["logp"]  # [N, J, K]
     b = R.rlme_reward(evs_copy, **kw)["logp"]
     assert torch.equal(a[:, 1], b[:, 1])  # frozen_self: bit for bit
-    assert torch.equal(a[:, 0], b[:, 0])
+    # the live evaluator: fast.score_targets batches its forwards differently from the plain twin,
+    # so the two agree to the tolerance tests/algorithm/test_fast.py pins (bit-equal on some CPUs only)
+    assert torch.allclose(a[:, 0], b[:, 0], atol=1e-5)
     assert (a[:, 0] - a[:, 1]).abs().max() > 1e-3  # the live evaluator (adapters on) differs
     assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)  # the view froze nothing
 
