@@ -16,9 +16,10 @@ import torch
 import evaluate
 from evaluate import (CANARIES, INJECT_CHOICES, PROMPT_TEMPLATE, QA_PROMPT_TEMPLATE, aggregate_pairwise, auroc,
                       best_of_n, check_inject, evaluator_logprobs, grade_qa, judge_check_summary,
-                      known_wrong_answer, majority_vote, make_grm_judge, math_summary, mean_std, qa_summary,
+                      known_wrong_answer, majority_vote, make_grm_judge, math_summary, qa_summary,
                       reference_solution, reliability_table, sample_and_grade, score_unit, shown_answers,
-                      template_fields)
+                      standard_error, template_fields)
+from evaluate import ema  # also imported from here by scripts/learning_check.py and the tests
 import fast
 from metarm import cold_start
 import reward
@@ -237,7 +238,7 @@ def metarm_main(argv=None):
     if m["mode"] == "none":
         raise SystemExit("metarm.mode is 'none': there is no MetaRM to cold-start")
     out = a.out or m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
-    judge = make_judge(cfg["judge"])  # start-up checks (key variable, model name) first
+    judge = make_judge(cfg["judge"])  # start-up checks (key variable, model name, one probe request) first
     items = load_dh_items(cfg)
     if m["cold_start_items"]:
         items = items[:m["cold_start_items"]]
@@ -252,11 +253,26 @@ def metarm_main(argv=None):
     print(json.dumps(dict(stats, saved=out)))
 
 
+def announce_work(what, n_problems, answers, max_new_tokens, smaller):
+    """Say how big a generation pass is, before the model loads: one line on stderr, "<what>: N
+    problems x A answers x up to T new tokens = up to N*A*T tokens to generate", then the flags
+    that make it smaller. Generation here runs on the CPU (load_model's device), where the math
+    defaults (100 x 5 x 512) take over an hour even for a 135M model, and the progress bar only
+    appears once the model is loaded. Args: smaller: str, the flags as shown. Returns: the line."""
+    line = (f"{what}: {n_problems} problems x {answers} answers x up to {max_new_tokens} new tokens = up to "
+            f"{n_problems * answers * max_new_tokens:,} tokens to generate, on the CPU (math's defaults, "
+            f"100 x 5 x 512, take over an hour even for a 135M model); smaller: {smaller}")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
 def cmd_math(a):
     a.prompt_template = prompt_template(a)
     inject = check_inject(a.prompt_template, a.inject)
     problems = load_math_problems(a.data, a.n_problems, a.split, a.hub_config)
     shown = shown_answers(problems, inject)
+    announce_work("math", len(problems), int(not a.no_greedy) + a.n_samples, a.max_new_tokens,
+                  "--n-problems, --n-samples, --max-new-tokens, --no-greedy")
     model, tok = load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, problems, n_samples=a.n_samples, temperature=a.temperature,
                              max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
@@ -305,6 +321,8 @@ def cmd_qa(a):
                           question_field=st["question_field"], context_field=st["context_field"],
                           answer_field=st["answer_field"], choices_field=st["choices_field"],
                           context_max_chars=a.context_max_chars)
+    announce_work("qa", len(items), int(not a.no_greedy) + a.n_samples, a.max_new_tokens,
+                  "--n-problems, --n-samples, --max-new-tokens, --no-greedy")
     model, tok = load_model(a.model, a.dtype)
     items = sample_and_grade(model, tok, items, n_samples=a.n_samples, temperature=a.temperature,
                              max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
@@ -413,6 +431,9 @@ def load_or_sample(a, need):
                              f"'samples'); fields found: {sorted(items[0])}")
     elif a.policy:
         problems = load_math_problems(a.data, a.n_problems)
+        announce_work(f"{a.cmd} --policy", len(problems), need, a.max_new_tokens,
+                      f"--n-problems, {'--ns' if a.cmd == 'bon' else '--n-samples'}, --max-new-tokens, "
+                      f"or --samples FILE from `evaluate.py math`")
         model, tok = load_model(a.policy, a.dtype)
         items = sample_and_grade(model, tok, problems, n_samples=need, temperature=a.temperature,
                                  max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, greedy=False)
@@ -532,24 +553,35 @@ def cmd_judge_check(a):
     for key in ("backend", "variant", "base_url", "model", "api_key_env", "max_tokens", "max_retries"):
         if getattr(a, key) is not None:  # a flag given on the command line wins over the config
             settings[key] = getattr(a, key)
-    judge = make_judge(settings)
+    judge = make_judge(settings)  # backend openai: one probe request first (one line naming the judge.* key)
     results = reward.judge_scores(judge, [(it["human_critique"], it["critique"], it) for it in items])
     rows = [dict(id=it["id"], label=it["label"], **res) for it, res in zip(items, results)]
+    failures = judge_check_failures(rows, judge.get("failures", {}))
     summary = dict(judge_check_summary(rows, a.threshold), data=a.data, threshold=a.threshold,
-                   backend=settings["backend"], variant=settings["variant"], model=settings["model"])
+                   backend=settings["backend"], variant=settings["variant"], model=settings["model"],
+                   failures=failures)
     write_results(a.out, "judge_check", summary, rows)
     print(f"judge check: {settings['variant']} judge {settings['model'] or settings['backend']} on {a.data}")
     print_table([summary], ["n", "n_failed", "acc_f1", "acc_recall", "acc_precision"])
+    if failures:
+        print("failed calls by reason (after their retries):")
+        for f in failures:
+            more = f["first_message"] != f["why"]
+            print(f"  {f['n']} x {f['why']}" + (f" (first: {f['first_message']})" if more else ""))
     return summary
 
 
-def ema(values, alpha=0.9):
-    """Exponential moving average as in the papers' plots: e_0 = v_0, e_t = alpha*e_{t-1} + (1-alpha)*v_t.
-    Starting at v_0 (not 0) avoids the bias toward 0 at the start without a debias term."""
-    out = []
-    for v in values:
-        out.append(v if not out else alpha * out[-1] + (1 - alpha) * v)
-    return out
+def judge_check_failures(rows, messages):
+    """The failed rows counted by reason, most frequent first: [{"why", "n", "first_message"}].
+    why: the row's short reason ("HTTP 400", "connection error: ConnectError", "parse failure:
+    missing <f1> tag"); first_message: the server's message of its first occurrence (make_judge's
+    judge["failures"], failure_text), or why itself where there is nothing more to say."""
+    counts = {}
+    for r in rows:
+        if r["f1"] is None:
+            counts[r["why"]] = counts.get(r["why"], 0) + 1
+    return [{"why": why, "n": n, "first_message": messages.get(why, why)}
+            for why, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
 def parse_curve(spec):
@@ -576,65 +608,134 @@ def run_series(rows, key, path):
 
 
 def curve(paths, key, alpha=0.9):
-    """EMA-smoothed mean and population std across runs of metric `key`, on the steps all runs share.
-    Returns {"x": [...], "mean": [...], "std": [...], "runs": n}."""
-    smoothed = []
+    """Metric `key` of one setting's runs on the steps they all share (a run that stopped early
+    shortens the curve). Each run is smoothed on its own (evaluate.ema), then the runs are averaged.
+
+    Args: paths: list of metrics.jsonl files, runs of one setting; key: str; alpha: EMA weight.
+    Returns: {"x": steps, "raw": per step, the mean over runs of the logged values, "ema": the mean
+        over runs of each run's EMA, "se": per step, the standard error across runs of those EMAs
+        (evaluate.standard_error), None for one run (no band), "runs": n}.
+    Raises: SystemExit (one line): a file without the metric, runs that share no step.
+    """
+    runs = []
     for p in paths:
         xs, ys = run_series(jsonl_rows(p), key, p)
-        smoothed.append(dict(zip(xs, ema(ys, alpha))))
-    common = sorted(set.intersection(*(set(s) for s in smoothed)))
+        runs.append((dict(zip(xs, ys)), dict(zip(xs, ema(ys, alpha)))))
+    common = sorted(set.intersection(*(set(raw) for raw, _ in runs)))
     if not common:
         raise SystemExit(f"runs {paths} share no steps with metric {key!r}")
-    stats = [mean_std([s[x] for s in smoothed]) for x in common]
-    return {"x": common, "mean": [m for m, _ in stats], "std": [s for _, s in stats], "runs": len(paths)}
+    n = len(runs)
+    return {"x": common, "raw": [sum(raw[x] for raw, _ in runs) / n for x in common],
+            "ema": [sum(e[x] for _, e in runs) / n for x in common],
+            "se": [standard_error([e[x] for _, e in runs]) for x in common] if n > 1 else None, "runs": n}
+
+
+def y_limits(curves, min_span):
+    """(low, high) of a y-axis that shows every raw value, EMA and band edge of `curves`, padded by
+    5%, and at least `min_span` tall around the data's middle. matplotlib's autoscale would zoom
+    into whatever range the EMA has, so that 0.02 nats of drift fill the panel and look like learning."""
+    vals = []
+    for c in curves:
+        vals += c["raw"] + c["ema"]
+        if c["se"] is not None:
+            vals += [m + s for m, s in zip(c["ema"], c["se"])] + [m - s for m, s in zip(c["ema"], c["se"])]
+    lo, hi = min(vals), max(vals)
+    lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
+    if hi - lo < min_span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
+    return lo, hi
+
+
+def draw_curve(ax, c, label, color, linestyle="-"):
+    """One curve on `ax`: the raw per-step values (faint, dots), the ±1 s.e. band across runs when
+    there are several, the EMA on top (the one legend entry). Artists carry gid "<label>/raw",
+    "<label>/se", "<label>/ema" (tests read them back)."""
+    ax.plot(c["x"], c["raw"], color=color, linestyle=linestyle, alpha=0.35, linewidth=0.8, marker=".",
+            markersize=3, gid=f"{label}/raw")
+    if c["se"] is not None:
+        ax.fill_between(c["x"], [m - s for m, s in zip(c["ema"], c["se"])],
+                        [m + s for m, s in zip(c["ema"], c["se"])], color=color, alpha=0.2, linewidth=0,
+                        gid=f"{label}/se")
+    ax.plot(c["x"], c["ema"], color=color, linestyle=linestyle, linewidth=1.8, label=f"{label} (n={c['runs']})",
+            gid=f"{label}/ema")
+
+
+def plot_note(alpha):
+    """The one line under every figure that says what is drawn."""
+    return f"faint: raw per step; line: EMA {alpha} (bias-corrected); band: ±1 s.e. across runs (2+ runs)"
+
+
+def curves_figure(curves, keys, alpha, min_span):
+    """curves.png: one panel per metric key, every setting's curve (draw_curve) on it.
+    Args: curves: {label: {key: curve()}}; min_span: y_limits'. Returns: a matplotlib Figure."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        for n, (label, cs) in enumerate(curves.items()):
+            draw_curve(ax, cs[k], label, f"C{n}")
+        ax.set_ylim(*y_limits([cs[k] for cs in curves.values()], min_span))
+        ax.set_title(k)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle(plot_note(alpha), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def reward_accuracy_figure(rewards, accs, reward_key, acc_key, alpha, min_span):
+    """reward_vs_accuracy.png: reward (solid, left axis) and accuracy (dashed, right axis) of every
+    setting on twin axes: reward rising while accuracy falls is reward hacking.
+    Args: rewards, accs: {label: curve()}. Returns: a matplotlib Figure."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax2 = ax.twinx()
+    for n, label in enumerate(rewards):
+        draw_curve(ax, rewards[label], f"{label} {reward_key}", f"C{n}")
+        draw_curve(ax2, accs[label], f"{label} {acc_key}", f"C{n}", linestyle="--")
+    ax.set_ylim(*y_limits(rewards.values(), min_span))
+    ax2.set_ylim(*y_limits(accs.values(), min_span))
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{reward_key} (solid)")
+    ax2.set_ylabel(f"{acc_key} (dashed)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+    ax.set_title(f"reward vs accuracy\n{plot_note(alpha)}", fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def cmd_plot(a):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    if not 0 <= a.ema < 1:
+        raise SystemExit(f"--ema {a.ema}: must be in [0, 1) (the weight of the previous value; 0 = raw values)")
+    if a.min_y_span < 0:
+        raise SystemExit(f"--min-y-span {a.min_y_span}: must be >= 0")
     specs = [parse_curve(s) for s in a.runs]
     keys = a.keys.split(",")
     curves = {label: {k: curve(paths, k, a.ema) for k in keys} for label, paths in specs}
     os.makedirs(a.out, exist_ok=True)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
-    for ax, k in zip(axes[0], keys):
-        for label, cs in curves.items():
-            c = cs[k]
-            ax.plot(c["x"], c["mean"], label=f"{label} (n={c['runs']})")
-            ax.fill_between(c["x"], [m - s for m, s in zip(c["mean"], c["std"])],
-                            [m + s for m, s in zip(c["mean"], c["std"])], alpha=0.25)
-        ax.set_title(f"{k} (EMA {a.ema})")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    files = [os.path.join(a.out, "curves.png")]
-    fig.savefig(files[0], dpi=120)
-    plt.close(fig)
-    # reward and accuracy on twin axes: reward rising while accuracy falls = reward hacking
+    figs = [("curves.png", curves_figure(curves, keys, a.ema, a.min_y_span))]
     if a.reward_key and a.acc_key:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        ax2 = ax.twinx()
-        for n, (label, paths) in enumerate(specs):
-            color = f"C{n}"
-            r, acc = curve(paths, a.reward_key, a.ema), curve(paths, a.acc_key, a.ema)
-            ax.plot(r["x"], r["mean"], color=color, label=f"{label} {a.reward_key}")
-            ax2.plot(acc["x"], acc["mean"], color=color, linestyle="--", label=f"{label} {a.acc_key}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{a.reward_key} (solid)")
-        ax2.set_ylabel(f"{a.acc_key} (dashed)")
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
-        ax.set_title(f"reward vs accuracy (EMA {a.ema})")
-        fig.tight_layout()
-        files.append(os.path.join(a.out, "reward_vs_accuracy.png"))
+        def per_label(k):  # the curves of --keys where they are there already
+            return {label: curves[label][k] if k in keys else curve(paths, k, a.ema) for label, paths in specs}
+        figs.append(("reward_vs_accuracy.png", reward_accuracy_figure(per_label(a.reward_key), per_label(a.acc_key),
+                                                                      a.reward_key, a.acc_key, a.ema, a.min_y_span)))
+    files = []
+    for name, fig in figs:
+        files.append(os.path.join(a.out, name))
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
-    rows = [{"curve": label, "metric": k, "runs": c["runs"], "steps": len(c["x"]), "first": c["mean"][0],
-             "last": c["mean"][-1], "last_std": c["std"][-1]} for label, cs in curves.items() for k, c in cs.items()]
-    write_results(a.out, "plot", {"ema": a.ema, "files": files, "table": rows, "curves": curves})
-    print_table(rows, ["curve", "metric", "runs", "steps", "first", "last", "last_std"], title=f"EMA {a.ema} curves")
+    rows = [{"curve": label, "metric": k, "runs": c["runs"], "steps": len(c["x"]), "first": c["ema"][0],
+             "last": c["ema"][-1], "last_se": c["se"][-1] if c["se"] else None}
+            for label, cs in curves.items() for k, c in cs.items()]
+    write_results(a.out, "plot", {"ema": a.ema, "ema_rule": "bias-corrected (evaluate.ema)", "files": files,
+                                  "table": rows, "curves": curves})
+    print_table(rows, ["curve", "metric", "runs", "steps", "first", "last", "last_se"],
+                title=f"EMA {a.ema} curves (bias-corrected; last_se: standard error across runs)")
     print("wrote " + ", ".join(files))
     return rows
 
@@ -727,6 +828,10 @@ def chat_format(tok, chat):
                                      template_kwargs=c.get("kwargs"), key=None)
 
 
+# Where `evaluate.py` writes by default (--out): a folder under runs/, next to the training runs.
+DEFAULT_EVAL_OUT = os.path.join("runs", "eval")
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` shows each option's default, except where there is none to show (required options,
     None, False of a store_true flag)."""
@@ -746,7 +851,8 @@ def build_parser():
         return sub.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
 
     def common(p, model_flags=True):
-        p.add_argument("--out", default="eval_out", help="results folder (JSON summary + JSONL items)")
+        # under runs/, as train.py's run.out_dir (git ignores runs/): results never land in the repository root
+        p.add_argument("--out", default=DEFAULT_EVAL_OUT, help="results folder (JSON summary + JSONL items)")
         if model_flags:
             p.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="compute dtype of the models")
             p.add_argument("--batch-size", type=int, default=8, help="rows per generate/forward call")
@@ -884,12 +990,17 @@ def build_parser():
     p.add_argument("--threshold", type=float, default=0.5, help="S > threshold counts as 'correct' (Eq. 4)")
     p.set_defaults(fn=cmd_judge_check)
 
-    p = subcommand("plot", "learning curves (EMA, ±1 std across runs) and reward vs accuracy")
+    p = subcommand("plot", "learning curves (raw values, bias-corrected EMA, ±1 s.e. across runs) and "
+                           "reward vs accuracy")
     common(p, model_flags=False)
     p.add_argument("runs", nargs="+", help="[LABEL=]metrics.jsonl[,metrics.jsonl...]: one curve each, "
                                            "several files = several runs averaged")
     p.add_argument("--keys", default="reward/mean,accuracy", help="comma-separated metric keys")
-    p.add_argument("--ema", type=float, default=0.9, help="EMA weight of the previous value")
+    p.add_argument("--ema", type=float, default=0.9, help="EMA weight of the previous value, in [0, 1) "
+                                                         "(bias-corrected: evaluate.ema; 0 = raw values)")
+    p.add_argument("--min-y-span", type=float, default=0.1,
+                   help="shortest y-axis, in the metric's units (nats, accuracy): a flat curve is not "
+                        "magnified into a slope")
     p.add_argument("--reward-key", default="reward/mean", help="metric on the left axis of reward_vs_accuracy.png")
     p.add_argument("--acc-key", default="accuracy", help="metric on the right axis of reward_vs_accuracy.png")
     p.set_defaults(fn=cmd_plot)

@@ -3,6 +3,8 @@ OpenAI-compatible servers, as reward.local_evaluator's dict), the critique judge
 client with retries and backoff, the offline proxy judge), and the RLME reward as a TRL reward
 function or a verl compute_score (trl_reward_function, verl_compute_score).
 """
+import datetime
+import email.utils
 import math
 import os
 import random
@@ -331,21 +333,35 @@ JUDGE_KEYS = ("backend", "variant", "on_failure", "base_url", "model", "api_key_
               "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
 
 
-def make_judge(cfg, sleep=time.sleep, rand=random.random):
+# The judge request's sampling fields and the judge.* key each is read from: every request (and the
+# start-up probe) sends {field: judge[key]}, and a server that refuses a field (HTTP 400/422 naming
+# it, as OpenAI's reasoning models refuse temperature and max_tokens) is answered with that key.
+# The one place to change when the field names become settings (e.g. max_completion_tokens).
+JUDGE_REQUEST_FIELDS = {"temperature": "temperature", "max_tokens": "max_tokens"}
+PROBE_MAX_TOKENS = 8  # the probe's answer length: "OK" needs one token, a CPU server makes ~3/s
+
+
+def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
     """Build the judge from the `judge:` config section (start-up checks happen here).
 
     Args:
         cfg: config.yaml's `judge:` section, every key of JUDGE_KEYS (config.load_config fills
             them from config.yaml).
         sleep, rand: injectable for tests (backoff waits and jitter draws).
+        probe: backend 'openai': send one short chat request now (probe_judge), so an unreachable
+            server, a wrong model name, a refused parameter or API key stop the run before any
+            model loads, not as masked samples after it. False only for tests without a server.
     Returns:
         dict with the settings and "similarity" (reward.judge_scores calls it): for backend
         'openai' reward.judge_prompt's request with retries and a strict parse (_judge_call),
         plus 'client' (an openai.OpenAI with its own retries off: we retry ourselves; the API
-        key lives only inside it); for 'proxy' the lexical proxy_f1, whatever the variant.
+        key lives only inside it) and 'failures' ({reason: the server's message of its first
+        occurrence}, filled as calls fail; evaluate.py judge-check prints it); for 'proxy' the
+        lexical proxy_f1, whatever the variant.
     Raises:
-        SystemExit (one line): unknown or missing key, unknown backend, no model name, or api_key_env names an
-        environment variable that is unset (a hosted judge would fail every call otherwise).
+        SystemExit (one line): unknown or missing key, unknown backend, no model name, api_key_env names an
+        environment variable that is unset (a hosted judge would fail every call otherwise), or
+        the probe failed (the line names the judge.* key to change: probe_judge).
     """
     unknown, missing = set(cfg) - set(JUDGE_KEYS), set(JUDGE_KEYS) - set(cfg)
     if unknown or missing:
@@ -365,9 +381,111 @@ def make_judge(cfg, sleep=time.sleep, rand=random.random):
         raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
     j["client"] = openai_client(j["base_url"], j["api_key_env"], j["timeout_s"], where="judge.api_key_env",
                                 needed_for=f"the judge at {j['base_url']}")
+    j["failures"] = {}
+    if probe:
+        probe_judge(j, sleep=sleep, rand=rand)
     j["similarity"] = lambda human, critique, item=None: _judge_call(
         j, reward.judge_prompt(j["variant"], human, critique, item), sleep=sleep, rand=rand)
     return j
+
+
+def judge_request_fields(judge, probe=False):
+    """The sampling fields of a judge request, {field: value} from JUDGE_REQUEST_FIELDS; the probe
+    asks for at most PROBE_MAX_TOKENS tokens (the same field names, so a refused one shows)."""
+    out = {field: judge[key] for field, key in JUDGE_REQUEST_FIELDS.items()}
+    if probe:
+        out = {f: (min(v, PROBE_MAX_TOKENS) if JUDGE_REQUEST_FIELDS[f] == "max_tokens" else v) for f, v in out.items()}
+    return out
+
+
+def probe_judge(judge, sleep=time.sleep, rand=random.random):
+    """Start-up check of the LLM judge, as probe_remote for a remote evaluator: one short chat
+    request ("Reply with OK", the configured model and sampling fields, at most PROBE_MAX_TOKENS
+    tokens, the configured retries and timeout); any chat completion passes (its text is not
+    read: a small judge need not follow the format to be reachable).
+
+    Args:
+        judge: make_judge's dict (backend 'openai', with its client).
+        sleep, rand: as call_with_retries.
+    Raises:
+        SystemExit, one line starting with the judge.* key to change (judge_fault): unreachable or
+        timed out (judge.base_url / judge.timeout_s), model not served (judge.model), a refused
+        sampling field (its key in JUDGE_REQUEST_FIELDS), a refused key (judge.api_key_env), ...
+    """
+    def call():
+        resp = judge["client"].chat.completions.create(
+            model=judge["model"], messages=[{"role": "user", "content": "Reply with the word OK."}],
+            **judge_request_fields(judge, probe=True))
+        if isinstance(resp, str) or not getattr(resp, "choices", None):
+            return None, f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
+        return resp, ""
+
+    errors = []
+    resp, why, attempts = call_with_retries(call, judge["max_retries"], judge["backoff_base_s"],
+                                            judge["backoff_max_s"], sleep=sleep, rand=rand, errors=errors)
+    if resp is None:
+        key, hint = judge_fault(judge, errors[-1] if errors else why)
+        raise SystemExit(f"{key}: {hint} [the judge's start-up request to {judge['base_url']} (model "
+                         f"{judge['model']}), {attempts} tr{'y' if attempts == 1 else 'ies'}: "
+                         f"{failure_text(errors[-1] if errors else why)}]")
+
+
+def failure_text(err):
+    """One line for a failed request: "HTTP <status>: <the server's message>" for an HTTP error
+    (the JSON error's message / detail, else the body's start), "<class>: <text>" for another
+    exception (a refused connection: its cause, e.g. "ConnectError: [Errno 111] ..."), a str
+    (a reason call_with_retries' `call` gave) as is. At most ~200 characters."""
+    import openai
+    if isinstance(err, str):
+        return err
+    if isinstance(err, openai.APIStatusError):
+        body = err.body  # the client unwraps OpenAI's {"error": {...}}
+        msg = (body.get("message") or body.get("detail") or body) if isinstance(body, dict) else body
+        if not msg:
+            msg = getattr(err.response, "text", "") or err.message
+        return f"HTTP {err.status_code}: {' '.join(str(msg).split())[:200]}"
+    cause = err.__cause__ or err
+    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}"
+
+
+def judge_fault(judge, err):
+    """(judge.* key to change, what to do) for the probe's last failure `err` (an exception of the
+    openai client, or the str reason of an answer that was no chat completion). The order
+    matters: a refused-parameter message can mention "this model", so parameters come first."""
+    import openai
+    url, model = judge["base_url"], judge["model"]
+    if isinstance(err, openai.APITimeoutError):
+        return "judge.timeout_s", (f"no answer within {judge['timeout_s']:g} s: a slow or still-loading server "
+                                   f"(raise judge.timeout_s) or the wrong host (judge.base_url)")
+    if isinstance(err, openai.APIConnectionError):
+        return "judge.base_url", (f"nothing answers at {url}: start the judge server, or set judge.base_url "
+                                  f"to where it runs")
+    if not isinstance(err, openai.APIStatusError):
+        return "judge.base_url", "is judge.base_url the server's OpenAI-compatible root (usually ending in /v1)?"
+    code, msg = err.status_code, failure_text(err)
+    if code == 401:
+        return "judge.api_key_env", ("the server refused the API key: set judge.api_key_env to the NAME of the "
+                                     "environment variable holding a valid key" + (
+                                         f" (now {judge['api_key_env']})" if judge["api_key_env"] else " (now unset)"))
+    if code in (400, 422):
+        for field, key in JUDGE_REQUEST_FIELDS.items():
+            if getattr(err, "param", None) == field or re.search(rf"['\"`]{re.escape(field)}['\"`]", msg):
+                return f"judge.{key}", (f"the server refuses the request field {field} = {judge[key]!r}: change "
+                                        f"judge.{key} (see its message)")
+    named = re.search(rf"['\"`]{re.escape(str(model))}['\"`]", msg)  # "The model `x` does not exist", "requested 'x'"
+    if code in (400, 404, 422) and (getattr(err, "code", None) == "model_not_found" or named
+                                    or (code == 404 and "model" in msg.lower())):
+        return "judge.model", (f"the server does not serve model {model!r}: set judge.model to a name it serves "
+                               f"(GET {url.rstrip('/')}/models lists them)")
+    if code == 404:
+        return "judge.base_url", (f"no chat completions at {url.rstrip('/')}/chat/completions: is judge.base_url the "
+                                  f"server's OpenAI-compatible root (usually ending in /v1)?")
+    if code == 403:
+        return "judge.api_key_env", f"the key in {judge['api_key_env']} has no access (to model {model!r}?)"
+    if code == 429:
+        return "judge.api_key_env", ("rate-limited or out of quota at start-up: wait, use a key with quota, or raise "
+                                     "judge.max_retries / judge.backoff_max_s")
+    return "judge.base_url", "the server failed the request: see its log (or point judge.base_url at another)"
 
 
 def openai_client(base_url, api_key_env, timeout_s, *, where, needed_for):
@@ -399,40 +517,81 @@ def backoff_delay(attempt, base, cap, u):
     return d / 2 + u * d / 2
 
 
-def call_with_retries(call, max_retries, backoff_base_s, backoff_max_s, sleep=time.sleep, rand=random.random):
+def retry_after_s(headers, now=None):
+    """The wait a 429/503 answer asks for, in seconds: its retry-after-ms header (OpenAI's), else
+    Retry-After as seconds or as an HTTP-date (RFC 9110 §10.2.3).
+
+    Args: headers: the answer's headers (case-insensitive httpx headers, or a lower-case dict).
+        now: epoch seconds the HTTP-date is measured from (None: time.time()).
+    Returns: float >= 0, or None when there is no such header or it cannot be read.
+    """
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        value = (headers.get(name) or "").strip()
+        if not value:
+            continue
+        try:
+            secs = float(value) * scale
+        except ValueError:
+            if scale != 1.0:
+                continue
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:  # "-0000": UTC, no zone named
+                when = when.replace(tzinfo=datetime.timezone.utc)
+            secs = when.timestamp() - (time.time() if now is None else now)
+        if math.isfinite(secs):
+            return max(0.0, secs)
+    return None
+
+
+def call_with_retries(call, max_retries, backoff_base_s, backoff_max_s, sleep=time.sleep, rand=random.random,
+                      errors=None):
     """One request to an OpenAI-compatible server, retried: the judge's and the remote evaluator's.
 
     Retried: HTTP 408/409/429/5xx, timeouts, refused connections, and answers that `call` rejects
     (it returns value None: an HTML page, an unparseable judge answer); other HTTP 4xx are not
-    (they will not heal). Waits backoff_delay between tries.
+    (they will not heal). Waits backoff_delay between tries; after a 429 or 503 that says how long
+    to wait (retry_after_s) at least that long, but never over backoff_max_s (the longest wait
+    between two tries: a server asking for an hour is retried sooner anyway, and the request then
+    fails as any other rather than stalling a training step for that hour).
 
     Args:
         call: () -> (value, why); raises the openai client's errors.
         max_retries: int, retries after the first try. backoff_base_s, backoff_max_s: backoff_delay's.
         sleep, rand: injectable for tests (waits and jitter draws).
+        errors: list or None: each failed try appends its exception (or `call`'s str reason), for
+            callers that report the server's message (failure_text, probe_judge).
     Returns:
         (value or None, why str: the last failure's reason, attempts int). Never raises.
     """
     import openai
     why, attempt = "", 0
     for attempt in range(int(max_retries) + 1):
-        retry = True
+        retry, asked, err = True, None, None
         try:
             value, why = call()
             if value is not None:
                 return value, why, attempt + 1
+            err = why
         except openai.APIStatusError as e:
-            why = f"HTTP {e.status_code}"
+            why, err = f"HTTP {e.status_code}", e
             retry = e.status_code in (408, 409, 429) or e.status_code >= 500  # others will not heal
-        except openai.APITimeoutError:
-            why = "timeout"
+            if e.status_code in (429, 503):
+                asked = retry_after_s(e.response.headers)
+        except openai.APITimeoutError as e:
+            why, err = "timeout", e
         except openai.APIConnectionError as e:
-            why = f"connection error: {type(e.__cause__ or e).__name__}"
+            why, err = f"connection error: {type(e.__cause__ or e).__name__}", e
         except Exception as e:  # anything else (bad JSON body, ...) is a failed call, not a crash
-            why = f"{type(e).__name__}: {str(e)[:100]}"
+            why, err = f"{type(e).__name__}: {str(e)[:100]}", e
+        if errors is not None:
+            errors.append(err)
         if not retry or attempt == int(max_retries):
             break
-        sleep(backoff_delay(attempt, base=backoff_base_s, cap=backoff_max_s, u=rand()))
+        delay = backoff_delay(attempt, base=backoff_base_s, cap=backoff_max_s, u=rand())
+        sleep(delay if asked is None else min(max(delay, asked), backoff_max_s))
     return None, why, attempt + 1
 
 
@@ -443,18 +602,20 @@ def _judge_call(judge, prompt, sleep, rand):
 
     def call():
         resp = judge["client"].chat.completions.create(
-            model=judge["model"], messages=[{"role": "user", "content": prompt}],
-            temperature=judge["temperature"], max_tokens=judge["max_tokens"])
+            model=judge["model"], messages=[{"role": "user", "content": prompt}], **judge_request_fields(judge))
         if isinstance(resp, str) or not getattr(resp, "choices", None):
             # the client hands back the raw body when the server does not answer JSON
             return None, f"not a chat completion (HTML page or wrong URL?): {str(resp)[:60]!r}"
         parsed = parse(resp.choices[0].message.content)
         return (parsed, "") if parsed["f1"] is not None else (None, "parse failure: " + parsed["why"])
 
+    errors = []
     parsed, why, attempts = call_with_retries(call, judge["max_retries"], judge["backoff_base_s"],
-                                              judge["backoff_max_s"], sleep=sleep, rand=rand)
+                                              judge["backoff_max_s"], sleep=sleep, rand=rand, errors=errors)
     if parsed is not None:
         return dict(parsed, attempts=attempts)
+    # the short reason goes into the sample; the server's message of its first occurrence here
+    judge.setdefault("failures", {}).setdefault(why, failure_text(errors[-1]) if errors else why)
     return {"precision": None, "recall": None, "f1": None, "why": why, "attempts": attempts}
 
 

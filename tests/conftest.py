@@ -21,9 +21,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def make_judge(settings, **kw):
     """plumbing.services.make_judge on config.yaml's `judge:` section with `settings` over it (the
     code takes the whole section; config.yaml is the only place its defaults live); kw: its
-    sleep / rand (injected backoff waits and jitter draws)."""
+    sleep / rand (injected backoff waits and jitter draws) and probe, False here unless given:
+    these tests plan every request of a fake server or point at none (the start-up probe's own
+    tests are tests/plumbing/test_judge_probe.py)."""
     from plumbing import config, services
-    return services.make_judge(dict(config.load_config([])["judge"], **settings), **kw)
+    return services.make_judge(dict(config.load_config([])["judge"], **settings), **dict({"probe": False}, **kw))
 
 
 def data_path(*parts):

@@ -301,6 +301,8 @@ def test_refused_judge_is_counted_and_key_never_written(tmp_path, monkeypatch, t
     secret = "sk-test-DO-NOT-LOG-4242"
     monkeypatch.setenv("RLME_TEST_JUDGE_KEY", secret)
     force_verdicts(monkeypatch, load_pairs())
+    # the server goes away after start-up: the start-up probe (tests/plumbing/test_judge_probe.py) is passed over
+    monkeypatch.setattr("plumbing.services.probe_judge", lambda *a, **k: None)
     out = str(tmp_path / "run")
     train.main(nlhf_args(out, tiny_model_path, [
         "run.total_steps=1", "judge.backend=openai", "judge.base_url=http://127.0.0.1:9/v1", "judge.model=m",
@@ -325,7 +327,7 @@ def test_startup_errors_are_one_line(tmp_path):
     (tmp_path / "nofields.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     (tmp_path / "norejected.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "RLME_UNSET_KEY_VAR"}
-    base = [sys.executable, os.path.join(REPO, "train.py"), "--config", CPU_PRESET, f"run.out_dir={tmp_path}/o",
+    base = [sys.executable, os.path.join(REPO, "train.py"), "--config", CPU_PRESET,
             f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}", f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}"]
     cases = {
         "judge.api_key_env: environment variable RLME_UNSET_KEY_VAR is not set":
@@ -334,8 +336,9 @@ def test_startup_errors_are_one_line(tmp_path):
         "nofields.jsonl": [f"nlhf.do={tmp_path}/nofields.jsonl"],
         "'rejected'": [f"nlhf.do={tmp_path}/norejected.jsonl", "nlhf.do_schema=chosen_rejected"],
     }
-    procs = {msg: subprocess.Popen(base + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                   env=env) for msg, extra in cases.items()}
+    procs = {msg: subprocess.Popen(base + extra + [f"run.out_dir={tmp_path}/o{i}"], stdout=subprocess.PIPE,  # one folder
+                                   stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)  # each: the run.lock
+             for i, (msg, extra) in enumerate(cases.items())}
     for msg, p in procs.items():
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and msg in err and "Traceback" not in err, (msg, err[-1500:])

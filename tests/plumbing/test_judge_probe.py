@@ -1,0 +1,274 @@
+"""The critique judge's start-up probe (plumbing/services.py probe_judge, called by make_judge):
+one short request before any model loads, each failure one line naming the judge.* key to change;
+Retry-After on 429/503 (call_with_retries); `evaluate.py judge-check` saying why calls failed.
+
+Servers: a real `transformers serve` (reachable, wrong model, wrong path), a closed port
+(unreachable), and a small real HTTP server that answers as OpenAI's API does where the tiny
+local servers cannot (a reasoning model refusing temperature / max_tokens, a bad API key, a 429
+with Retry-After)."""
+import email.utils
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import free_port, make_judge
+import reward
+from plumbing import services
+from plumbing.cli import evaluate_main
+
+
+def openai_error(message, param=None, code=None, kind="invalid_request_error"):
+    """An error body shaped as OpenAI's API sends it."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def chat_body(content="OK"):
+    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": content}}]})
+
+
+@pytest.fixture
+def stub():
+    """A real HTTP server on 127.0.0.1: POST /v1/chat/completions is answered by
+    state["answer"](request JSON, request headers) -> (status, {header: value}, text; JSON unless
+    the headers say another Content-Type); every
+    request is kept in state["requests"]."""
+    state = {"requests": [], "answer": lambda body, headers: (200, {}, chat_body())}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            state["requests"].append({"path": self.path, "body": body, "headers": dict(self.headers)})
+            code, headers, text = state["answer"](body, self.headers)
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in {"Content-Type": "application/json", **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
+    yield state
+    srv.shutdown()
+    srv.server_close()
+
+
+def reasoning_model(body, headers):
+    """As OpenAI's reasoning models answer (o-series, gpt-5): temperature other than 1 and the
+    max_tokens field are refused with HTTP 400 naming the parameter."""
+    if body.get("temperature", 1) != 1:
+        return 400, {}, openai_error(f"Unsupported value: 'temperature' does not support {body['temperature']} with "
+                                     f"this model. Only the default (1) value is supported.", "temperature",
+                                     "unsupported_value")
+    if "max_tokens" in body:
+        return 400, {}, openai_error("Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                                     "'max_completion_tokens' instead.", "max_tokens", "unsupported_parameter")
+    return 200, {}, chat_body()
+
+
+# ---- the probe against real servers ------------------------------------------------------------
+
+def test_unreachable_judge_stops_at_startup():
+    """Nothing listens on the port: one line naming judge.base_url after the configured tries
+    (before: make_judge returned and every call later failed as a masked sample)."""
+    port = free_port()  # closed again: nothing listens there
+    sleeps = []
+    with pytest.raises(SystemExit) as e:
+        make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2}, probe=True,
+                   sleep=sleeps.append, rand=lambda: 0.0)
+    msg = str(e.value)
+    assert msg.startswith(f"judge.base_url: nothing answers at http://127.0.0.1:{port}/v1") and "\n" not in msg
+    assert "3 tries" in msg and "Connection refused" in msg
+    assert sleeps == [0.5, 1.0]  # the configured retries and backoff, as any judge call
+
+
+def test_unreachable_judge_stops_judge_check(tmp_path):
+    """`evaluate.py judge-check` against the issue's closed port: one line, not `n_failed 2`."""
+    with pytest.raises(SystemExit, match=r"^judge\.base_url: nothing answers at http://127\.0\.0\.1:9/v1"):
+        judge_check(tmp_path, "http://127.0.0.1:9/v1", "m")
+
+
+def judge_check(tmp, base_url, model, extra=()):
+    """`evaluate.py judge-check` on two annotated rows against base_url (no retries); its summary."""
+    data = f"{tmp}/d.jsonl"
+    with open(data, "w") as f:
+        for crit, label in (("Response B is wrong.", 1), ("Response A is wrong.", 0)):
+            f.write(json.dumps({"context": "What is 2+3?", "response_a": "5", "response_b": "6",
+                                "human_critique": "Response B adds 2 and 3 wrongly.", "critique": crit,
+                                "label": label}) + "\n")
+    return evaluate_main(["judge-check", "--data", data, "--base-url", base_url, "--model", model,
+                          "--max-retries", "0", "--out", f"{tmp}/out", *extra])
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_probe_against_transformers_serve(tiny_judge_server, tmp_path, capsys):
+    """A real OpenAI-compatible server: the served model passes the probe (its answer need not be
+    in the judge's format); another model name stops with judge.model, a base_url without /v1
+    with judge.base_url; judge-check then prints why its calls failed, by reason."""
+    url, model = tiny_judge_server["base_url"], tiny_judge_server["model"]
+    judge = make_judge({"base_url": url, "model": model, "max_retries": 0}, probe=True)
+    assert judge["failures"] == {}
+    with pytest.raises(SystemExit) as e:  # transformers serve: HTTP 400 "Server is pinned to ...; requested 'x'"
+        make_judge({"base_url": url, "model": "no-such-model", "max_retries": 0}, probe=True)
+    assert str(e.value).startswith("judge.model: the server does not serve model 'no-such-model'")
+    assert "HTTP 400" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match=r"^judge\.base_url: no chat completions at .*HTTP 404"):
+        make_judge({"base_url": url[:-len("/v1")], "model": model, "max_retries": 0}, probe=True)
+    # judge-check: 8 tokens cannot hold the three tags -> every call a counted parse failure, said
+    s = judge_check(tmp_path, url, model, extra=("--max-tokens", "8"))
+    out = capsys.readouterr().out
+    assert s["n_failed"] == 2 == sum(f["n"] for f in s["failures"])
+    assert "failed calls by reason (after their retries):" in out
+    assert all(f["why"].startswith("parse failure") and f"{f['n']} x {f['why']}" in out for f in s["failures"])
+
+
+# ---- answers only a hosted API gives: a small real HTTP server that answers as it does -------------
+
+def test_refused_parameters_name_their_key(stub):
+    """A reasoning model refusing temperature 0, then max_tokens: each names its judge.* key
+    (JUDGE_REQUEST_FIELDS), with the server's message; one request each (a 400 is not retried)."""
+    stub["answer"] = reasoning_model
+    with pytest.raises(SystemExit) as e:
+        make_judge({"base_url": stub["url"], "model": "o-mini", "temperature": 0.0}, probe=True)
+    msg = str(e.value)
+    assert msg.startswith("judge.temperature: the server refuses the request field temperature = 0.0")
+    assert "Only the default (1) value is supported" in msg and "1 try" in msg and len(stub["requests"]) == 1
+    with pytest.raises(SystemExit) as e:
+        make_judge({"base_url": stub["url"], "model": "o-mini", "temperature": 1.0}, probe=True)
+    assert str(e.value).startswith("judge.max_tokens: the server refuses the request field max_tokens = 512")
+    assert "Use 'max_completion_tokens' instead" in str(e.value)
+    # the probe sends the judge's own fields, its answer length cut to PROBE_MAX_TOKENS
+    assert stub["requests"][-1]["body"]["max_tokens"] == services.PROBE_MAX_TOKENS
+    assert stub["requests"][-1]["body"]["temperature"] == 1.0
+
+
+def test_refused_parameter_without_param_field(stub):
+    """A server naming the field only in its message (transformers serve's 422 for unknown fields)."""
+    stub["answer"] = lambda body, headers: (422, {}, json.dumps(
+        {"detail": "Unexpected fields in the request: {'max_tokens'}"}))
+    with pytest.raises(SystemExit, match=r"^judge\.max_tokens: the server refuses the request field max_tokens"):
+        make_judge({"base_url": stub["url"], "model": "m"}, probe=True)
+
+
+def test_bad_key_wrong_model_and_html(stub, monkeypatch):
+    monkeypatch.setenv("NLHF_PROBE_KEY", "sk-wrong")
+
+    def hosted(body, headers):
+        if headers.get("Authorization") != "Bearer sk-right":
+            return 401, {}, openai_error("Incorrect API key provided: sk-wrong.", code="invalid_api_key")
+        if body["model"] != "gpt-judge":
+            return 404, {}, openai_error(f"The model `{body['model']}` does not exist or you do not have access to it.",
+                                         code="model_not_found")
+        return 200, {}, chat_body()
+    stub["answer"] = hosted
+    settings = {"base_url": stub["url"], "model": "gpt-judge", "api_key_env": "NLHF_PROBE_KEY"}
+    with pytest.raises(SystemExit) as e:
+        make_judge(settings, probe=True)
+    assert str(e.value).startswith("judge.api_key_env: the server refused the API key")
+    assert "(now NLHF_PROBE_KEY)" in str(e.value) and "HTTP 401" in str(e.value)
+    monkeypatch.setenv("NLHF_PROBE_KEY", "sk-right")
+    with pytest.raises(SystemExit, match=r"^judge\.model: the server does not serve model 'gpt-jugde'"):
+        make_judge(dict(settings, model="gpt-jugde"), probe=True)
+    assert make_judge(settings, probe=True)["model"] == "gpt-judge"
+    # a 200 that is no chat completion (a login page): judge.base_url, after the retries
+    stub["answer"] = lambda body, headers: (200, {"Content-Type": "text/html"}, "<html>Sign in</html>")
+    with pytest.raises(SystemExit, match=r"^judge\.base_url: is judge\.base_url .* 2 tries: not a chat completion"):
+        make_judge(dict(settings, max_retries=1), probe=True, sleep=lambda s: None)
+
+
+def test_probe_false_sends_nothing(stub):
+    make_judge({"base_url": stub["url"], "model": "m"}, probe=False)
+    assert stub["requests"] == []
+    make_judge({"base_url": stub["url"], "model": "m"}, probe=True)
+    assert len(stub["requests"]) == 1 and stub["requests"][0]["path"] == "/v1/chat/completions"
+
+
+# ---- Retry-After ------------------------------------------------------------------------------
+
+def planned(stub, answers):
+    """Answer the requests from a list of (status, headers, text), in order."""
+    plan = list(answers)
+    stub["answer"] = lambda body, headers: plan.pop(0)
+
+
+OK = (200, {}, chat_body("<precision>1</precision><recall>1</recall><f1>1</f1>"))
+RATE = '{"error": {"message": "Rate limit reached", "type": "requests", "param": null, "code": "rate_limit_exceeded"}}'
+
+
+def test_retry_after_seconds_is_honoured(stub):
+    """429 with Retry-After: 7 -> wait 7 s, not the 0.75 s backoff; one below the backoff (0.1)
+    -> the backoff (1.5); one over backoff_max_s (3600) -> backoff_max_s."""
+    planned(stub, [(429, {"Retry-After": "7"}, RATE), (429, {"Retry-After": "0.1"}, RATE),
+                   (503, {"Retry-After": "3600"}, RATE), OK])
+    sleeps = []
+    judge = make_judge({"base_url": stub["url"], "model": "m", "backoff_base_s": 1.0, "backoff_max_s": 30.0},
+                       sleep=sleeps.append, rand=lambda: 0.5)
+    out = reward.judge_scores(judge, [("h", "c")])
+    assert out[0]["f1"] == 1.0 and out[0]["attempts"] == 4
+    assert sleeps == [7.0, 1.5, 30.0]
+
+
+def test_retry_after_http_date_and_ms(stub):
+    when = email.utils.formatdate(time.time() + 12, usegmt=True)
+    planned(stub, [(429, {"Retry-After": when}, RATE), (429, {"retry-after-ms": "2500", "Retry-After": "9"}, RATE),
+                   (429, {"Retry-After": "soon"}, RATE), OK])
+    sleeps = []
+    judge = make_judge({"base_url": stub["url"], "model": "m"}, sleep=sleeps.append, rand=lambda: 0.0)
+    assert reward.judge_scores(judge, [("h", "c")])[0]["f1"] == 1.0
+    assert 10.0 <= sleeps[0] <= 12.0  # the date is to the second
+    assert sleeps[1:] == [2.5, 2.0]  # retry-after-ms wins (OpenAI's); unreadable -> the backoff, d/2 at u = 0
+
+
+def test_retry_after_parser():
+    now = 1_000_000_000.0
+    assert services.retry_after_s({"retry-after": "3"}) == 3.0
+    assert services.retry_after_s({"retry-after": email.utils.formatdate(now + 5, usegmt=True)}, now=now) == 5.0
+    assert services.retry_after_s({"retry-after": email.utils.formatdate(now - 5, usegmt=True)}, now=now) == 0.0
+    assert services.retry_after_s({"retry-after": "-4"}) == 0.0
+    assert services.retry_after_s({"retry-after": "nan"}) is None
+    assert services.retry_after_s({"retry-after": "Thu, 99 Foo"}) is None
+    assert services.retry_after_s({}) is None
+
+
+def test_probe_waits_out_a_rate_limit(stub):
+    """The probe retries a 429 as any call does, waiting what the server asked."""
+    planned(stub, [(429, {"Retry-After": "4"}, RATE), (200, {}, chat_body())])
+    sleeps = []
+    make_judge({"base_url": stub["url"], "model": "m"}, probe=True, sleep=sleeps.append, rand=lambda: 0.0)
+    assert sleeps == [4.0]
+    planned(stub, [(429, {}, RATE)] * 2)
+    with pytest.raises(SystemExit, match=r"^judge\.api_key_env: rate-limited or out of quota .* HTTP 429: Rate limit"):
+        make_judge({"base_url": stub["url"], "model": "m", "max_retries": 1}, probe=True, sleep=lambda s: None)
+
+
+# ---- judge-check says why ----------------------------------------------------------------------
+
+def test_judge_check_prints_failure_reasons(stub, tmp_path, capsys):
+    """The probe passes (a short answer fits), the judge's real requests (max_tokens 512) are
+    refused: judge-check counts them by reason and prints the server's message."""
+    def small_context(body, headers):
+        if body["max_tokens"] > services.PROBE_MAX_TOKENS:
+            return 400, {}, openai_error("This model's maximum context length is 64 tokens. However, you requested "
+                                         f"{body['max_tokens']} tokens in the completion.")
+        return 200, {}, chat_body()
+    stub["answer"] = small_context
+    s = judge_check(tmp_path, stub["url"], "m")
+    out = capsys.readouterr().out
+    assert s["n_failed"] == 2
+    assert s["failures"] == [{"why": "HTTP 400", "n": 2, "first_message":
+                              "HTTP 400: This model's maximum context length is 64 tokens. However, you "
+                              "requested 512 tokens in the completion."}]
+    assert "failed calls by reason" in out and "2 x HTTP 400 (first: HTTP 400: This model's maximum context" in out
+    saved = json.load(open(tmp_path / "out" / "judge_check.json"))
+    assert saved["failures"] == s["failures"]
