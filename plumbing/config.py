@@ -6,6 +6,8 @@ layer on top, and every value is checked once, at start-up, before any model loa
 Unknown keys, wrong types, values outside CHOICES and impossible combinations stop with one line
 that names the key (docs/method.md §3). Plumbing: skip on first read.
 """
+import difflib
+import math
 import os
 
 import yaml
@@ -113,7 +115,9 @@ def _merge(base, new, prefix=""):
         if key in RENAMED:
             raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
         if k not in base:
-            raise SystemExit(f"unknown config key {key} (known: {', '.join(sorted(base))})")
+            near = difflib.get_close_matches(k, list(base), n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{near[0]}? " if near else ""
+            raise SystemExit(f"unknown config key {key} ({hint}known: {', '.join(sorted(base))})")
         if key in FREE_MAPPINGS:
             if not isinstance(v, dict) or not all(isinstance(name, str) for name in v):
                 raise SystemExit(f"config key {key}: expected a mapping of names to values, got {v!r}")
@@ -199,8 +203,23 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     return cfg
 
 
+def check_finite(value, key=""):
+    """SystemExit (one line naming the key) for a NaN or inf anywhere in the config, list items
+    included: YAML reads `.nan` and `.inf` as floats, and a NaN weight or lr trains on silently
+    (every parameter NaN). No key of config.yaml means "unbounded" by inf: each has its own off value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SystemExit(f"config key {key}: {value} is not a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, f"{key}[{i}]")
+
+
 def validate_config(cfg, world_size=1):
-    """Choices, list items and batch shapes; one-line SystemExit naming the key."""
+    """Finite numbers, choices, list items and batch shapes; one-line SystemExit naming the key."""
+    check_finite(cfg)
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise SystemExit(f"config key {key}: {_get(cfg, key)!r} is not one of {allowed}")

@@ -308,3 +308,27 @@ def test_no_signal_note_names_the_format_failures():
     m = {"reward/mean": -1.0, "groups/zero_variance_frac": 1.0, "nlhf/format_error_rate": 1.0}
     assert "every GRM output failed to parse: nlhf/format_error_rate 1.0" in guards.no_signal_note(m, temperature=1.0)
     assert guards.no_signal_note(dict(m, **{"groups/zero_variance_frac": 0.5}), temperature=1.0) is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.meta_questions=[{question: 'Is the answer correct?', target: ' Yes', weight: .nan}]",
+     "config key reward.meta_questions[0].weight: nan is not a finite number"),
+    ("optim.lr=.inf", "config key optim.lr: inf is not a finite number"),
+    ("reward.nonfinite_logp=-.inf", "config key reward.nonfinite_logp: -inf is not a finite number"),
+])
+def test_a_non_finite_config_value_stops_before_any_model_loads(tmp_path, override, message):
+    """Before: a NaN weight trained on, wrote NaN into metrics.jsonl and a checkpoint of NaNs."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "cpu.yaml"),
+                        override, "model.policy=/no/such/model", f"run.out_dir={tmp_path}/run"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and lines == [message], p.stderr[-1500:]  # the bad model path was never reached
+
+
+def test_an_unknown_key_gets_a_did_you_mean():
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["optim.learning_rate=1e-5"])  # nothing close: the known keys only
+    assert str(e.value).startswith("unknown config key optim.learning_rate (known: beta1, ")
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["rollout.group_sise=4"])
+    assert "(did you mean rollout.group_size? known: " in str(e.value)
