@@ -69,7 +69,10 @@ def setup(cfg, passes):
     validate_config(cfg, world)
     check_scale_config(cfg, device)
     out_dir = cfg["run"]["out_dir"]
-    created = not os.path.exists(out_dir)
+    created = os.path.abspath(out_dir)  # the topmost folder this start creates, if any
+    while not os.path.exists(os.path.dirname(created)):
+        created = os.path.dirname(created)
+    created = None if os.path.exists(created) else created
     lock = lock_out_dir(out_dir, rank, world)  # held until this process ends (a second run stops here)
     try:
         state = start_run(cfg, passes, rank, world, device)
@@ -77,7 +80,7 @@ def setup(cfg, passes):
         if lock:
             lock.close()
         if created and rank == 0 and os.listdir(out_dir) == [LOCK_NAME]:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            shutil.rmtree(created, ignore_errors=True)
         raise
     if state is None and lock:
         lock.close()
