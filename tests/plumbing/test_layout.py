@@ -55,3 +55,21 @@ def test_reward_forwards_its_readme_names_to_plumbing():
         assert getattr(reward, name) is getattr(services, name)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         reward.no_such_name
+
+
+def test_the_readme_recipe_leaves_hf_evaluate_its_name(tmp_path):
+    """README's recipe for other trainers appends the repository to sys.path: an installed package
+    named `evaluate` (Hugging Face's, which lm-eval imports) is still the one `import evaluate`
+    finds, and `import reward` works. (sys.path.insert(0, repo), the old recipe, shadowed it.)"""
+    import subprocess
+    import sys
+    readme = open(os.path.join(REPO, "README.md")).read()
+    recipe = 'import sys; sys.path.append("/path/to/this/repo")'
+    assert recipe in readme and 'sys.path.insert(0, "/path/to/this/repo")' not in readme
+    site = tmp_path / "site"
+    (site / "evaluate").mkdir(parents=True)
+    (site / "evaluate" / "__init__.py").write_text("HF = True\n")
+    code = (recipe.replace("/path/to/this/repo", REPO) + "\nimport reward, evaluate\nprint(getattr(evaluate, 'HF', False))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=str(site)))
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr[-1500:]
