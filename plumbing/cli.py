@@ -160,8 +160,9 @@ def reward_main(argv=None):
     ap.add_argument("--reference-field", default="reference",
                     help="optional input field; a row that has it is scored with this reference answer shown "
                          "to the evaluator (default: %(default)s)")
-    ap.add_argument("--evaluator-name", default="evaluator",
-                    help="the evaluator's key in the output logp dicts (default: %(default)s)")
+    ap.add_argument("--evaluator-name", default="self",
+                    help="the evaluator's key in the output logp dicts; 'self', as a training run's samples.jsonl "
+                         "names configs/cpu.yaml's evaluator (default: %(default)s)")
     ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
                     help="wrap the evaluator prompt in the tokenizer's chat template; auto: if it has one, "
                          "except for a '-Base' model (default: %(default)s)")

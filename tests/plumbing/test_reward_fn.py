@@ -178,7 +178,8 @@ def test_cli_round_trip_equals_rlme_reward(tmp_path, tiny_model_path, capsys):
 
 
 def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
-    """`python reward.py` as a program: default question, --transform prob, other field names."""
+    """`python reward.py` as a program: default question, --transform prob, other field names; its
+    evaluator is named "self" by default, as the training run's samples.jsonl names it."""
     rows = [{"q": p, "a": c} for p, c in zip(PROBLEMS[:2], COMPLETIONS[:2])]
     inp, out = write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "out.jsonl")
     r = subprocess.run([sys.executable, os.path.join(REPO, "reward.py"), "--evaluator", tiny_model_path, "--in", inp,
@@ -192,7 +193,7 @@ def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
                          transform="prob")
     for i, g in enumerate(got):  # another process (its own thread count): equal up to float sums
         assert g["reward"] == pytest.approx(want["reward"][i].item(), abs=1e-5)
-        assert g["reward"] == pytest.approx(math.exp(g["logp"]["evaluator"]["Is the answer correct?"]), abs=1e-6)
+        assert g["reward"] == pytest.approx(math.exp(g["logp"]["self"]["Is the answer correct?"]), abs=1e-6)
 
 
 @pytest.mark.parametrize("case, rows, extra, message", [
