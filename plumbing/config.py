@@ -217,6 +217,22 @@ def check_finite(value, key=""):
             check_finite(v, f"{key}[{i}]")
 
 
+def check_evaluator_paths(cfg):
+    """A frozen evaluator's (or a remote one's tokenizer) local `path` that does not exist, or is
+    a folder without config.json: one line naming the key, before the policy loads (the load
+    itself comes after it). Hub ids ('org/name') and gguf: paths are resolved at load time."""
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        path = ev.get("path") if isinstance(ev, dict) else None
+        if not path or path.startswith("gguf:") or path.endswith(".gguf"):
+            continue
+        key = f"config key reward.evaluators[{i}].path ({ev.get('name')})"
+        if os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise SystemExit(f"{key}: {path!r} is a folder without config.json: not a model")
+        elif path.startswith((".", "/", "~")) or path.count("/") != 1:
+            raise SystemExit(f"{key}: {path!r} does not exist")
+
+
 def validate_config(cfg, world_size=1):
     """Finite numbers, choices, list items and batch shapes; one-line SystemExit naming the key."""
     check_finite(cfg)

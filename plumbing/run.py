@@ -28,7 +28,7 @@ from metarm import broadcast_parameters, cold_start
 import reward
 import rollout
 
-from plumbing.config import check_scale_config, check_single_pass, validate_config
+from plumbing.config import check_evaluator_paths, check_scale_config, check_single_pass, validate_config
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
@@ -67,6 +67,7 @@ def setup(cfg, passes):
     rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
                                             cpu_collectives=tc["cpu_offload"])
     validate_config(cfg, world)
+    check_evaluator_paths(cfg)  # before the policy loads (load_evaluators comes after it)
     check_scale_config(cfg, device)
     out_dir = cfg["run"]["out_dir"]
     created = os.path.abspath(out_dir)  # the topmost folder this start creates, if any

@@ -332,3 +332,16 @@ def test_an_unknown_key_gets_a_did_you_mean():
     with pytest.raises(SystemExit) as e:
         load_config([], ["rollout.group_sise=4"])
     assert "(did you mean rollout.group_size? known: " in str(e.value)
+
+
+def test_a_missing_evaluator_path_stops_before_the_policy_loads(tmp_path, tiny_model_path):
+    """Before: reported only after the policy had loaded. The policy here is a real model, so
+    reaching the load would take seconds and print its bar; the line comes first."""
+    evs = f"reward.evaluators=[{{name: judge, kind: frozen, weight: 1.0, path: {tmp_path}/nothere}}]"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "cpu.yaml"),
+                        evs, f"model.policy={tiny_model_path}", f"run.out_dir={tmp_path}/run",
+                        f"data.train={data_path('gsm8k', 'train.jsonl')}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and lines == [f"config key reward.evaluators[0].path (judge): '{tmp_path}/nothere' "
+                                           "does not exist"], p.stderr[-1500:]
