@@ -46,14 +46,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def rollout_main(argv=None):
     ap = ArgumentParser(description="Sample G completions per prompt (one JSON per line in: {'prompt': ...}).")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--in", dest="inp", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--field", default="prompt")
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", required=True, help="policy model: HF folder, hub id or GGUF file")
+    ap.add_argument("--in", dest="inp", required=True, help="JSONL input, one prompt per row")
+    ap.add_argument("--out", required=True, help="JSONL output: one row per completion (prompt, group, completion, "
+                                                 "truncated, completion_ids, logprobs)")
+    ap.add_argument("--field", default="prompt", help="input field holding the prompt (default: %(default)s)")
+    ap.add_argument("--group-size", type=int, default=4, help="completions G per prompt (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=256,
+                    help="longest completion, in tokens (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature, also of the logprobs written (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     ap.add_argument("--chat-template", default="auto", choices=["auto", "true", "false"],
                     help="auto: the tokenizer's template if it has one, plain text for a '-Base' model")
     ap.add_argument("--system-prompt", default=None, help="system message before each prompt (chat only)")
@@ -169,7 +172,8 @@ def reward_main(argv=None):
     ap.add_argument("--system-prompt", default=None, help="system message before the evaluator prompt (chat only)")
     ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                     help='extra chat-template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
-    ap.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES), help="(default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=list(rollout.DTYPES),
+                    help="compute dtype of the evaluator (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: %(default)s)")
     a = ap.parse_args(argv)
     if a.micro_batch_size < 1:
@@ -230,7 +234,7 @@ def reward_main(argv=None):
 def metarm_main(argv=None):
     ap = ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
     ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
-    ap.add_argument("command", choices=["cold-start"])
+    ap.add_argument("command", choices=["cold-start"], help="cold-start: train the MetaRM on the base GRM's D_H rollouts")
     ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), as for train.py")
     a = ap.parse_args(argv)

@@ -14,7 +14,7 @@ import yaml
 
 import reward as R
 
-from plumbing.data import PAIR_SCHEMAS
+from plumbing.data import PAIR_SCHEMAS, _gguf_location
 from plumbing.services import REMOTE_DEFAULTS
 
 
@@ -106,6 +106,13 @@ def _get(cfg, key):
     return cfg
 
 
+def did_you_mean(name, known, prefix=""):
+    """'did you mean <prefix><nearest>? ' for the known name closest to a misspelt `name` (difflib),
+    '' when none is close: the start of an unknown-key error's parenthesis."""
+    near = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f"did you mean {prefix}{near[0]}? " if near else ""
+
+
 def _merge(base, new, prefix=""):
     """Deep-merge `new` into `base` (in place), refusing keys the schema does not have."""
     if not isinstance(new, dict):
@@ -115,9 +122,7 @@ def _merge(base, new, prefix=""):
         if key in RENAMED:
             raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
         if k not in base:
-            near = difflib.get_close_matches(k, list(base), n=1, cutoff=0.6)
-            hint = f"did you mean {prefix}{near[0]}? " if near else ""
-            raise SystemExit(f"unknown config key {key} ({hint}known: {', '.join(sorted(base))})")
+            raise SystemExit(f"unknown config key {key} ({did_you_mean(k, base, prefix)}known: {', '.join(sorted(base))})")
         if key in FREE_MAPPINGS:
             if not isinstance(v, dict) or not all(isinstance(name, str) for name in v):
                 raise SystemExit(f"config key {key}: expected a mapping of names to values, got {v!r}")
@@ -220,13 +225,19 @@ def check_finite(value, key=""):
 def check_evaluator_paths(cfg):
     """A frozen evaluator's (or a remote one's tokenizer) local `path` that does not exist, or is
     a folder without config.json: one line naming the key, before the policy loads (the load
-    itself comes after it). Hub ids ('org/name') and gguf: paths are resolved at load time."""
+    itself comes after it). A GGUF file ('x.gguf', 'gguf:<package>/<file>') must exist (its
+    conversion waits for the load); hub ids ('org/name') are resolved at load time."""
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         path = ev.get("path") if isinstance(ev, dict) else None
-        if not path or path.startswith("gguf:") or path.endswith(".gguf"):
+        if not path:
             continue
         key = f"config key reward.evaluators[{i}].path ({ev.get('name')})"
-        if os.path.isdir(path):
+        if path.startswith("gguf:") or path.endswith(".gguf"):
+            try:
+                _gguf_location(path)  # find_spec and isfile only: the conversion is load_model's
+            except SystemExit as e:
+                raise SystemExit(f"{key}: {e}")
+        elif os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise SystemExit(f"{key}: {path!r} is a folder without config.json: not a model")
         elif path.startswith((".", "/", "~")) or path.count("/") != 1:
@@ -249,7 +260,8 @@ def validate_config(cfg, world_size=1):
                 raise SystemExit(f"config key {key}[{i}]: expected a mapping, got {item!r}")
             for f, v in item.items():
                 if f not in fields:
-                    raise SystemExit(f"config key {key}[{i}].{f}: unknown (known: {', '.join(fields)})")
+                    raise SystemExit(f"config key {key}[{i}].{f}: unknown ({did_you_mean(f, fields, f'{key}[{i}].')}"
+                                     f"known: {', '.join(fields)})")
                 t = fields[f]
                 if not (isinstance(v, t) or t is float and isinstance(v, int) and not isinstance(v, bool)):
                     raise SystemExit(f"config key {key}[{i}].{f}: bad value {v!r}")
@@ -459,7 +471,8 @@ def check_lora_config(cfg):
         return
     for f, v in lora.items():
         if f not in LORA_FIELDS:
-            raise SystemExit(f"config key model.lora.{f}: unknown (known: {', '.join(LORA_FIELDS)})")
+            raise SystemExit(f"config key model.lora.{f}: unknown ({did_you_mean(f, LORA_FIELDS, 'model.lora.')}"
+                             f"known: {', '.join(LORA_FIELDS)})")
         if not LORA_FIELDS[f][0](v):
             raise SystemExit(f"config key model.lora.{f}: must be {LORA_FIELDS[f][1]}, got {v!r}")
     for f in ("r", "alpha", "target_modules"):
