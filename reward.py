@@ -24,7 +24,7 @@ import string
 import torch
 
 import rollout
-from rollout import token_logprobs
+from rollout import chat_prompt, eval_mode, token_logprobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"
     evaluator tokenises, what a remote one sends): text + answer_stub, or with `chat` (use_chat_template's
     options) `text` in the chat template; the target after a space unless the prompt ends in one."""
     if chat:
-        prompt = rollout.chat_prompt(tokenizer, text, chat, tokenize=False)
+        prompt = chat_prompt(tokenizer, text, chat, tokenize=False)
     else:
         prompt = text + answer_stub
     return prompt, prompt + ("" if prompt[-1:].isspace() else " ") + target
@@ -281,7 +281,7 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     padding, positions or cache are involved (pad_id, micro_batch_size, groups: the fast twin's)."""
     device = next(model.parameters()).device
     out = torch.zeros(len(prompt_ids), len(prompt_ids[0]))
-    with rollout.eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
+    with eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
         for i, (prompts, targets) in enumerate(zip(prompt_ids, target_ids)):
             for k, (p, t) in enumerate(zip(prompts, targets)):
                 logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
