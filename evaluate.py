@@ -254,7 +254,7 @@ def math_summary(items):
     if items and items[0]["greedy"] is not None:
         s["greedy_acc"] = sum(it["greedy"]["correct"] for it in items) / len(items)
         s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
-        s["greedy_no_box"] = sum(it["greedy"]["pred"] is None for it in items) / len(items)
+        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)  # an empty \boxed{} too
     n = len(items[0]["samples"]) if items else 0
     if n:
         per_j = [sum(it["samples"][j]["correct"] for it in items) / len(items) for j in range(n)]
@@ -307,7 +307,7 @@ def qa_summary(items):
     if items and items[0]["greedy"] is not None:
         for k in ("em", "f1"):
             s[f"greedy_{k}"] = sum(it["greedy"][k] for it in items) / len(items)
-        s["greedy_no_box"] = sum(it["greedy"]["pred"] is None for it in items) / len(items)
+        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)  # an empty \boxed{} too
         s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
     n = len(items[0]["samples"]) if items else 0
     if n:

@@ -241,3 +241,14 @@ def test_qa_and_policy_sampling_state_the_work(monkeypatch, capsys, tmp_path):
                            "--n-problems", "2", "--ns", "1,4"])
     err = capsys.readouterr().err
     assert err.startswith("bon --policy: 2 problems x 4 answers x up to 512 new tokens = up to 4,096") and "--ns" in err
+
+
+def test_greedy_no_box_counts_an_empty_box():
+    """`\\boxed{}` answers nothing: math_summary and qa_summary count it with the missing boxes
+    (issue 25: 4 of command 1's 5 boxed answers were empty, and none counted)."""
+    def item(pred, correct=False):
+        return {"greedy": {"pred": pred, "correct": correct, "truncated": False, "em": 0.0, "f1": 0.0},
+                "samples": []}
+    items = [item("18", True), item(""), item(None), item("7")]
+    assert evaluate.math_summary(items)["greedy_no_box"] == 2 / 4
+    assert evaluate.qa_summary(items)["greedy_no_box"] == 2 / 4
