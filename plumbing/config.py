@@ -223,25 +223,31 @@ def check_finite(value, key=""):
 
 
 def check_evaluator_paths(cfg):
-    """A frozen evaluator's (or a remote one's tokenizer) local `path` that does not exist, or is
-    a folder without config.json: one line naming the key, before the policy loads (the load
-    itself comes after it). A GGUF file ('x.gguf', 'gguf:<package>/<file>') must exist (its
-    conversion waits for the load); hub ids ('org/name') are resolved at load time."""
+    """A frozen evaluator's (or a remote one's tokenizer) local `path`, or an rm_nlhf run's
+    metarm.model, that does not exist, or is a folder without config.json: one line naming the
+    key, before the policy loads (the load itself comes after it). A GGUF file ('x.gguf',
+    'gguf:<package>/<file>') must exist (its conversion waits for the load); hub ids ('org/name')
+    are resolved at load time."""
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
         path = ev.get("path") if isinstance(ev, dict) else None
-        if not path:
-            continue
-        key = f"config key reward.evaluators[{i}].path ({ev.get('name')})"
-        if path.startswith("gguf:") or path.endswith(".gguf"):
-            try:
-                _gguf_location(path)  # find_spec and isfile only: the conversion is load_model's
-            except SystemExit as e:
-                raise SystemExit(f"{key}: {e}")
-        elif os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise SystemExit(f"{key}: {path!r} is a folder without config.json: not a model")
-        elif path.startswith((".", "/", "~")) or path.count("/") != 1:
-            raise SystemExit(f"{key}: {path!r} does not exist")
+        if path:
+            check_model_path(f"config key reward.evaluators[{i}].path ({ev.get('name')})", path)
+    if cfg["task"] == "rm_nlhf" and cfg["metarm"]["mode"] != "none" and cfg["metarm"]["model"]:
+        check_model_path("config key metarm.model", cfg["metarm"]["model"])
+
+
+def check_model_path(key, path):
+    """SystemExit naming `key` when the model `path` cannot exist (see check_evaluator_paths)."""
+    if path.startswith("gguf:") or path.endswith(".gguf"):
+        try:
+            _gguf_location(path)  # find_spec and isfile only: the conversion is load_model's
+        except SystemExit as e:
+            raise SystemExit(f"{key}: {e}")
+    elif os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"{key}: {path!r} is a folder without config.json: not a model")
+    elif path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise SystemExit(f"{key}: {path!r} does not exist")
 
 
 def validate_config(cfg, world_size=1):

@@ -59,6 +59,19 @@ def test_a_missing_gguf_evaluator_stops_before_any_model_loads(tmp_path):
         check_evaluator_paths(cfg)  # what plumbing.run.setup calls right after validate_config
 
 
+def test_a_missing_metarm_model_is_one_line_naming_the_key(tmp_path):
+    """Before: metarm.model was only read when the MetaRM loaded, after the GRM (issue 25)."""
+    cfg = load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")], [f"metarm.model={tmp_path}/no_metarm"])
+    with pytest.raises(SystemExit, match=rf"^config key metarm.model: '{tmp_path}/no_metarm' does not exist$"):
+        check_evaluator_paths(cfg)
+    (tmp_path / "empty").mkdir()
+    cfg = load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")], [f"metarm.model={tmp_path}/empty"])
+    with pytest.raises(SystemExit, match="metarm.model: .* a folder without config.json"):
+        check_evaluator_paths(cfg)
+    check_evaluator_paths(load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")],
+                                      [f"metarm.model={tmp_path}/empty", "metarm.mode=none"]))  # not loaded: not checked
+
+
 class _Parsed(Exception):
     """Raised by _Capture.parse_args, carrying the parser a CLI built."""
 
