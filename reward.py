@@ -297,7 +297,9 @@ def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, an
     Eq. 2) through evaluator_prompt_and_target_ids and `score` (score_targets or fast.score_targets,
     which runs a shared prefix of adjacent samples with the same `groups` key once).
     A NaN a model computes is a broken number, not a failed request: it comes back as -inf, so
-    rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score")."""
+    rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score").
+    chat=False scores the plain-text prompt; a training run passes what the evaluator's
+    chat_template resolves to (auto: True for a model with a chat template; load_evaluator)."""
     def fn(texts, targets, groups=None):
         ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat=chat, answer_stub=answer_stub)
                 for t, a in zip(row, targets)] for row in texts]
