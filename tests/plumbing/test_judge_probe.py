@@ -7,60 +7,22 @@ Servers: a real `transformers serve` (reachable, wrong model, wrong path), a clo
 local servers cannot (a reasoning model refusing temperature / max_tokens, a bad API key, a 429
 with Retry-After)."""
 import email.utils
-import http.server
 import json
-import threading
 import time
 
 import pytest
 
-from conftest import free_port, make_judge
+from conftest import chat_body, free_port, make_judge, openai_error
 import reward
 from plumbing import services
 from plumbing.cli import evaluate_main
 
 
-def openai_error(message, param=None, code=None, kind="invalid_request_error"):
-    """An error body shaped as OpenAI's API sends it."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-def chat_body(content="OK"):
-    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": content}}]})
-
-
 @pytest.fixture
-def stub():
-    """A real HTTP server on 127.0.0.1: POST /v1/chat/completions is answered by
-    state["answer"](request JSON, request headers) -> (status, {header: value}, text; JSON unless
-    the headers say another Content-Type); every
-    request is kept in state["requests"]."""
-    state = {"requests": [], "answer": lambda body, headers: (200, {}, chat_body())}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            state["requests"].append({"path": self.path, "body": body, "headers": dict(self.headers)})
-            code, headers, text = state["answer"](body, self.headers)
-            data = text.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in {"Content-Type": "application/json", **headers}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
-    yield state
-    srv.shutdown()
-    srv.server_close()
+def stub(stub_server):
+    """conftest's stub_server; unplanned requests get a chat completion "OK"."""
+    stub_server["answer"] = lambda body, headers: (200, {}, chat_body())
+    return stub_server
 
 
 def reasoning_model(body, headers):
