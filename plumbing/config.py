@@ -47,6 +47,7 @@ CHOICES = {
     "nlhf.grm_prompt": list(R.GRM_PROMPT_STYLES),
     "nlhf.do_reward": list(R.DO_REWARD_FORMS),
     "judge.on_failure": ["mask", "zero"],
+    "judge.max_tokens_field": ["max_tokens", "max_completion_tokens"],  # plumbing/services.py MAX_TOKENS_FIELDS
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
 }
@@ -96,7 +97,7 @@ FREE_MAPPINGS = {"model.chat_template_kwargs"}
 MAPPINGS = {"model.lora"}
 
 NULLABLE = {"model.system_prompt", "data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
-            "judge.api_key_env", "metarm.model", "metarm.path"}
+            "judge.api_key_env", "judge.temperature", "judge.max_tokens", "metarm.model", "metarm.path"}
 
 
 def _get(cfg, key):
@@ -376,6 +377,11 @@ def validate_config(cfg, world_size=1):
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
         if not lo <= nl[key] <= hi:
             raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
+    j = cfg["judge"]  # null leaves the field out of the judge request (plumbing/services.py JUDGE_REQUEST_FIELDS)
+    if j["temperature"] is not None and j["temperature"] < 0:
+        raise SystemExit(f"config key judge.temperature: must be >= 0 or null (not sent), got {j['temperature']}")
+    if j["max_tokens"] is not None and j["max_tokens"] < 1:
+        raise SystemExit(f"config key judge.max_tokens: must be >= 1 or null (not sent), got {j['max_tokens']}")
     for key in ("online_epochs", "rollouts_per_prompt", "epochs", "batch_size"):
         if cfg["metarm"][key] < 1:
             raise SystemExit(f"config key metarm.{key}: must be >= 1, got {cfg['metarm'][key]}")

@@ -9,6 +9,7 @@
     open_trackers, track_step, close_trackers     tensorboard / trackio / wandb
     setup_metarm, load_metarm, save_metarm, load_saved_metarm, cold_start_settings
                               the MetaRM of an rm_nlhf run: restored, loaded or cold-started
+    record_cold_start         the cold-start set's size: cold_start.json, a line, first-step metrics
 """
 import contextlib
 import functools
@@ -178,9 +179,9 @@ def start_run(cfg, passes, rank, world, device):
         state["start_step"] = load_trainer_state(ckpt, policy, state["optimizer"], state["scheduler"],
                                                  scaler=state["scaler"])
         apply_optim_settings(state["optimizer"], state["scheduler"], o)  # the config's lr / betas, not the saved ones
-    state["mrm"], mrm_source = None, None
+    state["mrm"], mrm_source, cold = None, None, None
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
-        state["mrm"], mrm_source, _ = setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
+        state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
                                                           judge=state["judge"], device=device, rank=rank,
                                                           world=world, generate=passes["generate"])
 
@@ -206,6 +207,8 @@ def start_run(cfg, passes, rank, world, device):
                 os.remove(os.path.join(out_dir, name))
         if not state["start_step"] and os.path.exists(stopped):
             os.remove(stopped)  # a fresh run over an early-stopped folder
+        if cold is not None:  # the cold-start set's size: an empty one is seen
+            state["first_step_metrics"] = record_cold_start(out_dir, cold, cfg["metarm"]["rollouts_per_prompt"])
         state["trackers"] = open_trackers(cfg, state["start_step"])
         what = (f"rm_nlhf | D_H {len(state['dh_items'])} items, D_O {len(state['do_items'])} | MetaRM {mrm_source}"
                 if task == "rm_nlhf" else f"{cfg['reward']['kind']} | {len(state['items'])} items")
@@ -223,6 +226,27 @@ def start_run(cfg, passes, rank, world, device):
             state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
                                     for m in map(json.loads, f) if "val/accuracy" in m]
     return state
+
+
+def record_cold_start(out_dir, stats, rollouts_per_prompt):
+    """The MetaRM cold start's set (RM-NLHF §3.2.2: N rollouts per D_H prompt, judged, then
+    trained on), so that an empty or tiny one cannot pass unnoticed: <out_dir>/cold_start.json
+    (metarm.cold_start's stats), one printed line, and the metarm/cold_start_* metrics returned
+    for metrics.jsonl's first step (emit adds them).
+
+    Args: stats: metarm.cold_start's dict (rollouts, invalid, judge_failures, examples, ...).
+        rollouts_per_prompt: metarm.rollouts_per_prompt (prompts = rollouts / it).
+    Returns: {"metarm/cold_start_<name>": int} for prompts, rollouts, invalid, judge_failures, examples.
+    """
+    counts = dict(prompts=stats["rollouts"] // rollouts_per_prompt,
+                  **{k: stats[k] for k in ("rollouts", "invalid", "judge_failures", "examples")})
+    with open(os.path.join(out_dir, "cold_start.json"), "w") as f:
+        json.dump(dict(stats, prompts=counts["prompts"]), f, indent=1)
+    print(f"[train] MetaRM cold-start set: {counts['prompts']} D_H prompts x {rollouts_per_prompt} = "
+          f"{counts['rollouts']} rollouts, {counts['invalid']} unparseable, {counts['judge_failures']} judge "
+          f"failures -> {counts['examples']} training examples ({out_dir}/cold_start.json; metrics.jsonl's first "
+          f"step: metarm/cold_start_*)", flush=True)
+    return {f"metarm/cold_start_{k}": v for k, v in counts.items()}
 
 
 def free_space_problem(cfg, state):
@@ -336,7 +360,7 @@ def emit(state, cfg, metrics, records):
     if metrics is None:
         return None
     n, known = len(records), metrics["reward/mean"] is not None
-    metrics = finite_or_none(metrics)  # NaN / inf as null: json.dumps would write NaN, which is not JSON
+    metrics = finite_or_none({**metrics, **state.pop("first_step_metrics", {})})  # e.g. record_cold_start's  # NaN / inf as null: json.dumps would write NaN, which is not JSON
     with open(os.path.join(cfg["run"]["out_dir"], "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     if cfg["run"]["log_samples"]:

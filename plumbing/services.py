@@ -330,14 +330,17 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, transform="
 
 # The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).
 JUDGE_KEYS = ("backend", "variant", "on_failure", "base_url", "model", "api_key_env", "concurrency", "timeout_s", "max_retries",
-              "backoff_base_s", "backoff_max_s", "temperature", "max_tokens")
+              "backoff_base_s", "backoff_max_s", "temperature", "max_tokens", "max_tokens_field")
 
 
-# The judge request's sampling fields and the judge.* key each is read from: every request (and the
-# start-up probe) sends {field: judge[key]}, and a server that refuses a field (HTTP 400/422 naming
-# it, as OpenAI's reasoning models refuse temperature and max_tokens) is answered with that key.
-# The one place to change when the field names become settings (e.g. max_completion_tokens).
-JUDGE_REQUEST_FIELDS = {"temperature": "temperature", "max_tokens": "max_tokens"}
+# The judge request's sampling parameters: {judge.* key of the value: judge.* key holding the
+# request field's name, or None when the field is named as the key}. Every request (and the
+# start-up probe) sends {field: judge[key]} for each key whose value is not null (null leaves the
+# field out: the server's default applies; the authors' release sends neither, reward_function.py
+# of Character-GenRM-NLHF), and a server that refuses a field (HTTP 400/422 naming it, as OpenAI's
+# reasoning models refuse temperature 0 and max_tokens) is answered with that key (judge_fault).
+JUDGE_REQUEST_FIELDS = {"temperature": None, "max_tokens": "max_tokens_field"}
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # judge.max_tokens_field: the OpenAI API's two names
 PROBE_MAX_TOKENS = 8  # the probe's answer length: "OK" needs one token, a CPU server makes ~3/s
 
 
@@ -372,6 +375,8 @@ def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
         raise SystemExit(f"judge.variant: {j['variant']!r} unknown; allowed: {', '.join(JUDGE_VARIANTS)}")
     if j["on_failure"] not in ("mask", "zero"):
         raise SystemExit(f"judge.on_failure: {j['on_failure']!r} unknown; allowed: mask, zero")
+    if j["max_tokens_field"] not in MAX_TOKENS_FIELDS:
+        raise SystemExit(f"judge.max_tokens_field: {j['max_tokens_field']!r} unknown; allowed: {', '.join(MAX_TOKENS_FIELDS)}")
     if j["backend"] == "proxy":
         j["similarity"] = lambda human, critique, item=None: dict(proxy_f1(human, critique), attempts=1)
         return j
@@ -389,12 +394,20 @@ def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
     return j
 
 
+def judge_request_names(judge):
+    """{judge.* key: the request field it is sent as} for the sampling keys of JUDGE_REQUEST_FIELDS."""
+    return {key: (judge[name_key] if name_key else key) for key, name_key in JUDGE_REQUEST_FIELDS.items()}
+
+
 def judge_request_fields(judge, probe=False):
-    """The sampling fields of a judge request, {field: value} from JUDGE_REQUEST_FIELDS; the probe
-    asks for at most PROBE_MAX_TOKENS tokens (the same field names, so a refused one shows)."""
-    out = {field: judge[key] for field, key in JUDGE_REQUEST_FIELDS.items()}
-    if probe:
-        out = {f: (min(v, PROBE_MAX_TOKENS) if JUDGE_REQUEST_FIELDS[f] == "max_tokens" else v) for f, v in out.items()}
+    """The sampling fields of a judge request, {field: value} (JUDGE_REQUEST_FIELDS), without the
+    keys set to null; the probe asks for at most PROBE_MAX_TOKENS tokens when a token limit is
+    sent at all (the same field names, so a refused one shows; a judge without a limit is probed
+    without one, as it is called)."""
+    out = {}
+    for key, field in judge_request_names(judge).items():
+        if judge[key] is not None:
+            out[field] = min(judge[key], PROBE_MAX_TOKENS) if probe and key == "max_tokens" else judge[key]
     return out
 
 
@@ -468,10 +481,15 @@ def judge_fault(judge, err):
                                      "environment variable holding a valid key" + (
                                          f" (now {judge['api_key_env']})" if judge["api_key_env"] else " (now unset)"))
     if code in (400, 422):
-        for field, key in JUDGE_REQUEST_FIELDS.items():
+        sent = {field: key for key, field in judge_request_names(judge).items() if judge[key] is not None}
+        for field, key in sent.items():  # only the fields this request carried can be the refused ones
             if getattr(err, "param", None) == field or re.search(rf"['\"`]{re.escape(field)}['\"`]", msg):
-                return f"judge.{key}", (f"the server refuses the request field {field} = {judge[key]!r}: change "
-                                        f"judge.{key} (see its message)")
+                fix = {"temperature": "judge.temperature: null (the server's default; OpenAI's reasoning models "
+                                      "take only 1) or a value it accepts",
+                       "max_tokens": "judge.max_tokens_field: max_completion_tokens (OpenAI's reasoning models), "
+                                     "or judge.max_tokens: null (no limit sent)"}[key]
+                return f"judge.{key}", (f"the server refuses the request field {field} = {judge[key]!r}: set {fix} "
+                                        f"(see its message)")
     named = re.search(rf"['\"`]{re.escape(str(model))}['\"`]", msg)  # "The model `x` does not exist", "requested 'x'"
     if code in (400, 404, 422) and (getattr(err, "code", None) == "model_not_found" or named
                                     or (code == 404 and "model" in msg.lower())):

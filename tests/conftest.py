@@ -104,6 +104,60 @@ def free_port():
     return port
 
 
+def chat_body(content="OK"):
+    """The JSON text of a chat completion whose one answer is `content`, as OpenAI's API sends it."""
+    import json
+    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": content}}]})
+
+
+def openai_error(message, param=None, code=None, kind="invalid_request_error"):
+    """The JSON text of an error as OpenAI's API sends it ({"error": {message, type, param, code}})."""
+    import json
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+@pytest.fixture
+def stub_server():
+    """A real HTTP server on 127.0.0.1 standing in for an OpenAI-compatible API, where the tiny
+    local servers cannot answer as a hosted one does (the tests go through the real openai client).
+    POST <url>/chat/completions is answered by state["answer"](request JSON, request headers) ->
+    (status, {header: value}, text; JSON unless the headers say another Content-Type); by default
+    the next entry of state["plan"], a list of such triples (HTTP 500 "empty plan" once it runs
+    out). Every request is kept in state["requests"] as {"path", "body", "headers"}; state["url"]
+    is the base URL (".../v1")."""
+    import http.server
+    import json
+    import threading
+    state = {"requests": [], "plan": []}
+    state["answer"] = lambda body, headers: (state["plan"].pop(0) if state["plan"] else
+                                             (500, {"Content-Type": "text/plain"}, "empty plan"))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            state["requests"].append({"path": self.path, "body": body, "headers": dict(self.headers)})
+            code, headers, text = state["answer"](body, self.headers)
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in {"Content-Type": "application/json", **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
+    yield state
+    srv.shutdown()
+    srv.server_close()
+
+
 def start_server(name, cmd, port, ready_path, log_path, timeout=120, env=None):
     """Start a local server process (`cmd`, output to log_path) and wait until GET
     http://127.0.0.1:{port}{ready_path} answers. Returns (Popen, base_url ".../v1"). Stop it with

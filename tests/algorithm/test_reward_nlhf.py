@@ -1,13 +1,10 @@
 """RM-NLHF pieces of reward.py (docs/method.md §5.1-5.3): pairwise loaders, GRM parsing, the reward table,
 the critique judge (tag parsing, retries against a real local HTTP server, failures) and the
 offline proxy. Every expected number below is computed by hand in the comment next to it."""
-import http.server
-import json
-import threading
 
 import pytest
 
-from conftest import make_judge
+from conftest import chat_body, make_judge
 import reward
 
 from plumbing.services import proxy_f1
@@ -174,44 +171,10 @@ def test_parse_judge_output():
 
 # ---- judge over HTTP: a real tiny server on 127.0.0.1 ------------------------------------------
 
-def completion_body(content):
-    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": content}}]})
-
-
-@pytest.fixture
-def fake_server():
-    """A ThreadingHTTPServer answering POSTs from a plan of (status, content type, body)."""
-    state = {"plan": [], "calls": 0, "bodies": []}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            state["bodies"].append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-            state["calls"] += 1
-            code, ctype, body = state["plan"].pop(0) if state["plan"] else (500, "text/plain", "empty plan")
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
-    yield state
-    srv.shutdown()
-    srv.server_close()
-
-
-def test_score_dh_calls_judge_only_for_valid_right(fake_server):
-    ok = (200, "application/json", completion_body("<precision>1</precision><recall>0.5</recall><f1>0.6667</f1>"))
-    fake_server["plan"] = [ok]
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
+def test_score_dh_calls_judge_only_for_valid_right(stub_server):
+    ok = (200, {}, chat_body("<precision>1</precision><recall>0.5</recall><f1>0.6667</f1>"))
+    stub_server["plan"] = [ok]
+    judge = make_judge({"base_url": stub_server["url"], "model": "m", "max_retries": 0, "concurrency": 1})
     item = {"winner": "A", "critique": "Response B is wrong."}
     outs = ["<critics>B errs.</critics><choice>[[A]]</choice>",   # right -> judged, 0.6667 > 0.5 -> 1.5
             "<critics>A errs.</critics><choice>[[B]]</choice>",   # wrong -> 0, no call
@@ -220,7 +183,7 @@ def test_score_dh_calls_judge_only_for_valid_right(fake_server):
     s = reward.score_dh([reward.parse_grm_output(o) for o in outs], [item] * 4, judge)
     assert [x["reward"] for x in s] == [1.5, 0.0, -1.0, None]
     assert [x["judged"] for x in s] == [True, False, False, True]
-    assert fake_server["calls"] == 2
+    assert len(stub_server["requests"]) == 2
     assert s[3]["judge_why"] == "HTTP 500" and s[0]["r_process"] == 1.0
     m = reward.nlhf_metrics(s)
     # 1 of 4 invalid; right verdicts: samples 0 and 3 -> 2/4; judged 2, failed 1

@@ -42,6 +42,22 @@ def test_a_misspelt_field_gets_a_did_you_mean(override, hint):
     assert hint in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("judge.max_tokens_field=max_length",
+     "config key judge.max_tokens_field: 'max_length' is not one of ['max_tokens', 'max_completion_tokens']"),
+    ("judge.max_tokens=0", "config key judge.max_tokens: must be >= 1 or null (not sent), got 0"),
+    ("judge.temperature=-0.5", "config key judge.temperature: must be >= 0 or null (not sent), got -0.5"),
+])
+def test_judge_sampling_keys_are_checked(override, message):
+    """judge.temperature / max_tokens / max_tokens_field (issue 27): null is allowed (not sent), a
+    value the request could not carry is one line naming the key."""
+    with pytest.raises(SystemExit) as e:
+        load_config([], [override])
+    assert str(e.value) == message
+    j = load_config([], ["judge.temperature=null", "judge.max_tokens=null", "judge.max_tokens_field=max_completion_tokens"])["judge"]
+    assert (j["temperature"], j["max_tokens"], j["max_tokens_field"]) == (None, None, "max_completion_tokens")
+
+
 def test_a_missing_gguf_evaluator_stops_before_any_model_loads(tmp_path):
     """Before: a GGUF path was not checked at start-up, so the run loaded the policy first (here
     a missing one, so the policy's error would come first: the line shows nothing was loaded)."""

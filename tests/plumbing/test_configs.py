@@ -7,7 +7,7 @@ with only these swapped (SWAPPABLE; test_swaps_touch_only_model_data_sizes_endpo
     model.dtype (bf16 for config.yaml and configs/rm_nlhf.yaml, float32 for the cpu presets);
   - the data: ../shared/data files (gsm8k for RLME; Mr-Ben math as D_H and hh-rlhf harmless-base
     as D_O for RM-NLHF, read with the config's own schema setting `auto`);
-  - the sizes: 2 prompts x 2 samples x 8 new tokens, 2 steps, a checkpoint every step, the MetaRM
+  - the sizes: 2 prompts (3 where the D_H share gives 2 none) x 2 samples x 8 new tokens, 2 steps, a checkpoint every step, the MetaRM
     cold start, nlhf.max_items / max_prompt_tokens, judge.max_retries / max_tokens;
   - the device (cpu) and the judge endpoint: a REAL local `transformers serve` of the tiny model
     (tiny_judge_server in conftest) for configs whose judge.backend is openai.
@@ -145,8 +145,12 @@ def shipped_cfg(name):
 
 def swaps(cfg, model, out, judge=None):
     """The overrides that turn a shipped config into a 2-step CPU run (model, data, sizes, endpoint)."""
+    # 2 prompts, or the fewest that hold a D_H prompt at the config's share (the paper preset's
+    # 0.221 x 2 rounds to none, 0.221 x 3 to one: reward.nlhf_step_items)
+    share = cfg["nlhf"]["dh_per_step"] if cfg["task"] == "rm_nlhf" and cfg["nlhf"]["do"] else 1.0
+    n = next(p for p in range(2, 10) if round(share * p) >= 1)
     o = [f"model.policy={model}", f"run.out_dir={out}", f"run.total_steps={STEPS}", "run.save_every=1",
-         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.device=cpu"]
+         f"rollout.prompts_per_step={n}", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.device=cpu"]
     if cfg["task"] == "rlme":
         qa = cfg["data"]["context_field"] is not None  # context QA presets read the offline QA-Feedback set
         o += [f"data.train={data_path('qa_feedback', 'dev_feedback.jsonl') if qa else data_path('gsm8k', 'train.jsonl')}"]

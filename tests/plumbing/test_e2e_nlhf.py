@@ -321,6 +321,29 @@ def test_refused_judge_is_counted_and_key_never_written(tmp_path, monkeypatch, t
     assert "RLME_TEST_JUDGE_KEY" in open(os.path.join(out, "config.yaml")).read()
 
 
+@pytest.mark.slow
+def test_cold_start_set_size_is_logged(tmp_path, monkeypatch, capsys, tiny_model_path):
+    """The MetaRM cold start's set is recorded where an empty one would be seen (issue 27): 1 D_H
+    prompt x 2 rollouts, the first forced to a well-formed verdict for the human winner (judged by
+    the proxy: no failure, an example), the second the tiny random model's own 16 tokens
+    (unparseable: no example) -> 1 prompt, 2 rollouts, 1 unparseable, 0 judge failures, 1 example,
+    in cold_start.json, in one printed line and in metrics.jsonl's first step only (before: the
+    stats were dropped; only a zero-example warning was printed)."""
+    force_verdicts(monkeypatch, load_pairs())
+    out = str(tmp_path / "run")
+    train.main(nlhf_args(out, tiny_model_path, ["run.total_steps=2", "metarm.cold_start_items=1",
+                                                "metarm.rollouts_per_prompt=2"]))
+    want = {"prompts": 1, "rollouts": 2, "invalid": 1, "judge_failures": 0, "examples": 1}
+    saved = json.load(open(os.path.join(out, "cold_start.json")))
+    assert {k: saved[k] for k in want} == want and saved["loss_first"] is not None
+    first, second = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert {k: first[f"metarm/cold_start_{k}"] for k in want} == want
+    assert not any(k.startswith("metarm/cold_start_") for k in second)
+    log = capsys.readouterr().out
+    assert (f"[train] MetaRM cold-start set: 1 D_H prompts x 2 = 2 rollouts, 1 unparseable, 0 judge failures -> "
+            f"1 training examples ({out}/cold_start.json;") in log
+
+
 # ---- bad input through the command line: one line, no traceback ---------------------------------
 
 def test_startup_errors_are_one_line(tmp_path):

@@ -7,60 +7,23 @@ Servers: a real `transformers serve` (reachable, wrong model, wrong path), a clo
 local servers cannot (a reasoning model refusing temperature / max_tokens, a bad API key, a 429
 with Retry-After)."""
 import email.utils
-import http.server
 import json
-import threading
+import os
 import time
 
 import pytest
 
-from conftest import free_port, make_judge
+from conftest import REPO, chat_body, free_port, make_judge, openai_error
 import reward
 from plumbing import services
 from plumbing.cli import evaluate_main
 
 
-def openai_error(message, param=None, code=None, kind="invalid_request_error"):
-    """An error body shaped as OpenAI's API sends it."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
-
-
-def chat_body(content="OK"):
-    return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": content}}]})
-
-
 @pytest.fixture
-def stub():
-    """A real HTTP server on 127.0.0.1: POST /v1/chat/completions is answered by
-    state["answer"](request JSON, request headers) -> (status, {header: value}, text; JSON unless
-    the headers say another Content-Type); every
-    request is kept in state["requests"]."""
-    state = {"requests": [], "answer": lambda body, headers: (200, {}, chat_body())}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            state["requests"].append({"path": self.path, "body": body, "headers": dict(self.headers)})
-            code, headers, text = state["answer"](body, self.headers)
-            data = text.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in {"Content-Type": "application/json", **headers}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    state["url"] = f"http://127.0.0.1:{srv.server_port}/v1"
-    yield state
-    srv.shutdown()
-    srv.server_close()
+def stub(stub_server):
+    """conftest's stub_server; unplanned requests get a chat completion "OK"."""
+    stub_server["answer"] = lambda body, headers: (200, {}, chat_body())
+    return stub_server
 
 
 def reasoning_model(body, headers):
@@ -73,7 +36,7 @@ def reasoning_model(body, headers):
     if "max_tokens" in body:
         return 400, {}, openai_error("Unsupported parameter: 'max_tokens' is not supported with this model. Use "
                                      "'max_completion_tokens' instead.", "max_tokens", "unsupported_parameter")
-    return 200, {}, chat_body()
+    return 200, {}, chat_body("<precision>1</precision><recall>0.5</recall><f1>0.6667</f1>")
 
 
 # ---- the probe against real servers ------------------------------------------------------------
@@ -151,6 +114,54 @@ def test_refused_parameters_name_their_key(stub):
     # the probe sends the judge's own fields, its answer length cut to PROBE_MAX_TOKENS
     assert stub["requests"][-1]["body"]["max_tokens"] == services.PROBE_MAX_TOKENS
     assert stub["requests"][-1]["body"]["temperature"] == 1.0
+
+
+def test_refused_parameters_say_the_fix(stub):
+    """The refusal lines say which value the key takes instead (null = not sent; the other field name)."""
+    stub["answer"] = reasoning_model
+    with pytest.raises(SystemExit) as e:
+        make_judge({"base_url": stub["url"], "model": "gpt-5-mini"}, probe=True)  # config.yaml's: temperature 0
+    assert str(e.value).startswith("judge.temperature: the server refuses the request field temperature = 0.0: set "
+                                   "judge.temperature: null (the server's default;")
+    assert "'temperature' does not support 0.0 with this model" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        make_judge({"base_url": stub["url"], "model": "gpt-5-mini", "temperature": None}, probe=True)
+    assert str(e.value).startswith("judge.max_tokens: the server refuses the request field max_tokens = 512: set "
+                                   "judge.max_tokens_field: max_completion_tokens (OpenAI's reasoning models), or "
+                                   "judge.max_tokens: null (no limit sent)")
+    assert len(stub["requests"]) == 2 and "\n" not in str(e.value)
+
+
+def test_request_carries_exactly_the_configured_fields(stub):
+    """Against a server refusing what OpenAI's reasoning models refuse: the paper preset's judge
+    (as the authors' release: neither temperature nor a token limit) passes the probe and scores,
+    its requests holding model and messages only; max_tokens_field max_completion_tokens sends the
+    limit under that name (the probe's cut to PROBE_MAX_TOKENS = 8, a call's the configured 300).
+    Before: every request sent temperature 0 and max_tokens, so the paper's judge could not be called."""
+    from plumbing import config
+    stub["answer"] = reasoning_model
+    paper = config.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])["judge"]
+    assert (paper["temperature"], paper["max_tokens"]) == (None, None)
+    judge = make_judge(dict(paper, base_url=stub["url"], model="gpt-5-mini", max_retries=0), probe=True)
+    assert reward.judge_scores(judge, [("Response B is wrong.", "Response B errs.")])[0]["f1"] == 0.6667
+    assert [sorted(r["body"]) for r in stub["requests"]] == [["messages", "model"]] * 2
+    assert stub["requests"][0]["body"]["messages"] == [{"role": "user", "content": "Reply with the word OK."}]
+    stub["requests"].clear()
+    judge = make_judge({"base_url": stub["url"], "model": "gpt-5-mini", "temperature": 1.0, "max_tokens": 300,
+                        "max_tokens_field": "max_completion_tokens", "max_retries": 0}, probe=True)
+    assert reward.judge_scores(judge, [("h", "c")])[0]["f1"] == 0.6667
+    assert [{k: v for k, v in r["body"].items() if k != "messages"} for r in stub["requests"]] == [
+        {"model": "gpt-5-mini", "temperature": 1.0, "max_completion_tokens": 8},
+        {"model": "gpt-5-mini", "temperature": 1.0, "max_completion_tokens": 300}]
+    # a temperature alone (no token limit): only that field besides model and messages
+    stub["answer"] = lambda body, headers: (200, {}, chat_body())
+    stub["requests"].clear()
+    make_judge({"base_url": stub["url"], "model": "m", "temperature": 0.0, "max_tokens": None}, probe=True)
+    assert stub["requests"][0]["body"] == {"model": "m", "temperature": 0.0,
+                                           "messages": [{"role": "user", "content": "Reply with the word OK."}]}
+    with pytest.raises(SystemExit, match=r"^judge.max_tokens_field: 'max_length' unknown; allowed: max_tokens, "
+                                         r"max_completion_tokens$"):
+        make_judge({"base_url": stub["url"], "model": "m", "max_tokens_field": "max_length"}, probe=True)
 
 
 def test_refused_parameter_without_param_field(stub):

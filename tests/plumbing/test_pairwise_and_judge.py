@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from conftest import data_path, make_judge
+from conftest import chat_body, data_path, make_judge
 import reward
-from test_reward_nlhf import completion_body, fake_server
 
 from plumbing.data import load_pairwise
 from plumbing.services import backoff_delay
@@ -162,39 +161,39 @@ def test_backoff_delay_numbers():
     assert backoff_delay(10, 1.0, 30.0, 1.0) == 30.0
 
 
-def test_retry_429_429_200(fake_server):
-    rate = (429, "application/json", '{"error": {"message": "slow down"}}')
-    fake_server["plan"] = [rate, rate, (200, "application/json",
-                                        completion_body("<precision>0.5</precision><recall>1</recall><f1>0.6667</f1>"))]
+def test_retry_429_429_200(stub_server):
+    rate = (429, {}, '{"error": {"message": "slow down"}}')
+    stub_server["plan"] = [rate, rate, (200, {},
+                                        chat_body("<precision>0.5</precision><recall>1</recall><f1>0.6667</f1>"))]
     sleeps = []
-    judge = make_judge({"base_url": fake_server["url"], "model": "judge-m", "concurrency": 1,
+    judge = make_judge({"base_url": stub_server["url"], "model": "judge-m", "concurrency": 1,
                         "backoff_base_s": 1.0, "max_retries": 4}, sleep=sleeps.append, rand=lambda: 0.5)
     out = reward.judge_scores(judge, [("human says A", "model says A")])
     assert out == [{"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": "", "attempts": 3}]
     assert sleeps == [0.75, 1.5]  # (1/2 + 0.5/2)*1, (1/2 + 0.5/2)*2
-    assert fake_server["calls"] == 3
-    msg = fake_server["bodies"][0]["messages"][0]["content"]
-    assert fake_server["bodies"][0]["model"] == "judge-m"
+    assert len(stub_server["requests"]) == 3
+    msg = stub_server["requests"][0]["body"]["messages"][0]["content"]
+    assert stub_server["requests"][0]["body"]["model"] == "judge-m"
     assert "[Reference critique]\nhuman says A" in msg and "[Candidate critique]\nmodel says A" in msg
 
 
-def test_parse_failures_are_retried_then_none(fake_server):
-    fake_server["plan"] = [(200, "application/json", completion_body("<f1>1e-1</f1>"))] * 3
+def test_parse_failures_are_retried_then_none(stub_server):
+    stub_server["plan"] = [(200, {}, chat_body("<f1>1e-1</f1>"))] * 3
     sleeps = []
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 2}, sleep=sleeps.append,
+    judge = make_judge({"base_url": stub_server["url"], "model": "m", "max_retries": 2}, sleep=sleeps.append,
                        rand=lambda: 0.0)
     out = reward.judge_scores(judge, [("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 3
     assert out[0]["why"] == "parse failure: missing <precision> tag"
-    assert sleeps == [0.5, 1.0] and fake_server["calls"] == 3
+    assert sleeps == [0.5, 1.0] and len(stub_server["requests"]) == 3
 
 
-def test_html_answer_and_404_are_counted_failures(fake_server):
-    fake_server["plan"] = [(200, "text/html", "<html><body>login</body></html>")] * 2
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "max_retries": 1}, sleep=lambda s: None)
+def test_html_answer_and_404_are_counted_failures(stub_server):
+    stub_server["plan"] = [(200, {"Content-Type": "text/html"}, "<html><body>login</body></html>")] * 2
+    judge = make_judge({"base_url": stub_server["url"], "model": "m", "max_retries": 1}, sleep=lambda s: None)
     out = reward.judge_scores(judge, [("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 2 and "HTML" in out[0]["why"]
-    fake_server["plan"] = [(404, "text/html", "<html>not found</html>")]
+    stub_server["plan"] = [(404, {"Content-Type": "text/html"}, "<html>not found</html>")]
     out = reward.judge_scores(judge, [("h", "c")])
     assert out[0] == {"precision": None, "recall": None, "f1": None, "why": "HTTP 404", "attempts": 1}  # no retry
 
@@ -267,17 +266,17 @@ def test_parquet_goes_through_datasets_like_the_hub(tmp_path):
            [(it["id"], it["winner"], it["critique"]) for it in from_jsonl]
 
 
-def test_meta_judge_over_http(fake_server):
+def test_meta_judge_over_http(stub_server):
     """judge.variant meta_judge through a real HTTP round trip: the request carries the pair and the
     GRM critique (not the human one), the 0/1 answer becomes S, and the reward follows Eq. 4-5."""
-    fake_server["plan"] = [(200, "application/json", completion_body("Correct. <correct>1</correct>"))]
-    judge = make_judge({"base_url": fake_server["url"], "model": "m", "variant": "meta_judge", "max_retries": 0})
+    stub_server["plan"] = [(200, {}, chat_body("Correct. <correct>1</correct>"))]
+    judge = make_judge({"base_url": stub_server["url"], "model": "m", "variant": "meta_judge", "max_retries": 0})
     item = {"winner": "A", "critique": "HUMAN CRITIQUE", "context": "What is 2+3?", "response_a": "5",
             "response_b": "6"}
     out = [reward.parse_grm_output("<critics>Response B is wrong: 2+3 is 5.</critics><choice>[[A]]</choice>")]
     s = reward.score_dh(out, [item], judge, lam=0.5)[0]
     assert s["f1"] == 1.0 and s["reward"] == 1.5 and s["judged"]
-    sent = fake_server["bodies"][0]["messages"][0]["content"]
+    sent = stub_server["requests"][0]["body"]["messages"][0]["content"]
     assert "Response B is wrong: 2+3 is 5." in sent and "What is 2+3?" in sent and "HUMAN CRITIQUE" not in sent
 
 
