@@ -10,8 +10,10 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
   file or hub id with configurable fields, or --preset faitheval (FaithEval-Counterfactual).
 * pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
   (RM-NLHF §4.2, Table 2; benchmarks and their contamination rule App. G.1, Table 7; RewardBench 2
-  scored best-of-4; Overall = unweighted mean over benchmarks).
-* bon: Best-of-N with the GRM as judge (--grm-prompt as pairwise) in a knockout or
+  scored best-of-4; Overall = unweighted mean over benchmarks). The GRM decodes as the RM-NLHF
+  authors' release validates (GRM_PROTOCOLS: sampling at T 0.6, up to 8,192 new tokens, which an
+  R1-based GRM needs to reach its critique and choice); --protocol greedy256 = greedy, 256 tokens.
+* bon: Best-of-N with the GRM as judge (--grm-prompt and --protocol as pairwise) in a knockout or
   double-elimination tournament (RM-NLHF §4.4).
 * evaluator-check: how well an evaluator's P(target | meta-question), RLME Eq. 2, separates right
   from wrong answers (AUROC, calibration) before a run spends compute on it.
@@ -323,32 +325,53 @@ def qa_summary(items):
 # docs/method.md §5.2, §6)
 
 
+# The GRM's decoding in evaluation. RELEASE_DECODING: the RM-NLHF authors' validation (their
+# release, Character-GenRM-NLHF/verl/recipe/rm_nlhf/run_full_exp_qwen_7b_rm_nlhf.sh:
+# val_kwargs do_sample=True, n=1, temperature=0.6; the response budget data.max_response_length
+# 8192, top-p verl's default 1.0), the default of `pairwise` and `bon`: an R1-based GRM reasons at
+# length before its critique and choice. GREEDY256: our earlier protocol (greedy, 256 new
+# tokens), fine for short-output GRMs and reproducible without a seed.
+RELEASE_DECODING = {"temperature": 0.6, "max_new_tokens": 8192}
+GREEDY256 = {"temperature": 0.0, "max_new_tokens": 256}
+GRM_PROTOCOLS = {"release": RELEASE_DECODING, "greedy256": GREEDY256}
+
+
 def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat=False, max_prompt_tokens=None,
-                   style="ours", generate=rollout.generate):
-    """A judge function backed by a generative reward model (greedy decoding).
+                   style="ours", generate=rollout.generate, *, temperature=0.0, top_p=1.0, seed=0,
+                   max_lines=4, max_chars=1500):
+    """A judge function backed by a generative reward model.
 
     The returned judge(queries) takes a list of (context, response_a, response_b[, turns]) and
-    returns, per query, reward.parse_grm_output(text, style=style) plus {"text": the raw output}.
-    The prompt is reward.build_grm_prompt(context, a, b, style=style, turns=turns): style "ours"
+    returns, per query, reward.parse_grm_output(text, max_lines, max_chars, style=style) plus
+    {"text": the raw output}.
+    The prompt is reward.build_grm_prompt(context, a, b, max_lines, style=style, turns=turns): style "ours"
     (the prompt we train with) or "authors" (the RM-NLHF release's, so a released checkpoint is
     scored in its own format; it renders `turns`, a list of {role, content}, when an item kept
     them). A prompt longer than `max_prompt_tokens` (default: model context - max_new_tokens) is
     not generated; it counts as a format failure with why="prompt too long", so the accuracy
     denominator never shrinks silently.
+    Decoding: temperature 0 = greedy, > 0 = sampling at that temperature and top_p (one output
+    per query; GRM_PROTOCOLS has the release's and the greedy one). Call c of the judge samples
+    with seed + 1_000_003 c (generate_texts adds the batch index), so repeated calls (bon's
+    rounds) draw afresh and the whole evaluation is fixed by `seed`.
     """
     limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
+    calls = [0]
 
     def judge(queries):
-        texts = [reward.build_grm_prompt(q[0], q[1], q[2], style=style, turns=q[3] if len(q) > 3 else None)
+        texts = [reward.build_grm_prompt(q[0], q[1], q[2], max_lines, style=style, turns=q[3] if len(q) > 3 else None)
                  for q in queries]
         ids = [rollout.build_prompt_ids(tok, t, chat) for t in texts]
         ok = [i for i, x in enumerate(ids) if len(x) <= limit]
-        outs = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+        outs = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=temperature, top_p=top_p,
+                              max_new_tokens=max_new_tokens, seed=seed + 1_000_003 * calls[0],
                               batch_size=batch_size, desc="judge", generate=generate)
+        calls[0] += 1
         out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
                for _ in queries]
         for i, t in zip(ok, outs):
-            out[i] = {**reward.parse_grm_output(t[0]["completion"], style=style), "text": t[0]["completion"]}
+            out[i] = {**reward.parse_grm_output(t[0]["completion"], max_lines, max_chars, style=style),
+                      "text": t[0]["completion"]}
         return out
     return judge
 

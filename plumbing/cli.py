@@ -258,13 +258,14 @@ def metarm_main(argv=None):
     print(json.dumps(dict(stats, saved=out)))
 
 
-def announce_work(what, n_problems, answers, max_new_tokens, smaller):
+def announce_work(what, n_problems, answers, max_new_tokens, smaller, units=("problems", "answers")):
     """Say how big a generation pass is, before the model loads: one line on stderr, "<what>: N
     problems x A answers x up to T new tokens = up to N*A*T tokens to generate", then the flags
     that make it smaller. Generation here runs on the CPU (load_model's device), where the math
     defaults (100 x 5 x 512) take over an hour even for a 135M model, and the progress bar only
-    appears once the model is loaded. Args: smaller: str, the flags as shown. Returns: the line."""
-    line = (f"{what}: {n_problems} problems x {answers} answers x up to {max_new_tokens} new tokens = up to "
+    appears once the model is loaded. Args: smaller: str, the flags as shown; units: the names
+    of N and A (pairwise: items x orders). Returns: the line."""
+    line = (f"{what}: {n_problems} {units[0]} x {answers} {units[1]} x up to {max_new_tokens} new tokens = up to "
             f"{n_problems * answers * max_new_tokens:,} tokens to generate, on the CPU (math's defaults, "
             f"100 x 5 x 512, take over an hour even for a 135M model); smaller: {smaller}")
     print(line, file=sys.stderr, flush=True)
@@ -385,10 +386,14 @@ def cmd_pairwise(a):
             if not u["hub"]:
                 raise
             raise SystemExit(f"{e.code} [benchmark {u['name']}; offline? --source {u['name']}=PATH reads a local copy]")
+    dec = grm_decoding(a.protocol, a.temperature, a.max_new_tokens, a.top_p, a.seed)
+    a.max_new_tokens = dec["max_new_tokens"]
+    announce_work("pairwise", sum(len(items) for _, items in data), 2, a.max_new_tokens,
+                  "--n, --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
     model, tok = load_model(a.model, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                            chat=chat_format(tok, parse_chat(a, a.model)), max_prompt_tokens=a.max_prompt_tokens or None,
-                           generate=fast.generate,
+                           generate=fast.generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed,
                            style=a.grm_prompt)
     rows, all_records = [], []
     for u, items in data:
@@ -406,11 +411,12 @@ def cmd_pairwise(a):
     groups["overall"]["paper_benchmarks"] = [t for t in paper if t in {b["benchmark"] for b in groups["benchmarks"]}]
     result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "max_new_tokens": a.max_new_tokens,
               "max_prompt_tokens": a.max_prompt_tokens, "grm_prompt": a.grm_prompt, "base_release": a.base_release,
+              "decoding": dec,
               "selection": sel, "files": rows, "benchmarks": groups["benchmarks"], "overall": groups["overall"]}
     write_results(a.out, "pairwise", result, all_records)
     cols = ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"]
     print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows], cols,
-                title=f"pairwise accuracy: {a.model} (--grm-prompt {a.grm_prompt})")
+                title=f"pairwise accuracy: {a.model} (--grm-prompt {a.grm_prompt}, {decoding_note(dec)})")
     for r in rows:
         if "subsets" in r:
             print()
@@ -424,6 +430,31 @@ def cmd_pairwise(a):
     print(f"Overall = unweighted mean of the {k} benchmarks' acc, as RM-NLHF Table 2's Overall column, which "
           f"averages the paper's 7 benchmarks; {m} of those 7 are here" + (" (so not comparable)." if m < 7 else "."))
     return result
+
+
+def grm_decoding(protocol, temperature, max_new_tokens, top_p, seed):
+    """The GRM's decoding of `pairwise` / `bon`: --protocol's values (evaluate.GRM_PROTOCOLS:
+    release = the RM-NLHF authors' validation, sampling at T 0.6 with 8,192 new tokens; greedy256
+    = greedy, 256), each replaced by its flag when given (None = not given).
+    Returns {"protocol", "temperature", "top_p", "max_new_tokens", "seed"}; SystemExit (one line
+    naming the flag) for a negative temperature, a top-p outside (0, 1] or a budget < 1."""
+    base = evaluate.GRM_PROTOCOLS[protocol]
+    out = {"protocol": protocol, "temperature": base["temperature"] if temperature is None else temperature,
+           "top_p": top_p, "max_new_tokens": base["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+           "seed": seed}
+    for flag, ok in (("temperature", out["temperature"] >= 0), ("top-p", 0 < top_p <= 1),
+                     ("max-new-tokens", out["max_new_tokens"] >= 1)):
+        if not ok:
+            raise SystemExit(f"--{flag}: must be {'>= 0 (0 = greedy)' if flag == 'temperature' else 'in (0, 1]' if flag == 'top-p' else '>= 1'}, "
+                             f"got {out[flag.replace('-', '_')]}")
+    return out
+
+
+def decoding_note(dec):
+    """'sampled at T 0.6, top-p 1.0, <= 8192 new tokens, seed 0' or 'greedy, <= 256 new tokens'."""
+    if dec["temperature"] == 0:
+        return f"greedy, <= {dec['max_new_tokens']} new tokens"
+    return f"sampled at T {dec['temperature']}, top-p {dec['top_p']}, <= {dec['max_new_tokens']} new tokens, seed {dec['seed']}"
 
 
 def load_or_sample(a, need):
@@ -462,11 +493,18 @@ def cmd_bon(a):
     bad = set(a.methods.split(",")) - {"knockout", "double_elimination"}
     if bad:
         raise SystemExit(f"--methods: unknown {sorted(bad)}; allowed: knockout, double_elimination")
+    dec = grm_decoding(a.protocol, a.judge_temperature, a.judge_max_new_tokens, a.judge_top_p, a.seed)
     items = load_or_sample(a, ns[-1])
+    # judge calls per problem: a knockout over n plays n - 1 matches, double elimination up to 2n - 1
+    calls = sum({"knockout": n - 1, "double_elimination": 2 * n - 1 if n > 1 else 0}[m]
+                for n in ns for m in a.methods.split(","))
+    announce_work("bon judge", len(items), calls, dec["max_new_tokens"],
+                  "--n-problems, --ns, --methods, --judge-max-new-tokens, --protocol greedy256",
+                  units=("problems", "judge calls (at most)"))
     model, tok = load_model(a.judge, a.dtype)
-    judge = make_grm_judge(model, tok, max_new_tokens=a.judge_max_new_tokens, batch_size=a.batch_size,
+    judge = make_grm_judge(model, tok, max_new_tokens=dec["max_new_tokens"], batch_size=a.batch_size,
                            chat=chat_format(tok, parse_chat(a, a.judge)), style=a.grm_prompt,
-                           generate=fast.generate)
+                           generate=fast.generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed)
     rng = random.Random(a.seed)
     rows, records = [], []
     for n in ns:
@@ -480,13 +518,14 @@ def cmd_bon(a):
             row[f"{method}_invalid"] = sum(r["invalid"] for r in res)
             records += [{"id": it["id"], "N": n, "method": method, **r} for it, r in zip(items, res)]
         rows.append(row)
-    result = {"judge": a.judge, "grm_prompt": a.grm_prompt, "samples": a.samples or a.policy,
+    result = {"judge": a.judge, "grm_prompt": a.grm_prompt, "judge_decoding": dec, "samples": a.samples or a.policy,
               "n_problems": len(items), "seed": a.seed, "methods": a.methods.split(","), "rows": rows}
     write_results(a.out, "bon", result, records)
     cols = ["N", "mean_sample_acc", "majority_acc", "oracle_pass_at_n"]
     for m in a.methods.split(","):
         cols += [f"{m}_acc", f"{m}_calls", f"{m}_invalid"]
-    print_table(rows, cols, title=f"Best-of-N on {len(items)} problems, judge {a.judge} (--grm-prompt {a.grm_prompt})")
+    print_table(rows, cols, title=f"Best-of-N on {len(items)} problems, judge {a.judge} (--grm-prompt {a.grm_prompt}, "
+                                  f"{decoding_note(dec)})")
     return result
 
 
@@ -877,6 +916,23 @@ def build_parser():
         p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled answers")
         p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer, in tokens")
 
+    def grm_decoding_flags(p, prefix=""):  # pairwise: --temperature ...; bon (whose --temperature is the policy's): --judge-...
+        p.add_argument("--protocol", default="release", choices=list(evaluate.GRM_PROTOCOLS),
+                       help="the GRM's decoding: release = the RM-NLHF authors' validation (their release, "
+                            "Character-GenRM-NLHF run_full_exp_qwen_7b_rm_nlhf.sh: sampling, val_kwargs temperature "
+                            "0.6, max_response_length 8192), for long-reasoning (R1-based) GRMs; greedy256 = greedy "
+                            "decoding of at most 256 new tokens (this tool's earlier default). The flags below "
+                            "override single values")
+        p.add_argument(f"--{prefix}temperature", type=float, default=None,
+                       help="GRM temperature; 0 = greedy, > 0 = sampling (default: --protocol's: 0.6, the release's "
+                            "val_kwargs.temperature; 0 with greedy256)")
+        p.add_argument(f"--{prefix}max-new-tokens", type=int, default=None,
+                       help="longest GRM output (reasoning + critique + choice), in tokens (default: --protocol's: "
+                            "8192, the release's max_response_length; 256 with greedy256)")
+        p.add_argument(f"--{prefix}top-p", type=float, default=1.0,
+                       help="GRM nucleus sampling when sampling (1.0 = verl's val_kwargs.top_p, which the "
+                            "release leaves as is); the sampling seed is --seed")
+
     def answers(p):  # the graded answers that bon and evaluator-check score (load_or_sample)
         p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
         p.add_argument("--policy", default=None, help="policy model to sample answers from")
@@ -949,7 +1005,7 @@ def build_parser():
                         "released checkpoint in its own format)")
     p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all); "
                                                     "RewardBench 2: N rows of 3 pairs each")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest GRM output (critique + choice), in tokens")
+    grm_decoding_flags(p)
     p.add_argument("--data-root", default=SHARED_DATA, help="folder holding the registry's local benchmark folders")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
@@ -963,7 +1019,7 @@ def build_parser():
     answers(p)
     p.add_argument("--ns", default="1,2,4,8", help="comma-separated N values")
     p.add_argument("--methods", default="knockout,double_elimination", help="comma-separated tournament kinds")
-    p.add_argument("--judge-max-new-tokens", type=int, default=256, help="longest GRM output per match, in tokens")
+    grm_decoding_flags(p, prefix="judge-")
     p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
                    help="GRM prompt and output parser of the judge: ours, or authors (the RM-NLHF release's)")
     p.set_defaults(fn=cmd_bon)

@@ -40,6 +40,7 @@ CHOICES = {
     "train.device": ["auto", "cpu", "cuda"],
     "nlhf.dh_schema": ["auto", *PAIR_SCHEMAS],
     "nlhf.do_schema": ["auto", *PAIR_SCHEMAS],
+    "nlhf.val_schema": ["auto", *PAIR_SCHEMAS],
     "judge.backend": ["openai", "proxy"],
     "judge.variant": list(R.JUDGE_VARIANTS),
     "nlhf.threshold_rule": ["strict", "inclusive"],
@@ -87,7 +88,7 @@ def _check_type(key, value, default):
 RENAMED = {"train.share_prompt": "train.fast_paths (true: the group's prompt runs once in the update)"}
 
 # The type of keys whose default is null.
-NULL_DEFAULT_TYPES = {"model.system_prompt": str}
+NULL_DEFAULT_TYPES = {"model.system_prompt": str, "nlhf.val": str}
 
 # Keys whose value is a free mapping (replaced whole, its keys not checked against the schema).
 FREE_MAPPINGS = {"model.chat_template_kwargs"}
@@ -96,8 +97,9 @@ FREE_MAPPINGS = {"model.chat_template_kwargs"}
 # by field, null switches it off; the fields are checked by their own function (check_lora_config).
 MAPPINGS = {"model.lora"}
 
-NULLABLE = {"model.system_prompt", "data.answer_field", "data.context_field", "data.val", "data.val_config", "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "judge.model",
-            "judge.api_key_env", "judge.temperature", "judge.max_tokens", "metarm.model", "metarm.path"}
+NULLABLE = {"model.system_prompt", "data.answer_field", "data.context_field", "data.val", "data.val_config",
+            "reward.evaluator_template", "nlhf.dh_config", "nlhf.do", "nlhf.do_config", "nlhf.val", "nlhf.val_config",
+            "judge.model", "judge.api_key_env", "judge.temperature", "judge.max_tokens", "metarm.model", "metarm.path"}
 
 
 def _get(cfg, key):
@@ -403,7 +405,8 @@ def validate_config(cfg, world_size=1):
 def check_data_config(cfg):
     """The RLME data, reward and validation keys that only make sense together (issue 16); one-line
     SystemExit naming the key. A setting that would silently do nothing is an error."""
-    d, rw, run = cfg["data"], cfg["reward"], cfg["run"]
+    d, rw, run, nl = cfg["data"], cfg["reward"], cfg["run"], cfg["nlhf"]
+    rlme = cfg["task"] == "rlme"
     import string
     fields = {f for _, f, _, _ in string.Formatter().parse(d["prompt_template"]) if f is not None}
     if "question" not in fields:
@@ -420,22 +423,28 @@ def check_data_config(cfg):
             (labels or "answer" not in fields, "data.prompt_template", "uses {answer} but data.answer_field is null (no labels to show)"),
             (labels or rw["kind"] == "rlme", f"reward.kind={rw['kind']}", "needs labels: data.answer_field is null"),
             (labels or rw["anchor_fraction"] == 0, "reward.anchor_fraction", "anchoring shows the reference answer: data.answer_field is null"),
-            (labels or not run["eval_every"], "run.eval_every", "validation accuracy needs labels: data.answer_field is null"),
+            (labels or not run["eval_every"] or not rlme, "run.eval_every", "validation accuracy needs labels: data.answer_field is null"),
             (rw["kind"] != "rlvr" or rw["transform"] == "log", "reward.transform=prob", "acts on the RLME terms; reward.kind=rlvr has none"),
             (rw["kind"] == "hybrid" or rw["rlvr_weight"] == 1.0, f"reward.rlvr_weight={rw['rlvr_weight']}", "is read only by reward.kind=hybrid"),
             (d["label_format"] == "text" or rw["qa_metric"] == "em", "reward.qa_metric=f1", "applies to data.label_format=text only"),
-            (not run["eval_every"] or d["val"], f"run.eval_every={run['eval_every']}", "needs held-out problems: set data.val (a file, a hub id, or holdout)"),
+            (not run["eval_every"] or d["val"] or not rlme, f"run.eval_every={run['eval_every']}", "needs held-out problems: set data.val (a file, a hub id, or holdout)"),
             ((run["early_stop_drop"] > 0) == (run["early_stop_patience"] > 0), "run.early_stop_drop / run.early_stop_patience",
              "the early-stop rule needs both (a drop > 0 and a patience >= 1)"),
             (not run["early_stop_patience"] or run["eval_every"], "run.early_stop_patience", "needs run.eval_every > 0 (it counts evaluations)"),
             (not d["val"] or run["eval_every"], f"data.val={d['val']!r}", "is read only by run.eval_every > 0"),
-            (cfg["task"] == "rlme" or not run["eval_every"], "run.eval_every",
-             "is RLME's in-run validation; score GRM checkpoints with evaluate.py pairwise")]:
+            (rlme or not d["val"], f"data.val={d['val']!r}", "is RLME's held-out set; task rm_nlhf validates on nlhf.val"),
+            # RM-NLHF's validation (Figs. 3, 6: HelpSteer3-validation accuracy over training): held-out pairs
+            (rlme or not run["eval_every"] or nl["val"], f"run.eval_every={run['eval_every']}",
+             "needs held-out pairs for task rm_nlhf: set nlhf.val (a pairwise file or hub id, e.g. nvidia/HelpSteer3 "
+             "with nlhf.val_split validation, or holdout)"),
+            (not nl["val"] or (run["eval_every"] and not rlme), f"nlhf.val={nl['val']!r}",
+             "is read only by run.eval_every > 0 with task rm_nlhf")]:
         if not ok:
             raise SystemExit(f"config key {key}: {why}")
     for key, v, lo in [("data.epochs", d["epochs"], 0), ("data.context_max_chars", d["context_max_chars"], 0),
                        ("data.val_size", d["val_size"], 1), ("run.eval_every", run["eval_every"], 0),
-                       ("run.early_stop_patience", run["early_stop_patience"], 0)]:
+                       ("run.early_stop_patience", run["early_stop_patience"], 0), ("nlhf.val_size", nl["val_size"], 1),
+                       ("nlhf.val_temperature", nl["val_temperature"], 0), ("nlhf.val_max_new_tokens", nl["val_max_new_tokens"], 1)]:
         if v < lo:
             raise SystemExit(f"config key {key}: must be >= {lo}, got {v}")
 

@@ -89,10 +89,10 @@ def load_val_items(cfg):
     return [pool[i] for i in val_draw(cfg, len(pool))]
 
 
-def val_draw(cfg, n):
-    """Indices (sorted) of the data.val_size held-out items among n, seeded by run.seed."""
+def val_draw(cfg, n, size=None):
+    """Indices (sorted) of the `size` (default data.val_size) held-out items among n, seeded by run.seed."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg["run"]["seed"] * 7 + 1)).tolist()
-    return sorted(perm[:cfg["data"]["val_size"]])
+    return sorted(perm[:cfg["data"]["val_size"] if size is None else size])
 
 
 def clean_gsm8k_label(answer):
@@ -1031,6 +1031,34 @@ def load_do_items(cfg):
              for it in load_pairwise(nl["do"], schema=nl["do_schema"], seed=cfg["run"]["seed"], split=nl["do_split"],
                                      config_name=nl["do_config"])]
     return items[:nl["max_items"]] if nl["max_items"] else items
+
+
+def load_nlhf_val_items(cfg, dh_items):
+    """The held-out pairs of an rm_nlhf run's validation (run.eval_every; RM-NLHF Figs. 3 and 6),
+    and D_H without them: nlhf.val "holdout" = nlhf.val_size pairs of `dh_items` (load_dh_items'),
+    removed from D_H so they are never trained on; a file / folder / hub id = up to nlhf.val_size
+    pairs of it (all its pairs, critique or not: only the preference is scored). Both draws are
+    seeded by run.seed (val_draw) and fixed for the run. [] and D_H as is without nlhf.val.
+    Returns (val_items, dh_items). SystemExit (one line naming the key) when the holdout would take
+    all of D_H or the file has no pair."""
+    nl = cfg["nlhf"]
+    if not nl["val"] or not cfg["run"]["eval_every"]:
+        return [], dh_items
+    if nl["val"] == "holdout":
+        if nl["val_size"] >= len(dh_items):
+            raise SystemExit(f"config key nlhf.val_size={nl['val_size']}: the holdout would take all "
+                             f"{len(dh_items)} D_H pairs")
+        held = set(val_draw(cfg, len(dh_items), nl["val_size"]))
+        return ([it for i, it in enumerate(dh_items) if i in held],
+                [it for i, it in enumerate(dh_items) if i not in held])
+    try:
+        pool = load_pairwise(nl["val"], schema=nl["val_schema"], seed=cfg["run"]["seed"], split=nl["val_split"],
+                             config_name=nl["val_config"])
+    except SystemExit as e:
+        raise SystemExit(f"config key nlhf.val: {e.code}")
+    if not pool:
+        raise SystemExit(f"config key nlhf.val={nl['val']}: no pair to validate on")
+    return [pool[i] for i in val_draw(cfg, len(pool), nl["val_size"])], dh_items
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root

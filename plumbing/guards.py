@@ -32,6 +32,7 @@ RESUMABLE = (
     "run.log_samples", "run.stop_after", "run.eval_every", "run.early_stop_drop", "run.early_stop_patience",
     "run.report_to", "run.tracking_project",
     "data.val", "data.val_config", "data.val_split", "data.val_size",                 # the held-out validation
+    "nlhf.val_temperature", "nlhf.val_max_new_tokens",  # (nlhf.val, val_size: a holdout changes D_H)
     "train.micro_batch_size", "rollout.micro_batch_size", "reward.micro_batch_size",  # memory: one global
     "model.gradient_checkpointing", "train.fast_paths",                               # normaliser, same update
     "train.parallel", "train.cpu_offload", "train.device",  # the checkpoint is layout-agnostic (docs/scale-out.md)

@@ -33,8 +33,8 @@ from plumbing.config import check_evaluator_paths, check_scale_config, check_sin
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
-from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model, load_train_items, load_val_items,
-                           policy_chat, prompt_token_limit, resolve_model_path)
+from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model, load_nlhf_val_items, load_train_items,
+                           load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
                             save_merged, setup_distributed, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
@@ -114,6 +114,8 @@ def start_run(cfg, passes, rank, world, device):
     if task == "rm_nlhf":
         state["judge"] = make_judge(cfg["judge"])
         state["dh_items"], state["do_items"] = load_dh_items(cfg), load_do_items(cfg)
+        if cfg["nlhf"]["val"] != "holdout":  # run.eval_every's held-out pairs from a file (a holdout: below)
+            state["val_items"], _ = load_nlhf_val_items(cfg, state["dh_items"])
     else:
         state["items"], state["val_items"] = load_train_items(cfg), load_val_items(cfg)
         check_single_pass(cfg, len(state["items"]))
@@ -130,7 +132,7 @@ def start_run(cfg, passes, rank, world, device):
     chat = policy_chat(tokenizer, cfg["model"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
-        section, names = "nlhf", ("dh_items", "do_items")
+        section, names = "nlhf", ("dh_items", "do_items", "val_items")
         ids = functools.partial(reward.grm_prompt_ids, tokenizer, chat=chat, nl=cfg["nlhf"])
     else:
         section, names = "data", ("items", "val_items")
@@ -145,6 +147,8 @@ def start_run(cfg, passes, rank, world, device):
         print(f"[train] dropped {dropped} items whose prompt is over {limit} tokens ({key})", flush=True)
     if task == "rlme":
         check_single_pass(cfg, len(state["items"]))  # again, after the long prompts left
+    elif cfg["nlhf"]["val"] == "holdout":  # from the D_H pairs that fit, so none is dropped; D_H keeps the rest
+        state["val_items"], state["dh_items"] = load_nlhf_val_items(cfg, state["dh_items"])
 
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
@@ -216,15 +220,16 @@ def start_run(cfg, passes, rank, world, device):
               f"{'resuming from ' + ckpt if ckpt else 'fresh start'}", flush=True)
         if state["val_items"]:
             print(f"[train] validation every {run['eval_every']} steps on {len(state['val_items'])} held-out "
-                  f"problems ({cfg['data']['val']})", flush=True)
+                  + (f"problems ({cfg['data']['val']})" if task == "rlme" else f"pairs ({cfg['nlhf']['val']})"),
+                  flush=True)
         from tqdm import tqdm
         state["pbar"] = tqdm(total=run["total_steps"], initial=state["start_step"], desc="train", dynamic_ncols=True)
     if state["world"] > 1:
         dist.barrier()  # metrics.jsonl is truncated before any rank reads it
     if state["start_step"] and cfg["run"]["eval_every"]:  # the monitor's history, so a resumed run decides alike
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-            state["val_history"] = [{"step": m["step"], "accuracy": m["val/accuracy"], "train_reward": None}
-                                    for m in map(json.loads, f) if "val/accuracy" in m]
+            state["val_history"] = [{"step": m["step"], "accuracy": held_out_accuracy(m), "train_reward": None}
+                                    for m in map(json.loads, f) if held_out_accuracy(m) is not None]
     return state
 
 
@@ -368,7 +373,8 @@ def emit(state, cfg, metrics, records):
             f.writelines(json.dumps(finite_or_none(r)) + "\n" for r in records)
     track_step(state["trackers"], metrics, records if cfg["run"]["log_samples"] else None)  # run.report_to
     # one redraw a step (a log file gets one line a step): the postfix first, without its own redraw
-    acc = metrics["val/accuracy"] if "val/accuracy" in metrics else metrics["accuracy"]
+    acc = held_out_accuracy(metrics)
+    acc = metrics["accuracy"] if acc is None else acc
     # a step that cannot move the policy (every reward masked, every group flat) says so in the bar,
     # in the log the first time, and again after 10, 100, ... such steps in a row
     note = no_signal_note(metrics, temperature=cfg["rollout"]["temperature"])
@@ -924,10 +930,13 @@ def validation_step(state, cfg, step, records, reward_step):
       val/auroc           this step's training samples: AUROC of their reward against correctness
                           (evaluate.auroc; None when one class is empty or there are no labels)
       val/seconds         what the evaluation cost
+    Task rm_nlhf: nlhf_validation_step (the GRM's pairwise accuracy; `records`, `reward_step` unused).
     Args: state: setup's dict. step: the step just finished. records: this rank's sample records.
         reward_step: the run's reward, train.rlme_reward_step with its settings bound: (items, completions) -> dict.
     Returns: dict of val/* metrics (the same on every rank).
     """
+    if cfg["task"] == "rm_nlhf":
+        return nlhf_validation_step(state, cfg, step)
     t0 = time.perf_counter()
     d, rank, world, tok = cfg["data"], state["rank"], state["world"], state["tokenizer"]
     val = state["val_items"]
@@ -967,6 +976,53 @@ def validation_step(state, cfg, step, records, reward_step):
     return out
 
 
+def nlhf_validation_step(state, cfg, step):
+    """5b for task rm_nlhf: the GRM's pairwise accuracy on nlhf.val's held-out pairs (never trained
+    on), as RM-NLHF Figs. 3 and 6 plot HelpSteer3-validation accuracy over training. Every rank
+    judges its share (items rank, rank + world, ...) with the current policy; every rank calls it.
+
+    Scoring is `evaluate.py pairwise`'s (evaluate.pairwise_accuracy over make_grm_judge): each pair
+    in both A/B orders (ours: the release scores the file's one order), the verdict parsed with
+    reward.parse_grm_output in the run's nlhf.grm_prompt style and critique limits, right when it
+    names the human preference; a format error (no valid verdict) counts as wrong. Decoding:
+    nlhf.val_temperature, nlhf.val_max_new_tokens (the release's: sampling at T 0.6, 8192 tokens),
+    top-p 1.0 (verl's val_kwargs default, kept by the release), seeded by run.seed and the step.
+      val/pairwise_accuracy   right verdicts / (2 n): the mean of both orders
+      val/acc_ab, val/acc_ba  each order alone
+      val/format_error_rate   judgements without a valid verdict / (2 n)
+      val/n, val/seconds      pairs scored, what it cost
+    Returns: dict of val/* metrics and "step" (the same on every rank).
+    """
+    t0 = time.perf_counter()
+    nl, ro, rank, world = cfg["nlhf"], cfg["rollout"], state["rank"], state["world"]
+    mine = state["val_items"][rank::world]
+    judge = evaluate.make_grm_judge(state["policy"], state["tokenizer"], max_new_tokens=nl["val_max_new_tokens"],
+                                    batch_size=ro["micro_batch_size"] or max(1, 2 * len(mine)), chat=state["chat"],
+                                    max_prompt_tokens=None,  # model context - budget; longer: a format error
+                                    style=nl["grm_prompt"], generate=state["passes"]["generate"],
+                                    temperature=nl["val_temperature"], top_p=1.0,
+                                    seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
+                                    max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
+    records = []
+    if mine:
+        with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"],
+                                                        state["policy"].device):
+            _, records = evaluate.pairwise_accuracy(mine, judge)
+    n = all_sum(len(mine), world)
+    right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
+    right_ba = all_sum(sum(r["ba"]["right"] for r in records), world)
+    fails = all_sum(sum(not r[o].get("valid") for r in records for o in ("ab", "ba")), world)
+    return {"val/n": int(n), "val/pairwise_accuracy": (right_ab + right_ba) / (2 * n), "val/acc_ab": right_ab / n,
+            "val/acc_ba": right_ba / n, "val/format_error_rate": fails / (2 * n),
+            "val/seconds": all_max(time.perf_counter() - t0, world), "step": step}
+
+
+def held_out_accuracy(metrics):
+    """The held-out accuracy a validation logged (val/accuracy, RLME; val/pairwise_accuracy,
+    RM-NLHF), which the monitor and the early-stop rule follow; None when there is none."""
+    return metrics.get("val/accuracy", metrics.get("val/pairwise_accuracy"))
+
+
 def known(rew):
     """How many of a reward step's rewards are known (not masked by a failed remote evaluator)."""
     return len(rew["reward"]) if rew["valid"] is None else int(rew["valid"].sum())
@@ -994,7 +1050,7 @@ def monitor(state, cfg, val, metrics):
     the steps since the previous evaluation rose while held-out accuracy fell.
     Returns: True when the early-stop rule (run.early_stop_*) fires."""
     hist = state["val_history"]
-    hist.append({"step": val["step"], "accuracy": val["val/accuracy"], "train_reward": None})
+    hist.append({"step": val["step"], "accuracy": held_out_accuracy(val), "train_reward": None})
     if metrics is not None:
         since = state["rewards_since_eval"]  # empty when every step since was fully masked
         hist[-1]["train_reward"] = sum(since) / len(since) if since else None

@@ -87,7 +87,7 @@ SWAPPABLE = {
     "reward.evaluators",  # only the `path` of frozen evaluators (checked in test_swaps_...)
     "run.out_dir", "run.total_steps", "run.save_every", "run.stop_after",
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-    "nlhf.max_items", "nlhf.max_prompt_tokens",
+    "nlhf.max_items", "nlhf.max_prompt_tokens", "nlhf.val", "nlhf.val_size", "nlhf.val_max_new_tokens",
     "metarm.cold_start_items", "metarm.rollouts_per_prompt", "metarm.max_new_tokens", "metarm.epochs",
     "judge.base_url", "judge.model", "judge.max_retries", "judge.max_tokens",
     "train.device",
@@ -167,6 +167,10 @@ def swaps(cfg, model, out, judge=None):
           f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}",
           "nlhf.max_items=16", "nlhf.max_prompt_tokens=800",
           "metarm.cold_start_items=1", "metarm.rollouts_per_prompt=2", "metarm.max_new_tokens=8", "metarm.epochs=1"]
+    if cfg["nlhf"]["val"] not in (None, "holdout"):  # HelpSteer3 validation (hub) -> a local pairwise file
+        o += [f"nlhf.val={data_path('llmbar', 'LLMBar_Natural.jsonl')}"]
+    if cfg["nlhf"]["val"]:
+        o += ["nlhf.val_size=2", "nlhf.val_max_new_tokens=8"]
     if cfg["judge"]["backend"] == "openai":
         o += [f"judge.base_url={judge['base_url']}", f"judge.model={judge['model']}",
               "judge.max_retries=0", "judge.max_tokens=8"]

@@ -344,6 +344,33 @@ def test_cold_start_set_size_is_logged(tmp_path, monkeypatch, capsys, tiny_model
             f"1 training examples ({out}/cold_start.json;") in log
 
 
+@pytest.mark.slow
+def test_validation_during_the_run_logs_pairwise_accuracy(tmp_path, monkeypatch, tiny_model_path):
+    """run.eval_every=1 with nlhf.val=holdout (configs/cpu_rm_nlhf.yaml: 2 pairs, 32 new tokens),
+    2 steps: metrics.jsonl has val/* at steps 1 and 2 (every step and the last). force_verdicts
+    makes every validation answer the human winner AS LOADED, read off the pair's content, so it
+    is right in order ab and wrong in order ba (the responses swap places, the letter does not):
+    accuracy (2 + 0) / 4 = 0.5, acc_ab 1, acc_ba 0, no format error. The held-out pairs are
+    never trained on: no sample of the run comes from them."""
+    import evaluate
+    pairs = load_pairs()
+    force_verdicts(monkeypatch, pairs)
+    held, real = [], evaluate.pairwise_accuracy
+    monkeypatch.setattr(evaluate, "pairwise_accuracy", lambda items, judge: held.append([it["id"] for it in items])
+                        or real(items, judge))
+    out = str(tmp_path / "run")
+    train.main(nlhf_args(out, tiny_model_path, ["run.eval_every=1", "nlhf.val=holdout"]))
+    metrics = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["val/n"] == 2 and m["val/pairwise_accuracy"] == 0.5
+        assert m["val/acc_ab"] == 1.0 and m["val/acc_ba"] == 0.0 and m["val/format_error_rate"] == 0.0
+        assert m["val/seconds"] > 0
+    assert len(held) == 2 and held[0] == held[1] and len(held[0]) == 2  # the same 2 pairs each time
+    trained = {s["item"] for s in read_jsonl(os.path.join(out, "samples.jsonl"))}
+    assert trained and not trained & set(held[0])
+
+
 # ---- bad input through the command line: one line, no traceback ---------------------------------
 
 def test_startup_errors_are_one_line(tmp_path):

@@ -929,6 +929,111 @@ def test_bon_passes_the_grm_prompt_style(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# The GRM's decoding in pairwise and bon (issue 27 item 5): the release's by default, greedy256 one flag away
+
+
+def recording_generate(monkeypatch, calls, text="<critics>\nB is wrong.\n</critics>\n<choice>[[A]]</choice>"):
+    """fast.generate (what the CLI passes to make_grm_judge) replaced by a fake that records the
+    decoding arguments of each call and answers `text` for every row; prompts become [1, 2]."""
+    import types
+    import fast
+    monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: [1, 2])
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (
+        types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=10 ** 6)), None))
+    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
+
+    def generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k, seed):
+        calls.append({"rows": len(prompt_ids) * group_size, "max_new_tokens": max_new_tokens,
+                      "temperature": temperature, "top_p": top_p, "seed": seed})
+        return {"completions": [text] * (len(prompt_ids) * group_size), "truncated": [False] * len(prompt_ids)}
+    monkeypatch.setattr(fast, "generate", generate)
+
+
+@pytest.mark.parametrize("flags, expect", [
+    # the release's validation: sampling at T 0.6, 8,192 new tokens, top-p 1.0 (seed: --seed, 0)
+    ([], {"temperature": 0.6, "max_new_tokens": 8192, "top_p": 1.0, "seed": 0}),
+    (["--seed", "5", "--top-p", "0.9"], {"temperature": 0.6, "max_new_tokens": 8192, "top_p": 0.9, "seed": 5}),
+    # today's protocol, one flag away; a single value can still be changed
+    (["--protocol", "greedy256"], {"temperature": 0.0, "max_new_tokens": 256, "top_p": 1.0, "seed": 0}),
+    (["--protocol", "greedy256", "--temperature", "0.3"], {"temperature": 0.3, "max_new_tokens": 256, "top_p": 1.0, "seed": 0}),
+    (["--max-new-tokens", "1024"], {"temperature": 0.6, "max_new_tokens": 1024, "top_p": 1.0, "seed": 0}),
+])
+def test_pairwise_decoding_reaches_the_generation_call(tmp_path, monkeypatch, capsys, flags, expect):
+    """HelpSteer3 fixture: 3 pairs (its tie dropped) x 2 orders = 6 rows in one batch (--batch-size 8)
+    -> one generation call with exactly these settings; the work line says 3 x 2 x T tokens."""
+    calls = []
+    recording_generate(monkeypatch, calls)
+    r = evaluate_main(["pairwise", "--model", "fake", HS3_FIXTURE, "--n", "0", "--out", str(tmp_path), *flags])
+    assert calls == [{"rows": 6, **expect}]
+    assert r["decoding"] == {"protocol": "greedy256" if "greedy256" in flags else "release", **expect}
+    assert r["max_new_tokens"] == expect["max_new_tokens"]
+    T = expect["max_new_tokens"]
+    err = capsys.readouterr().err
+    assert f"pairwise: 3 items x 2 A/B orders x up to {T} new tokens = up to {6 * T:,} tokens to generate" in err
+    assert r["files"][0]["format_fail"] == 0.0 and r["files"][0]["pick_a"] == 1.0  # the fake always says [[A]]
+
+
+def test_bon_judge_decoding_and_its_seeds(tmp_path, monkeypatch, capsys):
+    """bon: the judge samples with the release's settings whatever the policy's --temperature says;
+    two problems, N = 2, knockout only: one match per problem, one judge call each (one row), the
+    c-th call seeded --seed + 1,000,003 c. Work line: 2 problems x 1 call x 8192 tokens."""
+    calls = []
+    recording_generate(monkeypatch, calls)
+    samples = write_jsonl(tmp_path / "items.jsonl", [bon_item(1, 2), bon_item(0, 2)])
+    r = evaluate_main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--methods", "knockout",
+                       "--temperature", "1.0", "--seed", "3", "--out", str(tmp_path)])
+    assert calls == [{"rows": 1, "max_new_tokens": 8192, "temperature": 0.6, "top_p": 1.0, "seed": 3},
+                     {"rows": 1, "max_new_tokens": 8192, "temperature": 0.6, "top_p": 1.0, "seed": 3 + 1_000_003}]
+    assert r["judge_decoding"]["protocol"] == "release"
+    assert "bon judge: 2 problems x 1 judge calls (at most) x up to 8192 new tokens = up to 16,384" in capsys.readouterr().err
+    calls.clear()
+    evaluate_main(["bon", "--judge", "fake", "--samples", samples, "--ns", "1,2", "--protocol", "greedy256",
+                   "--judge-max-new-tokens", "64", "--out", str(tmp_path)])
+    # N = 1 plays no match; N = 2: knockout 1 + double elimination 2 or 3 matches per problem
+    assert {(c["temperature"], c["max_new_tokens"]) for c in calls} == {(0.0, 64)}
+    assert "2 problems x 4 judge calls (at most)" in capsys.readouterr().err  # 0 + 0 + 1 + 3
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--temperature", "-1"], "--temperature: must be >= 0 (0 = greedy), got -1.0"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1], got 0.0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+])
+def test_pairwise_bad_decoding_flags_are_one_line(tmp_path, monkeypatch, flags, line):
+    monkeypatch.setattr(cli, "load_model", stop_at_model)
+    with pytest.raises(SystemExit) as e:
+        evaluate_main(["pairwise", "--model", "fake", HS3_FIXTURE, "--out", str(tmp_path), *flags])
+    assert str(e.value) == line
+
+
+def stop_at_model(*a, **kw):
+    raise AssertionError("a model was loaded")
+
+
+def test_greedy256_gives_the_earlier_default_exactly(tiny_model_path, tmp_path):
+    """--protocol greedy256 = what `pairwise` ran before this flag existed: greedy, 256 new tokens,
+    through fast.generate, the GRM prompt in the tokenizer's chat template (make_grm_judge's plain
+    greedy path). Same outputs, same numbers, on the tiny random model; the default (release)
+    samples and, with an 8,192-token budget over this model's 2,048-token context, generates nothing."""
+    import fast
+    f = data_path("llmbar", "LLMBar_Natural.jsonl")
+    r = evaluate_main(["pairwise", "--model", tiny_model_path, f, "--n", "2", "--protocol", "greedy256",
+                       "--out", str(tmp_path)])
+    model, tok = load_model(tiny_model_path)
+    chat = cli.chat_format(tok, cli.parse_chat(cli.build_parser().parse_args(["pairwise", "--model", "m"]), tiny_model_path))
+    items = load_benchmark(f, 2, seed=0)
+    judge = evaluate.make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat=chat, generate=fast.generate)
+    summary, records = evaluate.pairwise_accuracy(items, judge)
+    saved = [json.loads(line) for line in open(tmp_path / "pairwise.items.jsonl")]
+    assert [(x["ab"]["text"], x["ba"]["text"]) for x in saved] == [(x["ab"]["text"], x["ba"]["text"]) for x in records]
+    assert all(x["ab"]["text"] for x in saved)  # something was generated
+    for k in ("acc_ab", "acc_ba", "acc", "format_fail"):
+        assert r["files"][0][k] == summary[k]
+    r = evaluate_main(["pairwise", "--model", tiny_model_path, f, "--n", "2", "--out", str(tmp_path)])
+    assert r["decoding"]["temperature"] == 0.6 and r["files"][0]["format_fail"] == 1.0  # every prompt "too long"
+
+
+# ----------------------------------------------------------------------------------------------
 # End to end on the real SmolLM2 model (slow)
 
 

@@ -16,7 +16,8 @@ import train as T
 import fast
 from plumbing.data import load_model, load_train_items, load_val_items
 from plumbing import config
-from plumbing.run import early_stop, monitor, rlme_step_metrics, wrong_answer
+from plumbing.data import load_nlhf_val_items, load_pairwise
+from plumbing.run import early_stop, monitor, nlhf_validation_step, rlme_step_metrics, validation_step, wrong_answer
 
 
 def cfg_with(*overrides):
@@ -75,7 +76,12 @@ def test_prompt_placeholders_and_the_injected_answer():
     (["run.eval_every=5", "data.val=holdout", "run.early_stop_patience=2"], "the early-stop rule needs both"),
     (["reward.kind=rlvr", "reward.transform=prob"], "config key reward.transform=prob: acts on the RLME terms"),
     (["reward.rlvr_weight=2.0"], "config key reward.rlvr_weight=2.0: is read only by reward.kind=hybrid"),
-    (["task=rm_nlhf", "run.eval_every=5", "data.val=holdout"], "config key run.eval_every: is RLME's in-run validation"),
+    (["task=rm_nlhf", "run.eval_every=5", "data.val=holdout"], "config key data.val='holdout': is RLME's held-out set; task rm_nlhf validates on nlhf.val"),
+    (["task=rm_nlhf", "run.eval_every=5"], "config key run.eval_every=5: needs held-out pairs for task rm_nlhf: set nlhf.val"),
+    (["task=rm_nlhf", "nlhf.val=holdout"], "config key nlhf.val='holdout': is read only by run.eval_every > 0 with task rm_nlhf"),
+    (["run.eval_every=5", "data.val=holdout", "nlhf.val=holdout"], "config key nlhf.val='holdout': is read only by run.eval_every > 0 with task rm_nlhf"),
+    (["task=rm_nlhf", "run.eval_every=5", "nlhf.val=holdout", "nlhf.val_size=0"], "config key nlhf.val_size: must be >= 1, got 0"),
+    (["task=rm_nlhf", "run.eval_every=5", "nlhf.val=holdout", "nlhf.val_max_new_tokens=0"], "config key nlhf.val_max_new_tokens: must be >= 1"),
     (["data.answer_field=null", "run.eval_every=5", "data.val=holdout"], "config key run.eval_every: validation accuracy needs labels"),
 ])
 def test_experiment_settings_that_cannot_work_are_one_line_errors(overrides, message):
@@ -232,3 +238,70 @@ def test_early_stop_writes_its_file_and_a_rerun_stops_at_start(tmp_path, tiny_mo
     T.main(args)  # the same command again: refuses to train on, says why
     assert "stopped early at step 3" in capsys.readouterr().out
     assert len(open(out / "metrics.jsonl").readlines()) == 3
+
+
+# ---- RM-NLHF's in-run validation: the GRM's pairwise accuracy on held-out pairs (issue 27 item 6) -----
+
+def pair(i, winner):
+    return {"id": f"v{i}", "context": f"question {i}", "response_a": f"alpha{i}", "response_b": f"beta{i}",
+            "winner": winner, "critique": "c", "source": "t", "meta": {}}
+
+
+def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
+    """3 held-out pairs, human winners A, B, A. A fake generate answers per prompt (order ab shows
+    the pair as loaded, order ba swapped): pair 0 always [[A]] (right in ab, wrong in ba); pair 1
+    names beta1 in both orders (right twice); pair 2 writes no verdict in ab (a format error) and
+    names alpha2 in ba (right). Right = 1 + 2 + 1 = 4 of 6 -> val/pairwise_accuracy 2/3; ab: 2/3
+    (pairs 0, 1), ba: 2/3 (pairs 1, 2); format errors 1 of 6. The decoding keys reach the call."""
+    _, tok = load_model(tiny_model_path)
+    calls = []
+
+    def verdict(text):  # the letter the fake GRM picks for one decoded prompt
+        if "question 0" in text:
+            return "[[A]]"
+        if "question 1" in text:  # beta1 is shown as B in order ab, as A in order ba
+            return "[[B]]" if text.index("beta1") > text.index("alpha1") else "[[A]]"
+        return "no verdict" if text.index("alpha2") < text.index("beta2") else "[[B]]"
+
+    def generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k, seed):
+        calls.append({"rows": len(prompt_ids), "max_new_tokens": max_new_tokens, "temperature": temperature,
+                      "top_p": top_p, "seed": seed})
+        outs = []
+        for ids in prompt_ids:
+            v = verdict(tok.decode(ids))
+            outs.append(v if v == "no verdict" else f"<critics>\nOne is wrong.\n</critics>\n<choice>{v}</choice>")
+        return {"completions": outs, "truncated": [False] * len(outs)}
+
+    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_max_new_tokens=48", "run.seed=1")
+    from types import SimpleNamespace
+    policy = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(max_position_embeddings=10 ** 6))
+    state = {"rank": 0, "world": 1, "policy": policy, "model": policy, "tokenizer": tok, "chat": False,
+             "passes": {"generate": generate}, "val_items": [pair(0, "A"), pair(1, "B"), pair(2, "A")]}
+    out = validation_step(state, cfg, 4, records=None, reward_step=None)  # dispatches on the task
+    assert out["val/n"] == 3 and out["step"] == 4
+    assert out["val/pairwise_accuracy"] == pytest.approx(4 / 6)
+    assert out["val/acc_ab"] == pytest.approx(2 / 3) and out["val/acc_ba"] == pytest.approx(2 / 3)
+    assert out["val/format_error_rate"] == pytest.approx(1 / 6)
+    # one call, 6 rows (rollout.micro_batch_size 0 = all at once): the release's T 0.6, top-p 1.0, the
+    # key's budget, seed run.seed x 1,000,003 + 7,919 x step + rank = 1,000,003 + 31,676
+    assert calls == [{"rows": 6, "max_new_tokens": 48, "temperature": 0.6, "top_p": 1.0, "seed": 1_031_679}]
+    # the monitor and the early-stop rule follow val/pairwise_accuracy for this task
+    state.update(val_history=[], rewards_since_eval=[1.0], pbar=Bar())
+    assert not monitor(state, cfg, out, {"reward/mean": 1.0})
+    assert state["val_history"] == [{"step": 4, "accuracy": pytest.approx(4 / 6), "train_reward": 1.0}]
+
+
+def test_nlhf_holdout_leaves_dh_and_a_file_is_drawn_from():
+    """nlhf.val holdout: val_size pairs of D_H, seeded, removed from D_H; a file: val_size of its pairs."""
+    dh = [pair(i, "A") for i in range(6)]
+    cfg = cfg_with("task=rm_nlhf", "run.eval_every=1", "nlhf.val=holdout", "nlhf.val_size=2")
+    val, rest = load_nlhf_val_items(cfg, dh)
+    assert len(val) == 2 and len(rest) == 4 and {it["id"] for it in val} | {it["id"] for it in rest} == {it["id"] for it in dh}
+    assert [it["id"] for it in load_nlhf_val_items(cfg, dh)[0]] == [it["id"] for it in val]  # fixed for the run
+    with pytest.raises(SystemExit, match=r"config key nlhf.val_size=6: the holdout would take all 6 D_H pairs"):
+        load_nlhf_val_items(cfg_with("task=rm_nlhf", "run.eval_every=1", "nlhf.val=holdout", "nlhf.val_size=6"), dh)
+    f = data_path("llmbar", "LLMBar_Natural.jsonl")
+    val, rest = load_nlhf_val_items(cfg_with("task=rm_nlhf", "run.eval_every=1", f"nlhf.val={f}", "nlhf.val_size=3"), dh)
+    assert rest is dh and len(val) == 3 and {it["id"] for it in val} <= {it["id"] for it in load_pairwise(f, seed=0)}
+    with pytest.raises(SystemExit, match=r"^config key nlhf.val: "):
+        load_nlhf_val_items(cfg_with("task=rm_nlhf", "run.eval_every=1", "nlhf.val=/no/such.jsonl"), dh)
