@@ -39,6 +39,7 @@ from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, ma
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R
+from plumbing.plan import check_memory_plan
 from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb, unsharded
 import time
 
@@ -69,6 +70,7 @@ def setup(cfg, passes):
     validate_config(cfg, world)
     check_evaluator_paths(cfg)  # before the policy loads (load_evaluators comes after it)
     check_scale_config(cfg, device)
+    check_memory_plan(cfg, world, device)  # on a GPU: a run the memory plan says cannot fit stops here (plumbing/plan.py)
     out_dir = cfg["run"]["out_dir"]
     created = os.path.abspath(out_dir)  # the topmost folder this start creates, if any
     while not os.path.exists(os.path.dirname(created)):
