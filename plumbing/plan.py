@@ -236,6 +236,9 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     add("policy weights", 4 * sum(shard), f"float32 master, {'1/' + str(world) + ' FSDP2 shard' if fsdp else 'full (ddp)'}")
     add("policy gradients", 4 * trained, "float32, as the weights" + (" (LoRA adapters only)" if lora else ""))
     add("AdamW state", 8 * trained + 4 * n_trained, "exp_avg + exp_avg_sq float32 (+ step)")
+    if t["cpu_offload"]:  # FSDP2's CPUOffloadPolicy: shards, gradients and the AdamW step live in host memory
+        for name in ("policy weights", "policy gradients", "AdamW state"):
+            add(name, 0, "in host memory (train.cpu_offload)")
     micro = -(-rows_per_step // mb)
     add("gradient accumulation", 4 * f["params"] if fsdp and micro > 1 else 4 * trained if world > 1 and not fsdp else 0,
         f"FSDP2: unsharded float32 gradient over {micro} micro-batches" if fsdp else "DDP gradient buckets")

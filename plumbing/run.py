@@ -48,7 +48,7 @@ def setup(cfg, passes):
     """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
-    size; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
+    size; on a GPU the memory plan, plumbing/plan.py; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
     guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
     it with model.lora, apply_lora), prompts over the

@@ -169,3 +169,18 @@ def test_shipped_presets_that_fit_pass_the_start_up_check():
     for configs in ([], ["configs/rm_nlhf.yaml"]):
         cfg = load_config([os.path.join(REPO, c) for c in configs], [])
         PL.check_memory_plan(cfg, 8, torch.device("cuda", 0), gpu_bytes=80 * GiB)
+
+
+def test_cpu_offload_and_lora_change_what_trains_on_the_gpu():
+    """train.cpu_offload: FSDP2's shards, gradients and AdamW live in host memory (0 on the GPU);
+    model.lora (ddp): the full float32 base stays, gradients and AdamW only for the adapters:
+    q_proj and v_proj of 36 layers, r 16: 16 x ((2560 + 4096) + (2560 + 1024)) = 163,840 each."""
+    base = PL.memory_plan(load_config([], []), world=8, gpu_bytes=80 * GiB)["items"]
+    off = PL.memory_plan(load_config([], ["train.cpu_offload=true"]), world=8, gpu_bytes=80 * GiB)["items"]
+    assert off["policy weights"] == off["policy gradients"] == off["AdamW state"] == 0
+    assert off["gradient accumulation"] == base["gradient accumulation"] > 0
+    lora = PL.memory_plan(load_config([], ["train.parallel=ddp", "model.lora={r: 16, alpha: 32, target_modules: [q_proj, v_proj]}"]),
+                          world=8, gpu_bytes=80 * GiB)["items"]
+    n = 36 * 163_840
+    assert lora["policy weights"] == 4 * 4_022_468_096
+    assert lora["policy gradients"] == 4 * n and lora["AdamW state"] == 8 * n + 4 * 2 * 72
