@@ -42,9 +42,9 @@ import reward as R
 import rollout
 from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
+from plumbing.plan import add_plan_flags, print_plan
 from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validation_step
-from plumbing.scale import (all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded,
-                            vllm_sleep)
+from plumbing.scale import all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded, vllm_sleep
 from plumbing.services import score_remote
 
 
@@ -538,12 +538,12 @@ def clip_grad_norm(policy, max_norm):
 
 def main(argv=None):
     ap = ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
-    ap.add_argument("--config", action="append", default=[],
-                    help="YAML file(s) over config.yaml; later ones override earlier ones "
-                         "(e.g. --config configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
+    ap.add_argument("--config", action="append", default=[], help="YAML file(s) over config.yaml; later ones override "
+                    "earlier ones (e.g. --config configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
-    a = ap.parse_args(argv)
-    run_interruptible(train, load_config(a.config, a.overrides))  # Ctrl-C: one line, exit 130
+    a = add_plan_flags(ap).parse_args(argv)  # --plan [--world-size N] [--gpu-memory GiB]: plumbing/plan.py
+    cfg = load_config(a.config, a.overrides)
+    print_plan(cfg, a.world_size, a.gpu_memory) if a.plan else run_interruptible(train, cfg)  # Ctrl-C: one line, exit 130
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, ma
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R
+from plumbing.plan import check_memory_plan
 from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb, unsharded
 import time
 
@@ -48,7 +49,7 @@ def setup(cfg, passes):
     """Everything the loop needs, in one dict `state`, or None when the run in run.out_dir is complete.
 
     Order: what can fail without loading a model first (device, out_dir, config against the world
-    size; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
+    size; on a GPU the memory plan, plumbing/plan.py; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
     guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
     it with model.lora, apply_lora), prompts over the
@@ -70,6 +71,7 @@ def setup(cfg, passes):
     validate_config(cfg, world)
     check_evaluator_paths(cfg)  # before the policy loads (load_evaluators comes after it)
     check_scale_config(cfg, device)
+    check_memory_plan(cfg, world, device)  # on a GPU: a run the memory plan says cannot fit stops here (plumbing/plan.py)
     out_dir = cfg["run"]["out_dir"]
     created = os.path.abspath(out_dir)  # the topmost folder this start creates, if any
     while not os.path.exists(os.path.dirname(created)):
