@@ -376,6 +376,16 @@ def validate_config(cfg, world_size=1):
     if cfg["task"] == "rm_nlhf":
         if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
             raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")
+        m = cfg["metarm"]
+        # the discretised / classifier MetaRMs know R in {0, 1, 1 + λ} only (metarm.py's mode table): without the
+        # outcome gate a wrong verdict's target is λ (binary would give every wrong D_O verdict the full λ), and
+        # train_on_do's D_O label is 1 + λ/2; neither has a class or a bit there
+        if m["mode"] in ("binary", "binary_retrain", "classifier") and not nl["gate_on_outcome"]:
+            raise SystemExit(f"config keys metarm.mode={m['mode']} and nlhf.gate_on_outcome=false do not combine: an ungated "
+                             f"wrong verdict's target λ has no {'class' if m['mode'] == 'classifier' else 'process bit'} there")
+        if m["mode"] in ("binary_retrain", "classifier") and m["train_on_do"]:
+            raise SystemExit(f"config keys metarm.mode={m['mode']} and metarm.train_on_do=true do not combine: the D_O "
+                             f"label 1 + λ/2 has no {'class' if m['mode'] == 'classifier' else 'process bit'} there")
         if nl["do_reward"] == "released":  # the form only changes the right-verdict bonus of the MetaRM modes
             why = ("no D_O data (nlhf.do is null)" if not nl["do"] else
                    f"metarm.mode={cfg['metarm']['mode']} does not use Eq. 8's bonus"
