@@ -362,6 +362,8 @@ def validate_config(cfg, world_size=1):
         raise SystemExit(f"config key rollout.top_p: must be in (0, 1], got {r['top_p']}")
     if r["top_k"] < 0:
         raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
+    if cfg["algo"]["std_unbiased"] and not cfg["algo"]["advantage_std"]:
+        raise SystemExit("config key algo.std_unbiased=true changes nothing with algo.advantage_std=false (no std is divided by)")
     check_data_config(cfg)
     check_report_to(cfg)
     check_lora_config(cfg)
