@@ -1,12 +1,11 @@
 """MetaRM: a scalar regression model that predicts the RM-NLHF reward where no human critique exists.
 
-RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5), where a judge
-compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
-critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
-response B, GRM critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default
-nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its prediction R̂,
-clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8):
-a bonus of at most λ, as on D_H.
+RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5), where a judge compares
+its critique with the human one (Eq. 4). D_O items have a preference label but no human critique, so
+the process term is predicted instead: the MetaRM reads (conversation, response A, response B, GRM
+critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default nlhf.gate_on_outcome; R = -1
+samples are left out) with MSE (Eq. 6-7), and its prediction R̂, clipped to [0, 1 + λ], sets the D_O
+reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8): a bonus of at most λ, as on D_H.
 
 One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
     Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
@@ -25,11 +24,13 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
     binary       online, the regression MetaRM as trained for `online`, its output discretised
                  (App. H.1: "outputs discretized to {0, 1}"): the process bit is 1[R̂ > 1 + λ/2]
                  (nearer 1 + λ than 1), so predict() returns R̂ = 1 + λ·bit
-    binary_retrain  online; the MetaRM regresses y = 1[R > 1] (right AND critique matched) with
-                 MSE instead, and predict() returns R̂ = 1 + λ·1[ŷ >= 0.5] (this project's earlier
-                 reading of the ablation, kept as an option)
+    binary_retrain  online; the MetaRM regresses y = 1[R > 1] (right AND critique matched) with MSE
+                 instead, predict() returns R̂ = 1 + λ·1[ŷ >= 0.5] (ours: an earlier reading, kept)
     classifier   online; a 3-way classification head over the reward values (0, 1, 1 + λ) with
-                 cross-entropy, predict() returns the expected value Σ p_c · value_c
+                 cross-entropy (3 classes, their expected value Σ p_c · value_c as R̂: ours; the paper
+                 says only "classification head")
+    binary_retrain, classifier: refused with nlhf.gate_on_outcome false or metarm.train_on_do (no
+                 class / bit for the targets λ and 1 + λ/2; binary too without the gate: plumbing/config.py)
 
 The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tokenizer",
 "optimizer" (online AdamW, created on first update), "mode", "lam", "batch_size", "max_length",
@@ -65,16 +66,13 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
 
     items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated);
     completions: list[str] (N); judge: a make_judge dict; mrm: the MetaRM dict or None (mode none);
-    nlhf: the config's `nlhf:` section (the method's numbers); mode, train_on_do: metarm.mode and
-    metarm.train_on_do; seed: this step's MetaRM shuffle seed (train.py: run.seed * 7919 + step);
-    world: number of ranks; t0: time.perf_counter() at the start of the step (the "order/*"
-    metrics are seconds since it).
-    Returns:
-        dict, the same shape as train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the
-        judge failed), "valid" BoolTensor [N] (False = judge failure: left out of group statistics
-        and of the loss), "records" list (N) of samples.jsonl fields (pair, verdict, critique,
-        judge F1 or why not, R̂, reward), "metrics" dict (MetaRM loss/agreement, order of operations).
-    """
+    nlhf: the `nlhf:` config section; mode, train_on_do: metarm.mode and metarm.train_on_do; seed:
+    this step's MetaRM shuffle seed (train.py: run.seed * 7919 + step); world: number of ranks; t0:
+    time.perf_counter() at the step's start (the "order/*" metrics are seconds since it).
+    Returns dict, the shape of train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the judge
+    failed), "valid" BoolTensor [N] (False = judge failure: out of group statistics and the loss),
+    "records" list (N) of samples.jsonl fields (pair, verdict, critique, judge F1 or why not, R̂,
+    reward), "metrics" dict (MetaRM loss/agreement, order of operations)."""
     parsed = [reward.parse_grm_completion(c, nlhf) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
@@ -94,7 +92,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
             extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=nlhf["lam"])
             train_items, train_samples = train_items + [items[i] for i in do_idx], train_samples + extra
-        metrics.update(online_update(mrm, train_items, train_samples, world=world, seed=seed))
+        metrics.update(online_update(mrm, train_items, train_samples, world=world, seed=seed, gated=nlhf["gate_on_outcome"]))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
@@ -131,18 +129,18 @@ def do_training_samples(parsed, items, lam):
     """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
     Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
     outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
-    The paper's sentence pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read
-    it as right -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method.
-    Returns {"valid", "reward", "critique"} per verdict (invalid: reward None, not trained on)."""
+    The paper pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read it as right
+    -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method. Returns {"valid",
+    "reward", "critique", "outcome_label"} per verdict (invalid: reward None, not trained on)."""
     out = []
     for p, it in zip(parsed, items):
         right = p["valid"] and p["choice"] == it["winner"]
         out.append({"valid": p["valid"], "critique": p["critique"],
-                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None})
+                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
     return out
 
 
-def online_update(mrm, items, samples, *, world, seed):
+def online_update(mrm, items, samples, *, world, seed, gated=True):
     """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`).
 
     Under torchrun the (item, sample) pairs are all-gathered, rank 0 alone runs `update` (it holds
@@ -154,7 +152,7 @@ def online_update(mrm, items, samples, *, world, seed):
         dist.all_gather_object(parts, list(zip(items, samples)))
         pairs = [p for part in parts for p in part]
         items, samples = [p[0] for p in pairs], [p[1] for p in pairs]
-    out = update(mrm, items, samples, seed=seed) if (world == 1 or dist.get_rank() == 0) else None
+    out = update(mrm, items, samples, seed=seed, gated=gated) if (world == 1 or dist.get_rank() == 0) else None
     if world > 1:
         box = [out, mrm["updates"]]
         dist.broadcast_object_list(box, src=0)
@@ -170,8 +168,7 @@ def online_update(mrm, items, samples, *, world, seed):
 def metarm_text(context, response_a, response_b, critique):
     """The MetaRM input M_φ(q, y_A, y_B, ĉ) (RM-NLHF Eq. 6): conversation, both responses and the GRM critique, as text.
     No chat template: this model is a regressor, not a chat model."""
-    pair = reward.PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(),
-                                   response_b=response_b.strip())
+    pair = reward.PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(), response_b=response_b.strip())
     return f"{pair}\n\n[Critique]\n{(critique or '').strip()}"
 
 
@@ -211,9 +208,10 @@ def metarm_input(mrm, context, response_a, response_b, critique):
     return metarm_text(*parts), True
 
 
-def class_values(lam):
-    """The reward values the 'classifier' mode predicts over: (0, 1, 1 + λ)."""
-    return (0.0, 1.0, 1.0 + lam)
+def class_values(lam, gated=True):
+    """(0, 1, 1 + λ): the 'classifier' mode's classes and the values of a D_H reward R >= 0 (RM-NLHF Eq. 5);
+    gated=False (nlhf.gate_on_outcome false) adds λ, a wrong verdict whose critique matched."""
+    return (0.0, 1.0, 1.0 + lam) if gated else (0.0, lam, 1.0, 1.0 + lam)
 
 
 def train_target(r, mode, lam):
@@ -227,16 +225,15 @@ def train_target(r, mode, lam):
 
 
 def examples_from_samples(mrm, items, samples):
-    """MetaRM training examples {"text", "r"} from scored D_H samples (reward.score_dh output, with
-    their pairwise items): every valid verdict whose reward is known. Invalid formats (R = -1) are
-    left out: the MetaRM regresses R ∈ {0, 1, 1 + λ} and D_O never asks the MetaRM about them.
-    Judge failures (reward None) are left out too."""
+    """MetaRM training examples {"text", "r", "dh" (False: a do_training_samples outcome label)} from
+    scored samples (reward.score_dh output, with their pairwise items): every valid verdict whose
+    reward is known. Invalid formats (R = -1; D_O never asks the MetaRM about them) and judge
+    failures (reward None) are left out."""
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
-            text, _ = metarm_input(mrm, it["context"], response_a=it["response_a"], response_b=it["response_b"],
-                                   critique=s["critique"])
-            out.append({"text": text, "r": float(s["reward"])})
+            text, _ = metarm_input(mrm, it["context"], it["response_a"], it["response_b"], critique=s["critique"])
+            out.append({"text": text, "r": float(s["reward"]), "dh": not s.get("outcome_label", False)})
     return out
 
 
@@ -265,31 +262,32 @@ def _forward(mrm, texts):
 
 
 @torch.no_grad()
-def predict_texts(mrm, texts):
-    """R̂ on the reward scale for a list of MetaRM input texts (see the mode table at the top)."""
-    model = mrm["model"]
+def raw_outputs(mrm, texts):
+    """The MetaRM's raw outputs for texts, in batches: floats (regression) or [3] logit lists (classifier)."""
+    model, out = mrm["model"], []
     was = model.training
     model.eval()
-    preds = []
     for i in range(0, len(texts), mrm["batch_size"]):
-        out = _forward(mrm, texts[i:i + mrm["batch_size"]])
-        if mrm["mode"] == "classifier":
-            values = torch.tensor(class_values(mrm["lam"]), device=out.device)
-            preds += (out.softmax(-1) * values).sum(-1).tolist()
-        elif mrm["mode"] == "binary":  # the regression output, discretised to a process bit
-            preds += [1.0 + mrm["lam"] * float(y > 1.0 + mrm["lam"] / 2) for y in out.tolist()]
-        elif mrm["mode"] == "binary_retrain":  # a 0/1 regressor, thresholded at 0.5
-            preds += [1.0 + mrm["lam"] * float(y >= 0.5) for y in out.tolist()]
-        else:
-            preds += out.tolist()
+        out += _forward(mrm, texts[i:i + mrm["batch_size"]]).tolist()
     model.train(was)
-    return preds
+    return out
+
+
+def predict_texts(mrm, texts):
+    """R̂ on the reward scale for a list of MetaRM input texts (see the mode table at the top)."""
+    lam, mode, out = mrm["lam"], mrm["mode"], raw_outputs(mrm, texts)
+    if mode == "classifier":  # the expected value Σ p_c · value_c
+        return [sum(p * v for p, v in zip(torch.tensor(o).softmax(-1).tolist(), class_values(lam))) for o in out]
+    if mode == "binary":  # the regression output, discretised to a process bit
+        return [1.0 + lam * float(y > 1.0 + lam / 2) for y in out]
+    if mode == "binary_retrain":  # a 0/1 regressor, thresholded at 0.5
+        return [1.0 + lam * float(y >= 0.5) for y in out]
+    return out
 
 
 def predict(mrm, items, critiques):
     """R̂ for D_O samples (Algorithm 1, step 4; RM-NLHF Eq. 6). items: pairwise dicts; critiques: the GRM critiques
-    (None for an invalid sample gives None: its reward is -1 whatever R̂ says).
-    Returns list[float | None]."""
+    (None for an invalid sample gives None: its reward is -1 whatever R̂ says). Returns list[float | None]."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
     texts = [metarm_input(mrm, items[i]["context"], response_a=items[i]["response_a"],
                           response_b=items[i]["response_b"], critique=critiques[i])[0] for i in idx]
@@ -300,17 +298,26 @@ def predict(mrm, items, critiques):
     return out
 
 
-def agreement(preds, rewards, lam):
-    """Share of samples where R̂, rounded to the nearest reward value in (0, 1, 1 + λ), equals
-    the judge-based reward R (docs/method.md §9: 'MetaRM agreement with the judge')."""
+def agreement(outputs, rewards, lam, mode="online", gated=True):
+    """metarm/agreement (docs/method.md §9), on D_H samples: mean_i 1[decode(o_i) = train_target(R_i)],
+    R_i the judge-based reward, o_i the raw output (raw_outputs) of the mode's trained model; decode =
+    the nearest of class_values(λ, gated) for a regressor (binary too: its output before the process
+    bit, which is never 0), 1[o >= 0.5] for binary_retrain, the argmax class for the classifier. A
+    perfect predictor (o = its target, all mass on the target class) scores 1 in every mode: each
+    target is one of the decoded values. None for no sample."""
     if not rewards:
         return None
-    vals = class_values(lam)
-    near = [min(vals, key=lambda v: abs(v - p)) for p in preds]
-    return sum(abs(n - r) < 1e-9 for n, r in zip(near, rewards)) / len(rewards)
+    targets = [train_target(r, mode, lam) for r in rewards]
+    if mode == "classifier":
+        guess = [max(range(3), key=lambda c: o[c]) for o in outputs]
+    elif mode == "binary_retrain":
+        guess = [float(o >= 0.5) for o in outputs]
+    else:
+        guess = [min(class_values(lam, gated), key=lambda v: abs(v - o)) for o in outputs]
+    return sum(abs(g - t) < 1e-9 for g, t in zip(guess, targets)) / len(targets)
 
 
-def update(mrm, items, samples, seed=0):
+def update(mrm, items, samples, seed=0, gated=True):
     """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): fit with the
     persistent AdamW at `online_lr` (constant), `online_epochs` passes (1 by default; the paper's
     "Aggressive" ablation takes 2 at lr 1e-5, App. H.1). Agreement with the judge is measured on
@@ -322,13 +329,13 @@ def update(mrm, items, samples, seed=0):
     metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
     if not ex:
         return metrics
-    rewards = [e["r"] for e in ex]
-    metrics["metarm/agreement"] = agreement(predict_texts(mrm, [e["text"] for e in ex]), rewards, mrm["lam"])
+    judged = [e for e in ex if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
+    metrics["metarm/agreement"] = agreement(raw_outputs(mrm, [e["text"] for e in judged]), [e["r"] for e in judged],
+                                            mrm["lam"], mode=mrm["mode"], gated=gated)
     if mrm["mode"] == "offline":
         return metrics
     if mrm["optimizer"] is None:
-        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
-                                             weight_decay=mrm["weight_decay"])
+        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"], weight_decay=mrm["weight_decay"])
     steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
     mrm["updates"] += 1
     metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / (len(ex) * mrm["online_epochs"])

@@ -81,9 +81,9 @@ def train(cfg):
             rew = reward_step(samples, ro_out["completions"])
         t2 = time.perf_counter()
 
-        # --- 4. advantages: r - mean of the group (RLME Eq. 5), / std for GRPO; groups never
-        #        straddle ranks; samples whose reward is unknown (valid False) get 0 ---------------
-        advantages = group_advantages(rew["reward"], G, std=cfg["algo"]["advantage_std"], valid=rew["valid"])
+        # --- 4. advantages: r - group mean (RLME Eq. 5), / std for GRPO; groups never straddle ranks; unknown rewards get 0
+        advantages = group_advantages(rew["reward"], G, std=cfg["algo"]["advantage_std"], valid=rew["valid"],
+                                      unbiased=cfg["algo"]["std_unbiased"])
 
         # --- 5. update: CISPO (RLME Eq. 6-8) or GRPO (+ k3 KL to the reference) ------------------
         batch = {"prompt_ids": ro_out["prompt_ids"], "completion_ids": ro_out["completion_ids"],
@@ -261,9 +261,9 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
             "metrics": metrics}
 
 
-def group_advantages(rewards, group_size, std=False, valid=None):
-    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (population std + 1e-6) when std=True (GRPO,
-    RM-NLHF Eq. 1-2).
+def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False):
+    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (std + 1e-6) when std=True (GRPO, RM-NLHF Eq. 1-2): the
+    population std (sum / n), or with unbiased=True sum / (n - 1) (torch.std, the authors' verl).
 
     Args:
         rewards: FloatTensor [N], N = groups x group_size, groups contiguous.
@@ -280,7 +280,7 @@ def group_advantages(rewards, group_size, std=False, valid=None):
     mean = r0.sum(1, keepdim=True) / count
     adv = torch.where(v, r - mean, torch.zeros_like(r))
     if std:
-        var = (adv ** 2).sum(1, keepdim=True) / count  # population variance
+        var = (adv ** 2).sum(1, keepdim=True) / (count - int(unbiased)).clamp(min=1)  # population | unbiased variance
         adv = adv / (var.sqrt() + 1e-6)
     big = torch.finfo(r.dtype).max
     flat = (torch.where(v, r, torch.full_like(r, -big)).amax(1, keepdim=True)

@@ -986,7 +986,8 @@ def build_parser():
     p.add_argument("--name", default=None, help="results file tag (default: from --data)")
     p.set_defaults(fn=cmd_qa)
 
-    p = subcommand("pairwise", "pairwise GRM accuracy per benchmark, both A/B orders")
+    p = subcommand("pairwise", "pairwise GRM accuracy per benchmark, both A/B orders averaged (ours: the paper "
+                               "does not say how it orders a pair)")
     common(p)
     p.add_argument("files", nargs="*", help="pairwise JSONL files, named by their folder (default: the registry "
                                             "benchmarks that pass the contamination rule)")
@@ -1012,7 +1013,8 @@ def build_parser():
                         "0 = model context - max new tokens")
     p.set_defaults(fn=cmd_pairwise)
 
-    p = subcommand("bon", "Best-of-N: knockout / double-elimination tournaments judged by a GRM")
+    p = subcommand("bon", "Best-of-N: knockout / double-elimination tournaments judged by a GRM; a match "
+                          "without a valid choice goes to the first-listed player (ours; the release picks at random)")
     common(p)
     sampling(p, 50)
     p.add_argument("--judge", required=True, help="the generative reward model")

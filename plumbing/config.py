@@ -371,6 +371,8 @@ def validate_config(cfg, world_size=1):
         raise SystemExit(f"config key rollout.top_p: must be in (0, 1], got {r['top_p']}")
     if r["top_k"] < 0:
         raise SystemExit(f"config key rollout.top_k: must be >= 0 (0 = off), got {r['top_k']}")
+    if cfg["algo"]["std_unbiased"] and not cfg["algo"]["advantage_std"]:
+        raise SystemExit("config key algo.std_unbiased=true changes nothing with algo.advantage_std=false (no std is divided by)")
     check_data_config(cfg)
     check_report_to(cfg)
     check_lora_config(cfg)
@@ -384,20 +386,37 @@ def validate_config(cfg, world_size=1):
         raise SystemExit(f"config key judge.temperature: must be >= 0 or null (not sent), got {j['temperature']}")
     if j["max_tokens"] is not None and j["max_tokens"] < 1:
         raise SystemExit(f"config key judge.max_tokens: must be >= 1 or null (not sent), got {j['max_tokens']}")
+    if not 0.0 <= nl["split_dh_fraction"] < 1.0:
+        raise SystemExit(f"config key nlhf.split_dh_fraction: must be in [0, 1) (0 = off; the share of nlhf.dh that "
+                         f"becomes D_H), got {nl['split_dh_fraction']}")
+    if nl["split_dh_fraction"] and nl["do"]:
+        raise SystemExit(f"config key nlhf.split_dh_fraction={nl['split_dh_fraction']} splits nlhf.dh into D_H and D_O: "
+                         f"set nlhf.do: null (it is {nl['do']})")
     for key in ("online_epochs", "rollouts_per_prompt", "epochs", "batch_size"):
         if cfg["metarm"][key] < 1:
             raise SystemExit(f"config key metarm.{key}: must be >= 1, got {cfg['metarm'][key]}")
     if cfg["task"] == "rm_nlhf":
-        if cfg["metarm"]["mode"] == "metarm_only" and not nl["do"]:
-            raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do)")
+        has_do = bool(nl["do"]) or nl["split_dh_fraction"] > 0  # D_O from nlhf.do or from the split of nlhf.dh
+        if cfg["metarm"]["mode"] == "metarm_only" and not has_do:
+            raise SystemExit("config key metarm.mode=metarm_only needs D_O data (nlhf.do or nlhf.split_dh_fraction)")
+        m = cfg["metarm"]
+        # the discretised / classifier MetaRMs know R in {0, 1, 1 + λ} only (metarm.py's mode table): without the
+        # outcome gate a wrong verdict's target is λ (binary would give every wrong D_O verdict the full λ), and
+        # train_on_do's D_O label is 1 + λ/2; neither has a class or a bit there
+        if m["mode"] in ("binary", "binary_retrain", "classifier") and not nl["gate_on_outcome"]:
+            raise SystemExit(f"config keys metarm.mode={m['mode']} and nlhf.gate_on_outcome=false do not combine: an ungated "
+                             f"wrong verdict's target λ has no {'class' if m['mode'] == 'classifier' else 'process bit'} there")
+        if m["mode"] in ("binary_retrain", "classifier") and m["train_on_do"]:
+            raise SystemExit(f"config keys metarm.mode={m['mode']} and metarm.train_on_do=true do not combine: the D_O "
+                             f"label 1 + λ/2 has no {'class' if m['mode'] == 'classifier' else 'process bit'} there")
         if nl["do_reward"] == "released":  # the form only changes the right-verdict bonus of the MetaRM modes
-            why = ("no D_O data (nlhf.do is null)" if not nl["do"] else
+            why = ("no D_O data (nlhf.do is null)" if not has_do else
                    f"metarm.mode={cfg['metarm']['mode']} does not use Eq. 8's bonus"
                    if cfg["metarm"]["mode"] in ("none", "metarm_only") else
                    "nlhf.gate_on_outcome=false: the released code has no ungated D_O reward" if not nl["gate_on_outcome"] else "")
             if why:
                 raise SystemExit(f"config key nlhf.do_reward=released would change nothing here: {why}")
-        if nl["do"] and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
+        if has_do and round(nl["dh_per_step"] * r["prompts_per_step"]) == 0:
             raise SystemExit(f"config key nlhf.dh_per_step={nl['dh_per_step']}: gives no D_H prompt per step "
                              f"(rollout.prompts_per_step={r['prompts_per_step']}); the MetaRM learns from D_H")
 

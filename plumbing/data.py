@@ -1009,28 +1009,55 @@ def load_pairwise(path_or_hub_id, schema="auto", seed=0, shuffle=True, split="tr
     return items
 
 
-def load_dh_items(cfg):
-    """D_H (RM-NLHF §3.2.1; docs/method.md §5.1): pairwise items WITH a human critique, from
-    nlhf.dh; items without one are dropped. Returns list of load_pairwise dicts. SystemExit (one
-    line) on bad data or when no item has a critique."""
-    nl = cfg["nlhf"]
-    items = [it for it in load_pairwise(nl["dh"], schema=nl["dh_schema"], seed=cfg["run"]["seed"],
-                                        split=nl["dh_split"], config_name=nl["dh_config"]) if it["critique"]]
-    if not items:
+def split_dh_do(items, fraction, seed):
+    """Split ONE pairwise dataset into D_H and D_O by a seeded ratio (nlhf.split_dh_fraction; RM-NLHF
+    App. F: "we randomly split the HelpSteer3 dataset into two equal parts with a 1:1 ratio, serving
+    as D_H and D_O"). Item k's key is random.Random(f"{seed}:split:{id_k}").random() (a string seed,
+    hashed with SHA-512, as finalize_pair's coin); the floor(fraction x n + 0.5) items with the
+    smallest (key, k) go to D_H, the rest to D_O, both in the dataset's order. A key per item id,
+    so an item's side does not depend on the order the rows were read in.
+    Returns (dh, do): two lists of the load_pairwise dicts, together all of `items`."""
+    order = sorted(range(len(items)), key=lambda k: (random.Random(f"{seed}:split:{items[k]['id']}").random(), k))
+    to_dh = set(order[:int(fraction * len(items) + 0.5)])
+    return [it for k, it in enumerate(items) if k in to_dh], [it for k, it in enumerate(items) if k not in to_dh]
+
+
+def load_nlhf_items(cfg, want_dh=True, want_do=True):
+    """D_H and D_O (RM-NLHF §3.2.1; docs/method.md §5.1). D_H: the pairwise items of nlhf.dh WITH a
+    human critique (items without one are dropped); D_O: those of nlhf.do with any critique removed
+    (their process reward comes from the MetaRM), [] when nlhf.do is null. With nlhf.split_dh_fraction
+    f > 0, nlhf.dh alone is read and split (split_dh_do, seed run.seed): D_H is its f share, D_O the
+    rest. nlhf.max_items then cuts each set. want_dh / want_do False: that set is [] and, unless
+    split from nlhf.dh, not read (the cold start needs D_H alone).
+    Returns (dh, do, note): note is one line for the start-up log (the split's counts), or None.
+    SystemExit (one line) on bad data or when no D_H item has a critique."""
+    nl, seed = cfg["nlhf"], cfg["run"]["seed"]
+    dh, do, note = [], [], None
+    if want_dh or nl["split_dh_fraction"]:
+        dh = load_pairwise(nl["dh"], schema=nl["dh_schema"], seed=seed, split=nl["dh_split"], config_name=nl["dh_config"])
+    if nl["split_dh_fraction"]:
+        n = len(dh)
+        dh, do = split_dh_do(dh, nl["split_dh_fraction"], seed)
+        note = (f"nlhf.split_dh_fraction={nl['split_dh_fraction']}: {n} pairs of {nl['dh']} split by run.seed={seed} "
+                f"into {len(dh)} D_H + {len(do)} D_O (samples.jsonl names each sample's item and set)")
+    elif nl["do"] and want_do:
+        do = load_pairwise(nl["do"], schema=nl["do_schema"], seed=seed, split=nl["do_split"], config_name=nl["do_config"])
+    dh = [it for it in dh if it["critique"]] if want_dh else []
+    if want_dh and not dh:
         raise SystemExit(f"config key nlhf.dh={nl['dh']}: no item has a human critique (D_H needs them)")
-    return items[:nl["max_items"]] if nl["max_items"] else items
+    do = [dict(it, critique=None) for it in do]
+    cut = (lambda x: x[:nl["max_items"]]) if nl["max_items"] else (lambda x: x)
+    return cut(dh), cut(do) if want_do else [], note
+
+
+def load_dh_items(cfg):
+    """D_H alone (load_nlhf_items), e.g. for the MetaRM cold start. Returns list of load_pairwise dicts."""
+    return load_nlhf_items(cfg, want_do=False)[0]
 
 
 def load_do_items(cfg):
-    """D_O (RM-NLHF §3.2.1; docs/method.md §5.1): pairwise items from nlhf.do with any critique
-    removed (their process reward comes from the MetaRM). [] when nlhf.do is null."""
-    nl = cfg["nlhf"]
-    if not nl["do"]:
-        return []
-    items = [dict(it, critique=None)
-             for it in load_pairwise(nl["do"], schema=nl["do_schema"], seed=cfg["run"]["seed"], split=nl["do_split"],
-                                     config_name=nl["do_config"])]
-    return items[:nl["max_items"]] if nl["max_items"] else items
+    """D_O alone (load_nlhf_items). Returns list of load_pairwise dicts, critique None."""
+    return load_nlhf_items(cfg, want_dh=False)[1]
 
 
 def load_nlhf_val_items(cfg, dh_items):

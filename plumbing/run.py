@@ -33,7 +33,7 @@ from plumbing.config import check_evaluator_paths, check_scale_config, check_sin
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
-from plumbing.data import (keep_short, load_dh_items, load_do_items, load_model, load_nlhf_val_items, load_train_items,
+from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_val_items, load_train_items,
                            load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
                             save_merged, setup_distributed, wrap_policy)
@@ -115,7 +115,9 @@ def start_run(cfg, passes, rank, world, device):
     task = cfg["task"]
     if task == "rm_nlhf":
         state["judge"] = make_judge(cfg["judge"])
-        state["dh_items"], state["do_items"] = load_dh_items(cfg), load_do_items(cfg)
+        state["dh_items"], state["do_items"], note = load_nlhf_items(cfg)
+        if note and is_main:  # the D_H / D_O split of one dataset (nlhf.split_dh_fraction), for the audit
+            print(f"[train] {note}", flush=True)
         if cfg["nlhf"]["val"] != "holdout":  # run.eval_every's held-out pairs from a file (a holdout: below)
             state["val_items"], _ = load_nlhf_val_items(cfg, state["dh_items"])
     else:

@@ -227,3 +227,73 @@ def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path)
         moved |= not torch.equal(p, r)
     assert moved
     assert m2["metarm/loss"] == pytest.approx((a["metarm/loss"] + b["metarm/loss"]) / 2, rel=1e-5)
+
+
+def test_agreement_decodes_each_modes_own_target():
+    """metarm/agreement = mean 1[decode(o) = train_target(R)] (metarm.agreement), by hand, λ = 0.5:
+    binary: raw regression outputs (0.4, 1.2, 1.3, 0.6) -> nearest of (0, 1, 1.5) = (0, 1, 1.5, 1)
+    vs R (0, 1, 1.5, 0): 3 of 4; binary_retrain: (0.49, 0.5, 0.7) -> 1[o >= 0.5] = (0, 1, 1) vs
+    1[R > 1] for R (1.5, 1.5, 1) = (1, 1, 0): 1 of 3; classifier: argmax of logits (2, 1, 0), (0, 1, 3)
+    = (0, 2) vs classes of R (0, 1) = (0, 1): 1 of 2; ungated: 0.45 -> λ = 0.5 (nearest of 0, 0.5, 1, 1.5)."""
+    assert metarm.agreement([0.4, 1.2, 1.3, 0.6], [0.0, 1.0, 1.5, 0.0], 0.5, mode="binary") == 0.75
+    assert metarm.agreement([0.49, 0.5, 0.7], [1.5, 1.5, 1.0], 0.5, mode="binary_retrain") == pytest.approx(1 / 3)
+    assert metarm.agreement([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0]], [0.0, 1.0], 0.5, mode="classifier") == 0.5
+    assert metarm.agreement([0.45, 0.2], [0.5, 0.0], 0.5, gated=False) == 1.0
+    assert metarm.agreement([0.45], [0.5], 0.5) == 0.0  # gated grid (0, 1, 1.5): 0.45 -> 0
+
+
+@pytest.mark.parametrize("mode,raw", [
+    ("online", [0.0, 1.0, 1.5]), ("offline", [0.0, 1.0, 1.5]), ("metarm_only", [0.0, 1.0, 1.5]),
+    ("binary", [0.0, 1.0, 1.5]),  # the regressor binary discretises, perfect: was 2/3 (R = 0 -> R̂ = 1)
+    ("binary_retrain", [0.0, 0.0, 1.0]),  # a perfect 0/1 regressor of 1[R > 1]: was 2/3
+    ("classifier", [[30.0, 0.0, 0.0], [0.0, 30.0, 0.0], [0.0, 0.0, 30.0]])])
+def test_a_perfect_metarm_agrees_fully_in_every_mode(tiny_model_path, monkeypatch, mode, raw):
+    """D_H rewards R = (0, 1, 1.5) and the mode's perfect raw outputs: metarm/agreement is 1."""
+    mrm = fresh(tiny_model_path, mode=mode, lam=0.5, online_lr=0.0)
+    monkeypatch.setattr(metarm, "_forward", lambda m, texts: torch.tensor(raw[:len(texts)], requires_grad=True))
+    samples = [{"valid": True, "reward": r, "critique": f"c{i}"} for i, r in enumerate([0.0, 1.0, 1.5])]
+    assert metarm.update(mrm, [item(i) for i in range(3)], samples)["metarm/agreement"] == 1.0
+
+
+def test_agreement_with_train_on_do_and_without_the_gate(tiny_model_path, monkeypatch):
+    """train_on_do: D_O labels (right 1 + λ/2 = 1.25, wrong 0) train the MetaRM but are not the
+    judge's, so agreement counts the D_H samples only: a predictor perfect on all four targets
+    (0, 1.5 | 1.25, 0) scores 1 (it was 3/4: 1.25 rounded to 1). Ungated (nlhf.gate_on_outcome
+    false), a wrong verdict whose critique matched has R = λ = 0.5: its perfect output scores 1."""
+    mrm = fresh(tiny_model_path, mode="online", lam=0.5, online_lr=0.0)
+    outs = [0.0, 1.5, 1.25, 0.0]
+    monkeypatch.setattr(metarm, "_forward", lambda m, texts: torch.tensor(outs[:len(texts)], requires_grad=True))
+    dh = [{"valid": True, "reward": 0.0, "critique": "a"}, {"valid": True, "reward": 1.5, "critique": "b"}]
+    parsed = [{"valid": True, "choice": "A", "critique": "c"}, {"valid": True, "choice": "B", "critique": "d"}]
+    do = metarm.do_training_samples(parsed, [item(2, "A"), item(3, "A")], lam=0.5)
+    assert [s["reward"] for s in do] == [1.25, 0.0]
+    items = [item(0), item(1), item(2), item(3)]
+    m = metarm.update(mrm, items, dh + do)
+    assert m["metarm/n"] == 4 and m["metarm/agreement"] == 1.0
+    outs[:] = [0.5, 1.0]
+    ungated = [{"valid": True, "reward": 0.5, "critique": "a"}, {"valid": True, "reward": 1.0, "critique": "b"}]
+    assert metarm.update(mrm, items[:2], ungated, gated=False)["metarm/agreement"] == 1.0
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["metarm.mode=binary", "nlhf.gate_on_outcome=false"],
+     "config keys metarm.mode=binary and nlhf.gate_on_outcome=false do not combine: an ungated wrong verdict's "
+     "target λ has no process bit there"),
+    (["metarm.mode=classifier", "nlhf.gate_on_outcome=false"],
+     "config keys metarm.mode=classifier and nlhf.gate_on_outcome=false do not combine: an ungated wrong verdict's "
+     "target λ has no class there"),
+    (["metarm.mode=binary_retrain", "nlhf.gate_on_outcome=false"],
+     "config keys metarm.mode=binary_retrain and nlhf.gate_on_outcome=false do not combine: an ungated wrong "
+     "verdict's target λ has no process bit there"),
+    (["metarm.mode=classifier", "metarm.train_on_do=true"],
+     "config keys metarm.mode=classifier and metarm.train_on_do=true do not combine: the D_O label 1 + λ/2 has no "
+     "class there"),
+    (["metarm.mode=binary_retrain", "metarm.train_on_do=true"],
+     "config keys metarm.mode=binary_retrain and metarm.train_on_do=true do not combine: the D_O label 1 + λ/2 has "
+     "no process bit there")])
+def test_modes_without_a_class_for_the_target_are_refused(overrides, msg):
+    with pytest.raises(SystemExit) as e:
+        config.load_config([], ["task=rm_nlhf", *overrides])
+    assert str(e.value) == msg
+    config.load_config([], ["task=rm_nlhf", "metarm.mode=binary", "metarm.train_on_do=true"])  # binary regresses R: fine
+    config.load_config([], ["task=rm_nlhf", "metarm.mode=online", "nlhf.gate_on_outcome=false"])

@@ -35,6 +35,27 @@ def test_std_advantages_zero_variance_and_one_of_four():
     assert a[4:].tolist() == [0.0] * 4 and not torch.isnan(a).any()
 
 
+def test_unbiased_std_advantages_by_hand():
+    """algo.std_unbiased (the RM-NLHF release's verl GRPO divides by torch.std, n - 1): rewards
+    (1, 0, 0, 0): deviations (0.75, -0.25, -0.25, -0.25), squares sum 0.75, / 3 = 0.25, std 0.5, so
+    A = (1.5, -0.5, -0.5, -0.5) up to the 1e-6. With the 3rd sample invalid, (1, 0, 0) over 3:
+    deviations (2/3, -1/3, -1/3), squares 6/9, / 2 = 1/3, std 0.57735: A_1 = 1.1547 (population: 1.4142)."""
+    a = T.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, std=True, unbiased=True)
+    assert a.tolist() == pytest.approx([0.75 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001], abs=1e-6)
+    valid = torch.tensor([True, True, False, True])
+    a = T.group_advantages(torch.tensor([1.0, 0.0, 9.0, 0.0]), 4, std=True, valid=valid, unbiased=True)
+    s = math.sqrt(1 / 3)
+    assert a.tolist() == pytest.approx([(2 / 3) / (s + 1e-6), (-1 / 3) / (s + 1e-6), 0.0, (-1 / 3) / (s + 1e-6)], abs=1e-6)
+    assert a[0].item() == pytest.approx(1.1547, abs=1e-4)
+    one = T.group_advantages(torch.tensor([1.0, 0.0]), 2, std=True, valid=torch.tensor([True, False]), unbiased=True)
+    assert one.tolist() == [0.0, 0.0]  # n = 1: no NaN
+    from plumbing import config
+    with pytest.raises(SystemExit) as e:
+        config.load_config([], ["algo.std_unbiased=true"])
+    assert str(e.value) == "config key algo.std_unbiased=true changes nothing with algo.advantage_std=false (no std is divided by)"
+    assert config.load_config([], ["algo.std_unbiased=true", "algo.advantage_std=true", "algo.loss=grpo"])["algo"]["std_unbiased"]
+
+
 def test_advantages_skip_invalid_samples():
     r = torch.tensor([1.0, 0.0, 5.0, float("nan")])
     valid = torch.tensor([True, True, True, False])

@@ -134,3 +134,15 @@ def test_every_flag_of_every_cli_has_a_help_string(monkeypatch):
     parsers.append((cli.build_parser(), "evaluate.py"))
     assert all(len(p._actions) > 1 for p, _ in parsers)
     assert [u for p, name in parsers for u in undescribed(p, name)] == []
+
+
+def test_help_marks_our_protocol_choices():
+    """issue 27 item 10: evaluate.py --help says which pairwise / bon protocol choices are ours."""
+    import io
+    import contextlib
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    text = " ".join(buf.getvalue().split())
+    assert "both A/B orders averaged (ours: the paper does not say how it orders a pair)" in text
+    assert "a match without a valid choice goes to the first-listed player (ours; the release picks at random)" in text

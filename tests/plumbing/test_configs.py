@@ -57,10 +57,18 @@ PRESETS = {
 # each runs end to end (test_config_runs); the precision and resume checks (c), (d) run on the
 # paper preset they layer on, whose code paths they share.
 PAPER = "configs/paper/rm_nlhf_qwen7b.yaml"
-for _name in ("w_o_process_reward", "w_o_outcome_regularization", "w_do_for_metarm", "no_metarm", "offline_metarm",
-              "only_metarm", "binary", "aggressive", "classifier"):
+for _name in ("w_o_process_reward", "w_o_outcome_regularization", "w_do_for_metarm"):
     PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {"layers": [PAPER, f"configs/paper/ablations/{_name}.yaml"],
                                                          "light": True}
+# Table 10 runs in App. F's setup (150 steps, one dataset split 1:1 into D_H and D_O): its rows layer
+# table10/qwen7b.yaml between the paper preset and their ablation file; the Llama-8B block swaps the base model
+TABLE10 = {"qwen7b": "configs/paper/table10/qwen7b.yaml", "llama8b": "configs/paper/table10/llama8b.yaml"}
+TABLE10_ROWS = ("no_metarm", "offline_metarm", "only_metarm", "binary", "aggressive", "classifier")
+for _block, _file in TABLE10.items():
+    PRESETS[_file] = {"layers": [PAPER, _file], "light": True}
+for _name in TABLE10_ROWS:
+    PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {
+        "layers": [PAPER, TABLE10["qwen7b"], f"configs/paper/ablations/{_name}.yaml"], "light": True}
 # RLME's experiments (configs/paper/rlme/, issue 16). Each is config.yaml plus a few keys, so most are
 # "light" (they run end to end); hacking.yaml (validation + monitor over a resume) and qa_rlvr.yaml
 # (context QA, text labels, a holdout) get the precision and resume checks too. 1gt / 10gt / crowd
@@ -163,9 +171,10 @@ def swaps(cfg, model, out, judge=None):
             o += ["reward.evaluators=" + json.dumps(evs)]
         return o
     # Mr-Ben prompts run 500-3000 tokens: of the first 16 D_H items 4 are <= 800 (none <= 600)
-    o += [f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}",
-          f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}",
-          "nlhf.max_items=16", "nlhf.max_prompt_tokens=800",
+    o += [f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}"]
+    if cfg["nlhf"]["do"]:  # a preset that splits nlhf.dh into D_H and D_O (nlhf.split_dh_fraction) keeps nlhf.do null
+        o += [f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}"]
+    o += ["nlhf.max_items=16", "nlhf.max_prompt_tokens=800",
           "metarm.cold_start_items=1", "metarm.rollouts_per_prompt=2", "metarm.max_new_tokens=8", "metarm.epochs=1"]
     if cfg["nlhf"]["val"] not in (None, "holdout"):  # HelpSteer3 validation (hub) -> a local pairwise file
         o += [f"nlhf.val={data_path('llmbar', 'LLMBar_Natural.jsonl')}"]
@@ -346,6 +355,24 @@ def test_every_shipped_config_is_listed():
     for name in ("cpu_learn", "cpu_lora"):
         header = open(os.path.join(REPO, "configs", f"{name}.yaml")).read()
         assert f"--config configs/cpu.yaml --config configs/{name}.yaml" in header
+    for name in TABLE10_ROWS:  # Table 10's rows say to run in App. F's setup
+        header = open(os.path.join(REPO, "configs", "paper", "ablations", f"{name}.yaml")).read()
+        assert f"--config {PAPER} --config {TABLE10['qwen7b']} --config configs/paper/ablations/{name}.yaml" in header
+
+
+def test_table10_presets_are_app_f_setup():
+    """RM-NLHF App. F: 150 steps, HelpSteer3 split 1:1 into D_H and D_O; the Llama-8B block's base model."""
+    for block, policy in [("qwen7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+                          ("llama8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B")]:
+        for row in (None,) + TABLE10_ROWS:
+            layers = [PAPER, TABLE10[block]] + ([f"configs/paper/ablations/{row}.yaml"] if row else [])
+            if block == "llama8b" and row in ("binary", "aggressive", "classifier"):
+                continue  # rows our text of Table 10 has for Qwen-7B only
+            import train
+            cfg = train.load_config([os.path.join(REPO, p) for p in layers])
+            assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
+            assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.5)
+    assert shipped_cfg("configs/paper/ablations/w_o_outcome_regularization.yaml")["run"]["total_steps"] == 1200  # Table 3: main
 
 
 @pytest.mark.parametrize("name", [n for n in shipped_configs() if n not in SKIPPED])
@@ -449,3 +476,18 @@ def test_config_resumes_exactly(name, runs):
     wb = load_weights(os.path.join(res["out"], "checkpoints", f"step_{STEPS:06d}"))
     assert set(wa) == set(wb)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+def test_released_code_switches_what_its_header_lists():
+    """configs/paper/released_code.yaml: each key it sets is named in its header, with the release's
+    values (token mean, unbiased std, 4 cold-start rollouts, S >= 0.5, unclipped D_O bonus, S = 0)."""
+    name = "configs/paper/released_code.yaml"
+    cfg = shipped_cfg(name)
+    assert (cfg["algo"]["aggregation"], cfg["algo"]["std_unbiased"], cfg["metarm"]["rollouts_per_prompt"]) == ("token_mean", True, 4)
+    assert (cfg["nlhf"]["threshold_rule"], cfg["nlhf"]["do_reward"], cfg["judge"]["on_failure"]) == ("inclusive", "released", "zero")
+    text = open(os.path.join(REPO, name)).read()
+    header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
+    body = yaml.safe_load(text)
+    for section, keys in body.items():
+        for key in keys:
+            assert section == "run" or f"{section}.{key}" in header, f"{section}.{key} is switched but not listed"

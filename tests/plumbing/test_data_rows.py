@@ -11,8 +11,8 @@ from conftest import SMOLLM2, data_path
 import rollout
 import train as T
 
-from plumbing.data import (detect_schema, keep_short, load_dh_items, load_do_items, load_pairwise, load_train_items,
-                           load_val_items, policy_chat, read_jsonl, resolve_model_path)
+from plumbing.data import (detect_schema, keep_short, load_dh_items, load_do_items, load_nlhf_items, load_pairwise, load_train_items,
+                           load_val_items, policy_chat, read_jsonl, resolve_model_path, split_dh_do)
 
 
 def write_jsonl(path, rows):
@@ -301,3 +301,39 @@ def test_the_real_pairwise_sets_still_load(folder):
     for path in sorted(glob.glob(data_path(folder, "*.jsonl"))):
         items = load_pairwise(path)
         assert items and all(it["context"].strip() for it in items)
+
+
+def test_split_one_dataset_into_dh_and_do(tmp_path):
+    """nlhf.split_dh_fraction (RM-NLHF App. F's 1:1 split of HelpSteer3). Item k's key is
+    random.Random(f"{seed}:split:trl:{k}").random(); by hand for 7 items, seed 0: keys (0.1924,
+    0.4286, 0.4084, 0.1215, 0.7754, 0.5079, 0.6483), so with f = 0.5 the floor(3.5 + 0.5) = 4
+    smallest, items 3, 0, 2, 1, are D_H and 4, 5, 6 D_O; seed 1: keys (0.6590, 0.4891, 0.3398,
+    0.7111, 0.6713, 0.4624, 0.5132) -> D_H 2, 5, 1, 6 and D_O 0, 3, 4; f = 0.3, seed 0:
+    floor(2.1 + 0.5) = 2 -> D_H 3, 0."""
+    rows = [dict(r, critique=f"Response 1 is right about {k}.") for k, r in enumerate(trl_rows(7))]
+    p = write_jsonl(tmp_path / "trl.jsonl", rows)
+    for seed, frac, want_dh in [(0, 0.5, [0, 1, 2, 3]), (1, 0.5, [1, 2, 5, 6]), (0, 0.3, [0, 3])]:
+        cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", f"nlhf.split_dh_fraction={frac}",
+                                 f"run.seed={seed}"])
+        dh, do, note = load_nlhf_items(cfg)
+        want_do = [k for k in range(7) if k not in want_dh]
+        assert [it["id"] for it in dh] == [f"trl:{k}" for k in want_dh]
+        assert [it["id"] for it in do] == [f"trl:{k}" for k in want_do]
+        assert all(it["critique"] for it in dh) and all(it["critique"] is None for it in do)
+        assert note == (f"nlhf.split_dh_fraction={frac}: 7 pairs of {p} split by run.seed={seed} into {len(want_dh)} D_H "
+                        f"+ {len(want_do)} D_O (samples.jsonl names each sample's item and set)")
+        assert [it["id"] for it in load_dh_items(cfg)] == [it["id"] for it in dh]  # the cold start's D_H
+        assert [it["id"] for it in load_do_items(cfg)] == [it["id"] for it in do]
+    # an item's side follows its id, not the order the rows were read in
+    items = load_pairwise(p, seed=0)
+    dh, do = split_dh_do(items[::-1], 0.5, 0)
+    assert sorted(it["id"] for it in dh) == [f"trl:{k}" for k in (0, 1, 2, 3)] and len(do) == 3
+    # without the key nothing is split, and the split needs nlhf.do: null
+    cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null"])
+    assert [len(x) if x is not None else None for x in load_nlhf_items(cfg)] == [7, 0, None]
+    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.split_dh_fraction=0.5"]) == (
+        "config key nlhf.split_dh_fraction=0.5 splits nlhf.dh into D_H and D_O: set nlhf.do: null (it is Anthropic/hh-rlhf)")
+    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.do=null", "nlhf.split_dh_fraction=1.0"]) == (
+        "config key nlhf.split_dh_fraction: must be in [0, 1) (0 = off; the share of nlhf.dh that becomes D_H), got 1.0")
+    # D_O from the split counts as D_O: metarm_only is allowed
+    T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", "nlhf.split_dh_fraction=0.5", "metarm.mode=metarm_only"])
