@@ -327,6 +327,8 @@ def validate_config(cfg, world_size=1):
                    ("run.total_steps", cfg["run"]["total_steps"])]:
         if v < 1:
             raise SystemExit(f"config key {key}: must be >= 1, got {v}")
+    if cfg["train"]["logprob_chunk_tokens"] < 0:
+        raise SystemExit(f"config key train.logprob_chunk_tokens: must be >= 0 (0 = off), got {cfg['train']['logprob_chunk_tokens']}")
     if r["group_size"] < 2:
         # RLME Eq. 5 / GRPO: A = r - mean(group); a group of one has A = 0, so nothing is learned
         raise SystemExit(f"config key rollout.group_size: must be >= 2 (advantages compare the samples of a "

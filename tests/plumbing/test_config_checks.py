@@ -105,3 +105,12 @@ def test_every_flag_of_every_cli_has_a_help_string(monkeypatch):
     parsers.append((cli.build_parser(), "evaluate.py"))
     assert all(len(p._actions) > 1 for p, _ in parsers)
     assert [u for p, name in parsers for u in undescribed(p, name)] == []
+
+
+def test_logprob_chunk_tokens_is_checked():
+    """train.logprob_chunk_tokens (fast.head_logprobs' chunk size) is a config key: 0 = off, never negative."""
+    assert load_config([], [])["train"]["logprob_chunk_tokens"] == 1024
+    assert load_config([], ["train.logprob_chunk_tokens=0"])["train"]["logprob_chunk_tokens"] == 0
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["train.logprob_chunk_tokens=-1"])
+    assert str(e.value) == "config key train.logprob_chunk_tokens: must be >= 0 (0 = off), got -1"
