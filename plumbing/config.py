@@ -516,3 +516,5 @@ def check_scale_config(cfg, device):
                              "(pip install -r requirements-gpu.txt)")
     if not 0.0 < ro["vllm_gpu_memory_utilization"] < 1.0:
         raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
+    if not ro["vllm_push_bucket_mb"] > 0:
+        raise SystemExit(f"config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got {ro['vllm_push_bucket_mb']}")
