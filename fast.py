@@ -8,7 +8,9 @@ where there are any). Timings: docs/performance.md.
     fast.generate             rollout.generate             one prefill per group, a static KV cache,
                                                            inverse-CDF sampling
     fast.token_logprobs       rollout.token_logprobs       closed-form backward, in place
-    fast.completion_logprobs  rollout.completion_logprobs  each group's prompt runs once
+    fast.completion_logprobs  rollout.completion_logprobs  each group's prompt runs once; with
+                                                           chunk_tokens, the LM head + log-softmax over
+                                                           chunks of positions (bounded logits memory)
     fast.score_targets        reward.score_targets         the evaluator prompts' prefix tree runs once
     fast.score_remote         plumbing.services.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
@@ -16,6 +18,7 @@ where there are any). Timings: docs/performance.md.
 The stage files never import this file.
 """
 import concurrent.futures
+import contextlib
 
 import torch
 from transformers import DynamicCache
@@ -265,7 +268,8 @@ def token_logprobs(logits, targets, temperature=1.0):
     return _TokenLogprob.apply(logits.float(), targets, float(temperature))
 
 
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None):
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None,
+                        chunk_tokens=0):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
 
     rollout.completion_logprobs's numbers (its plain twin), faster; values and gradients pinned by
@@ -276,7 +280,9 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
       the update's forward and backward (timings: docs/performance.md).
     - when no prompt is shared, or some prompt is a single token, it falls back to one batched
       forward over [left-padded prompt | completion], with token_logprobs' fast backward.
-    Only the logits of positions that predict completion tokens are materialised.
+    Only the logits of positions that predict completion tokens are materialised; with
+    `chunk_tokens` > 0 (train.logprob_chunk_tokens) not even those at once: the LM head runs inside
+    `chunked_head`, chunk_tokens positions at a time, forward and backward (`head_logprobs`).
 
     Args:
         prompt_ids: list[list[int]], N rows.
@@ -286,6 +292,9 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
             checkpointing (the prompt pass is not checkpointed, the completion pass is).
         prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
             DDP sees one forward per backward); default `model`. (The plain twin has it too, unused: one forward there.)
+        chunk_tokens: 0 = the LM head over all N x L positions at once ([N, L, V] float32 logits);
+            > 0 = at most that many positions' logits exist at a time (values and gradients as
+            without: tests/algorithm/test_fast.py::test_chunked_logprobs_equal_plain*).
     Returns:
         FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
         Gradient flows when called under grad mode.
@@ -307,10 +316,11 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         # backward and drops the KV cache, lest the replay write it twice. This pass only READS
         # the prompt's cache (read_only_cache), so the layers may keep it.
         layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
-        with set_attribute(layers, "_can_checkpoint_with_cache", True):
+        with set_attribute(layers, "_can_checkpoint_with_cache", True), \
+                chunked_head(model, completion_ids, temperature, chunk_tokens) as chunked:
             out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
                         cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
-        lp = token_logprobs(out.logits, completion_ids, temperature)
+        lp = out.logits if chunked else token_logprobs(out.logits, completion_ids, temperature)
         if torch.is_grad_enabled() and is_fsdp(model):
             # FSDP2 unshards a layer's weights for backward when the layer's OUTPUT gets a
             # gradient. Only the prompt pass's KV cache reaches the loss, not its last layer's
@@ -320,7 +330,140 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
             lp = lp + prompt_logits[..., :0].sum()
         return lp
     # no prompt to share: the plain twin's forward, with the closed-form log-prob backward
-    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+    with chunked_head(model, completion_ids, temperature, chunk_tokens) as chunked:
+        logits = completion_logits(model, prompt_ids, completion_ids, pad_id)
+    return logits if chunked else token_logprobs(logits, completion_ids, temperature)
+
+
+# Config attributes of models whose forward changes the LM head's output (Gemma 2's soft cap,
+# Cohere's logit_scale, Granite's logits_scaling): chunked_head leaves those models alone.
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@contextlib.contextmanager
+def chunked_head(model, targets, temperature, chunk_tokens):
+    """Inside the block, the model's LM head returns log-probs of `targets` instead of logits.
+
+    The head's forward is swapped, not bypassed: the model's own forward still runs (DDP's and
+    FSDP2's hooks, which unshard the head's weight, fire as usual) and hands the head the hidden
+    states of the kept positions [N, K, d]; it returns `head_logprobs` of them, [N, K], which the
+    model passes on as `.logits`. Column k < L holds log p(targets[:, k]); columns >= L (the one
+    extra column completion_logits keeps and drops) hold 0.
+
+    Args:
+        model: causal LM, or its DDP / peft wrapper. targets: LongTensor [N, L].
+        chunk_tokens: positions per chunk; 0 = off.
+    Yields:
+        True when the head is swapped; False (nothing changed) when chunk_tokens is 0, when all
+        N x L positions fit one chunk (the unchunked closed form is then just as bounded and has
+        no recompute), or when the head is not a plain nn.Linear or the model post-processes its
+        logits (LOGIT_POSTPROCESSING).
+    """
+    inner = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP / torch.compile wrappers
+        inner = getattr(inner, "module", None) or inner._orig_mod
+    head = inner.get_output_embeddings()
+    config = getattr(inner, "config", None)
+    if (chunk_tokens <= 0 or targets.numel() <= chunk_tokens or type(head) is not torch.nn.Linear
+            or any(getattr(config, a, None) not in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING)):
+        yield False
+        return
+    own = head.__dict__.get("forward")  # a forward set on the instance (accelerate's hooks), else None
+    head.forward = lambda hidden: head_logprobs(hidden, head.weight, head.bias, targets, temperature=temperature,
+                                                chunk_tokens=chunk_tokens)
+    try:
+        yield True
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
+
+
+def head_logprobs(hidden, weight, bias, targets, temperature, chunk_tokens):
+    """log softmax((hidden W^T + b) / T)[target] for the first L of K positions, chunk by chunk.
+
+    The same numbers as token_logprobs(F.linear(hidden, W, b)[:, :L], targets, T) (its closed-form
+    gradient, d logp / d z = onehot(target) - softmax(z)) with at most chunk_tokens x V logits
+    alive at once, forward and backward (`_ChunkedHeadLogprob`). Plain twin: the LM head then
+    rollout.token_logprobs (rollout.completion_logprobs); pinned by tests/algorithm/test_fast.py::
+    test_chunked_logprobs_equal_plain (values and gradients w.r.t. hidden, W and b).
+
+    Args:
+        hidden: FloatTensor [N, K, d], K >= L. weight: [V, d]; bias: [V] or None.
+        targets: LongTensor [N, L]. temperature: float. chunk_tokens: int > 0, positions per chunk.
+    Returns:
+        FloatTensor [N, K] float32: log-probs in the first L columns, 0 in the rest.
+    """
+    n, length = targets.shape
+    h = hidden[:, :length].reshape(n * length, hidden.shape[-1])
+    lp = _ChunkedHeadLogprob.apply(h, weight, bias, targets.reshape(-1), float(temperature), int(chunk_tokens))
+    return torch.nn.functional.pad(lp.view(n, length), (0, hidden.shape[1] - length))
+
+
+class _ChunkedHeadLogprob(torch.autograd.Function):
+    """head_logprobs' autograd: the forward keeps only log-sum-exp per position [M]; the backward
+    recomputes each chunk's logits, turns them in place into the closed-form gradient (as
+    _TokenLogprob does) and multiplies out d hidden and d W chunk by chunk.
+
+    Memory: one chunk's [c, V] float32 logits (plus its copy in the compute dtype under bf16),
+    instead of [M, V]; d W accumulates in one float32 [V, d] buffer (what autograd's would be).
+    Cost: the LM head's matmul runs once more per chunk in the backward (the recompute).
+    The compute dtype is the autocast dtype when autocast is on (as the head's own F.linear
+    would run), else the hidden states' dtype; it is fixed in the forward and reused in backward,
+    where autocast is off.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, chunk):
+        device_type = h.device.type
+        dt = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        out = torch.empty_like(lse)
+        with torch.autocast(device_type, enabled=False):
+            w, b = weight.to(dt), None if bias is None else bias.to(dt)
+            for s in range(0, h.shape[0], chunk):
+                z = _chunk_logits(h[s:s + chunk], w, b, dt, temperature)
+                lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+                out[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.dt, ctx.temperature, ctx.chunk = dt, temperature, chunk
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        dt, chunk = ctx.dt, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        with torch.autocast(h.device.type, enabled=False):
+            w, b = weight.to(dt), None if bias is None else bias.to(dt)
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s:s + chunk].to(dt)
+                z = _chunk_logits(hc, w, b, dt, ctx.temperature)
+                g = (grad[s:s + chunk].float() / ctx.temperature).unsqueeze(-1)  # chain rule through z / T
+                dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # -g * softmax(z), in place in z
+                dz.scatter_add_(-1, targets[s:s + chunk, None], g)  # + g at the target
+                if db is not None:
+                    db += dz.sum(0)
+                dz = dz.to(dt)
+                if dh is not None:
+                    dh[s:s + chunk] = dz @ w
+                if dw is not None and dt == torch.float32:
+                    dw.addmm_(dz.T, hc)
+                elif dw is not None:  # bf16 / fp16 product, summed over chunks in float32
+                    dw += (dz.T @ hc).float()
+        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
+                None, None, None)
+
+
+def _chunk_logits(h, w, b, dt, temperature):
+    """Float32 logits / T [c, V] of one chunk of hidden states [c, d], the matmul in dtype `dt`."""
+    z = torch.nn.functional.linear(h.to(dt), w, b).float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def read_only_cache(cache):

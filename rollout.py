@@ -214,7 +214,7 @@ def token_logprobs(logits, targets, temperature=1.0):
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None):
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None, chunk_tokens=0):
     """Per-token log-probs of the completions under `model` (the plain twin of completion_logprobs):
 
         logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
@@ -230,6 +230,7 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         pad_id: int, padding id of the tokenizer.
         temperature: logits are divided by it (the sampling temperature).
         prompt_model: unused (the fast twin's module for the shared prompt pass).
+        chunk_tokens: unused (the fast twin's LM-head chunks; here all [N, L, V] logits at once).
     Returns:
         FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
         Gradient flows when called under grad mode.

@@ -50,7 +50,7 @@ from plumbing.services import score_remote
 
 def train(cfg):
     """Run cfg["run"]["total_steps"] steps (or resume the unfinished run in run.out_dir)."""
-    passes = fast_or_plain(cfg["train"]["fast_paths"])  # the one switch: every pass fast or plain
+    passes = fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])  # the one switch
     state = setup(cfg, passes)  # models, data, optimizer, resume point (plumbing/run.py)
     if state is None:  # the run in run.out_dir is already complete
         return
@@ -115,13 +115,13 @@ def train(cfg):
     finish(state)
 
 
-def fast_or_plain(fast_paths):
-    """The one switch (train.fast_paths): the functions every pass of a step calls, fast.py's speed
-    twins or the plain ones a reader reads (same signatures; tests/algorithm/test_fast.py)."""
+def fast_or_plain(fast_paths, logprob_chunk_tokens=0):
+    """The one switch (train.fast_paths): the functions every pass of a step calls, fast.py's speed twins (log-probs
+    over chunks of train.logprob_chunk_tokens positions) or the plain ones (same signatures; tests/algorithm/test_fast.py)."""
     if fast_paths:
-        return {"generate": fast.generate, "completion_logprobs": fast.completion_logprobs,
-                "score_targets": fast.score_targets, "score_remote": fast.score_remote,
-                "clip_grad_norm": fast.clip_grad_norm}
+        lp = functools.partial(fast.completion_logprobs, chunk_tokens=logprob_chunk_tokens)
+        return {"generate": fast.generate, "completion_logprobs": lp, "score_targets": fast.score_targets,
+                "score_remote": fast.score_remote, "clip_grad_norm": fast.clip_grad_norm}
     return {"generate": rollout.generate, "completion_logprobs": rollout.completion_logprobs,
             "score_targets": R.score_targets, "score_remote": score_remote, "clip_grad_norm": clip_grad_norm}
 

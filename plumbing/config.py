@@ -336,6 +336,8 @@ def validate_config(cfg, world_size=1):
                    ("run.total_steps", cfg["run"]["total_steps"])]:
         if v < 1:
             raise SystemExit(f"config key {key}: must be >= 1, got {v}")
+    if cfg["train"]["logprob_chunk_tokens"] < 0:
+        raise SystemExit(f"config key train.logprob_chunk_tokens: must be >= 0 (0 = off), got {cfg['train']['logprob_chunk_tokens']}")
     if r["group_size"] < 2:
         # RLME Eq. 5 / GRPO: A = r - mean(group); a group of one has A = 0, so nothing is learned
         raise SystemExit(f"config key rollout.group_size: must be >= 2 (advantages compare the samples of a "
@@ -554,3 +556,5 @@ def check_scale_config(cfg, device):
                              "(pip install -r requirements-gpu.txt)")
     if not 0.0 < ro["vllm_gpu_memory_utilization"] < 1.0:
         raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
+    if not ro["vllm_push_bucket_mb"] > 0:
+        raise SystemExit(f"config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got {ro['vllm_push_bucket_mb']}")

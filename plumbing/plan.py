@@ -258,7 +258,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     add("prompt pass", activation_bytes(tokens=0, dtype_bytes=d, checkpointing="none", prompt_tokens=tp - 1,
                                         prompt_rows=rows_p, **arch) + (mb * tp * kv_bytes_per_token(f, d) if shared else 0),
         f"fast path: {rows_p} x {tp - 1} prompt tokens once per group, never checkpointed, + its KV cache x {mb} rows")
-    chunk = int(t.get("logprob_chunk_tokens", 0) or 0)
+    chunk = 0 if plain else int(t.get("logprob_chunk_tokens", 0) or 0)  # a fast path (fast.head_logprobs)
     full_logits = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain)
     chunked = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain, chunk_tokens=chunk or CHUNK_EXAMPLE)
     add("logits", chunked if chunk else full_logits,

@@ -221,7 +221,8 @@ def make_rollout_engine(cfg, model_path, policy, rank):
                                    # vLLM seeds numpy with it, which needs 0 <= seed < 2**32
                                    seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2**32)
     return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
-            "tied": bool(getattr(policy.config, "tie_word_embeddings", False))}
+            "tied": bool(getattr(policy.config, "tie_word_embeddings", False)),
+            "bucket_bytes": int(ro["vllm_push_bucket_mb"] * 2**20)}
 
 
 def push_weights(engine, policy):
@@ -584,22 +585,46 @@ def vllm_push_weights(engine, named_tensors):
     """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
 
     Wakes the weights first and the KV cache only after the load, so the peak is weights + one
-    gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name, full
-    tensor) one at a time (full_state_items: gathered from FSDP2 shards), so the push
-    never holds a second copy of the model.
+    bucket + one gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name,
+    full tensor) one at a time (full_state_items: gathered from FSDP2 shards); each is cast to the
+    engine's dtype (its parameters', e.g. bfloat16: half the bytes of our float32 masters) and
+    they go to `load_weights` in buckets of up to engine["bucket_bytes"] (rollout.vllm_push_bucket_mb;
+    `weight_buckets`): a few large calls instead of one per tensor, and never a second copy of the model.
     """
     llm = engine["llm"]
     if engine["asleep"]:
         llm.wake_up(tags=["weights"])
     model = vllm_model(llm)
-    device = next(model.parameters()).device
-    for name, t in named_tensors:
-        name = vllm_weight_name(name, engine["tied"])
-        if name is not None:
-            model.load_weights([(name, t.to(device, non_blocking=True))])
+    p = next(model.parameters())
+    named = ((n, t) for n, t in ((vllm_weight_name(n, engine["tied"]), t) for n, t in named_tensors) if n is not None)
+    for bucket in weight_buckets(named, dtype=p.dtype, device=p.device, bucket_bytes=engine.get("bucket_bytes", 512 << 20)):
+        model.load_weights(bucket)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies above are asynchronous
     if engine["asleep"]:
         llm.wake_up(tags=["kv_cache"])
         engine["asleep"] = False
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def weight_buckets(named_tensors, dtype, device, bucket_bytes):
+    """(name, tensor) pairs cast to `dtype` on `device`, grouped into lists whose tensors hold at most
+    `bucket_bytes` bytes together (a tensor larger than a bucket travels alone), in order.
+
+    Args:
+        named_tensors: iterable of (str, Tensor), consumed one at a time (full_state_items).
+        dtype: the engine's parameter dtype. device: the engine's device. bucket_bytes: int > 0.
+    Yields:
+        list[(str, Tensor)], each a vLLM `load_weights` call (tests/plumbing/test_scale.py).
+    """
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        t = t.to(device=device, dtype=dtype, non_blocking=True)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket

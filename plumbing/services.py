@@ -301,10 +301,15 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, transform="
     Evaluators must be frozen models (load_evaluator) or remote ones (remote_evaluator; a failed
     request raises RuntimeError: no made-up score); a live evaluator is not possible from outside
     the trainer. The module that builds compute_score is imported by each verl reward worker, so
-    every worker loads its own evaluator copy.
+    every worker loads its own evaluator copy; verl's reward workers have no GPU, so a big
+    evaluator belongs on a server: an entry {"base_url", "model", ...} (the keys of config.yaml's
+    `kind: remote` evaluators, `path` = the served model's tokenizer) is built and probed here
+    (`verl_evaluators`), and `verl_remote_score` takes such entries from verl's YAML
+    (docs/scale-out.md "The verl adapter").
 
     Args:
-        evaluators, meta_questions, template, transform: as trl_reward_function.
+        evaluators: as trl_reward_function, or remote specs (dicts with base_url and model).
+        meta_questions, template, transform: as trl_reward_function.
         problem_key: the extra_info key holding the problem.
     Returns:
         callable compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float.
@@ -312,6 +317,7 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, transform="
         ValueError / SystemExit (at once): as trl_reward_function.
         ValueError (when called): extra_info is not a dict holding problem_key.
     """
+    evaluators = verl_evaluators(evaluators)
     mqs, template = _checked_setup(evaluators, meta_questions, template, transform)
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -326,6 +332,52 @@ def verl_compute_score(evaluators, meta_questions, *, template=None, transform="
         return float(out["reward"][0])
 
     return compute_score
+
+
+def verl_evaluators(evaluators):
+    """verl_compute_score's evaluator list: built evaluator dicts (load_evaluator, remote_evaluator)
+    pass through; a spec {"base_url", "model", optional "name", "weight", "path" (the served model's
+    tokenizer, for its chat template), "kind": "remote", and REMOTE_DEFAULTS' settings} becomes
+    remote_evaluator(...), probed at once (a one-line SystemExit naming `verl evaluators[i]`)."""
+    out = []
+    for i, ev in enumerate(evaluators or []):
+        if hasattr(ev, "keys") and "score" not in ev and "base_url" in ev:
+            spec = {k: ev[k] for k in ev.keys() if k != "kind"}
+            if ev.get("kind", "remote") != "remote" or not spec.get("model"):
+                raise SystemExit(f"verl evaluators[{i}]: a spec with base_url needs model (the name the server serves) "
+                                 f"and kind remote (or no kind), got {sorted(ev.keys())}")
+            base_url, model = spec.pop("base_url"), spec.pop("model")
+            if "path" in spec:
+                spec["tokenizer"] = spec.pop("path")
+            ev = remote_evaluator(base_url, model, where=f"verl evaluators[{i}] ({spec.get('name', 'remote')})", **spec)
+        out.append(ev)
+    return out
+
+
+_VERL_SCORERS = {}  # verl_remote_score's compute_score per settings, built once per worker process
+
+
+def verl_remote_score(data_source, solution_str, ground_truth, extra_info=None, *, evaluators, meta_questions,
+                      template=None, transform="log", problem_key="question"):
+    """verl_compute_score as ONE function verl's config can name: verl calls it per sample with its
+    `custom_reward_function.reward_kwargs` (plain YAML: evaluator specs with base_url + model,
+    verl_evaluators) as keywords; the first call of a worker builds (and probes) the evaluators,
+    later calls reuse them. Returns the float RLME reward of the sample (RLME Eq. 2-3)."""
+    plain = _plain_yaml([evaluators, meta_questions, template, transform, problem_key])
+    key = repr(plain)
+    if key not in _VERL_SCORERS:
+        _VERL_SCORERS[key] = verl_compute_score(plain[0], plain[1], template=plain[2], transform=plain[3],
+                                                problem_key=plain[4])
+    return _VERL_SCORERS[key](data_source, solution_str, ground_truth, extra_info)
+
+
+def _plain_yaml(x):
+    """OmegaConf's DictConfig / ListConfig (what verl hands over) as plain dicts and lists."""
+    if hasattr(x, "keys"):
+        return {k: _plain_yaml(x[k]) for k in x.keys()}
+    if isinstance(x, (list, tuple)) or type(x).__name__ == "ListConfig":
+        return [_plain_yaml(v) for v in x]
+    return x
 
 
 # The keys of config.yaml's `judge:` section, which holds their defaults and meanings (the only copy).

@@ -261,7 +261,7 @@ def check_loss(a):
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
-    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), torch.device("cpu"))
+    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"]), torch.device("cpu"))
     ours_loss = train.update_policy(model, policy, recorder, batch, **settings, world=1, pad_id=tok.pad_token_id)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them

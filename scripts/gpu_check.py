@@ -458,7 +458,7 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
         torch.cuda.reset_peak_memory_stats(dev)
     t = time.perf_counter()
     with ctx:
-        settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), dev)
+        settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"]), dev)
         upd = train.update_policy(policy, policy, optimizer, batch, **settings, world=1, pad_id=0)
     if cuda:
         torch.cuda.synchronize(dev)

@@ -44,7 +44,7 @@ def main(argv=None):
     policy, tok = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
     chat = policy_chat(tok, cfg["model"])
     items = load_train_items(cfg)
-    passes = train.fast_or_plain(cfg["train"]["fast_paths"])  # train.fast_paths=false profiles the plain twins
+    passes = train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])  # train.fast_paths=false profiles the plain twins
     evaluators = load_evaluators(cfg, policy, tok, device, passes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE

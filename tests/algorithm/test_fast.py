@@ -466,3 +466,108 @@ def test_rlme_reward_fast_equals_plain_tiny(tiny_model_path, frozen_evaluator_pa
     plain = R.rlme_reward(evs[False], mq, problems, solutions)
     assert torch.allclose(fast_out["logp"], plain["logp"], atol=1e-5)
     assert torch.allclose(fast_out["reward"], plain["reward"], atol=1e-5)
+
+
+# --- chunked log-probs (train.logprob_chunk_tokens): the LM head over chunks of positions -----------
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 12])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_logprobs_equal_plain(chunk, temperature, bias):
+    """fast.head_logprobs (chunks of `chunk` of the N x L = 12 positions; 5 and 7 do not divide it)
+    == the LM head then rollout.token_logprobs: values, and gradients w.r.t. the hidden states, the
+    head's weight and bias, under a completion mask (masked positions get no gradient); the K = L + 1
+    kept column past L holds 0 and gets no gradient. Reference by hand for one position:
+    log p = z_y - log sum exp(z)."""
+    g = torch.Generator().manual_seed(0)
+    n, length, d, v = 3, 4, 8, 11
+    hidden = torch.randn(n, length + 1, d, generator=g, requires_grad=True)
+    weight = torch.randn(v, d, generator=g, requires_grad=True)
+    b = torch.randn(v, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, v, (n, length), generator=g)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    up = torch.arange(1.0, 13.0).view(n, length) * mask  # the upstream gradient of a masked loss
+    out = {}
+    for chunked in (False, True):
+        params = [hidden, weight] + ([b] if bias else [])
+        for p in params:
+            p.grad = None
+        if chunked:
+            lp = fast.head_logprobs(hidden, weight, b, targets, temperature=temperature, chunk_tokens=chunk)
+            assert lp.shape == (n, length + 1) and torch.equal(lp[:, -1], torch.zeros(n))
+            lp = lp[:, :length]
+        else:
+            logits = torch.nn.functional.linear(hidden, weight, b)[:, :length]
+            lp = rollout.token_logprobs(logits, targets, temperature)
+        (lp * up).sum().backward()
+        out[chunked] = (lp.detach(), [p.grad.clone() for p in params])
+    z = (torch.nn.functional.linear(hidden[1, 0], weight, b) / temperature).detach()
+    assert out[True][0][1, 0].item() == pytest.approx((z[targets[1, 0]] - torch.logsumexp(z, 0)).item(), abs=1e-5)
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for g1, g0 in zip(out[True][1], out[False][1]):
+        assert torch.allclose(g1, g0, atol=1e-5, rtol=1e-5)
+    dh = out[True][1][0]
+    assert torch.equal(dh[:, -1], torch.zeros(n, d)) and torch.equal(dh[2, 1:], torch.zeros(length, d))
+
+
+def test_chunked_logprobs_bf16_autocast_equal_plain():
+    """Under bf16 autocast the chunks compute in bf16 as the head's own F.linear would (the same
+    values up to bf16 rounding), and the gradients keep their inputs' dtypes (float32 weight)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 6, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 6), generator=g)
+    out = {}
+    for chunked in (False, True):
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunked:
+                lp = fast.head_logprobs(hidden, weight, None, targets, temperature=0.7, chunk_tokens=5)
+            else:
+                lp = rollout.token_logprobs(torch.nn.functional.linear(hidden, weight), targets, 0.7)
+        assert lp.dtype == torch.float32
+        (lp * torch.arange(1.0, 13.0).view(2, 6)).sum().backward()
+        out[chunked] = (lp.detach(), hidden.grad.clone(), weight.grad.clone())
+    assert weight.grad.dtype == torch.float32
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)  # the same bf16 matmul rows
+    for g1, g0 in zip(out[True][1:], out[False][1:]):  # dW: bf16 per chunk summed in float32 vs one bf16 product
+        assert (g1 - g0).abs().max() <= 2e-2 * g0.abs().max()
+
+
+@pytest.mark.parametrize("layout", ["groups", "no_sharing"])
+@pytest.mark.parametrize("chunk", [4, 7, 30])
+def test_chunked_completion_logprobs_equal_plain_tiny(tiny_model_path, layout, chunk):
+    """fast.completion_logprobs(chunk_tokens=c) through the tiny model (both of its paths: the shared
+    prompt pass and the one-pass fallback) == rollout.completion_logprobs: values and every
+    parameter's gradient (the tied embedding / LM head included) under a completion mask. chunk 30 =
+    all 6 x 5 positions: one chunk, so the unchunked closed form runs (no recompute), same numbers.
+    While the chunked head runs, no [N, L, V] logits exist: the model hands back [N, L] log-probs."""
+    model, tok = load_model(tiny_model_path)
+    prompts = LAYOUTS[layout]
+    comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(5)[None, :] < torch.tensor([5, 3, 1, 5, 2, 4])[:, None]).float()
+    shapes = []
+    model.register_forward_hook(lambda m, a, o: shapes.append(tuple(o.logits.shape)))
+    out = {}
+    for use_fast in (False, True):
+        model.zero_grad()
+        shapes.clear()
+        if use_fast:
+            lp = fast.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7, chunk_tokens=chunk)
+        else:
+            lp = rollout.completion_logprobs(model, prompts, comp, tok.pad_token_id, temperature=0.7)
+        (lp * torch.arange(1.0, 31.0).view(6, 5) * mask).sum().backward()
+        out[use_fast] = (lp.detach() * mask, [p.grad.clone() for p in model.parameters()])
+        if use_fast and chunk < 30:  # the completion pass's "logits" are the log-probs (K = L, or L + 1 kept)
+            assert shapes[-1] in ((6, 5), (6, 6))
+    assert model.get_output_embeddings().__dict__.get("forward") is None  # the head's forward restored
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for g1, g0 in zip(out[True][1], out[False][1]):
+        assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max()
+
+
+def test_fast_or_plain_binds_the_chunk_size():
+    """train.logprob_chunk_tokens reaches the fast log-probs (train.fast_or_plain); the plain twin
+    has no chunking (it is the full-logits computation the chunked one is checked against)."""
+    assert T.fast_or_plain(True, 512)["completion_logprobs"].keywords == {"chunk_tokens": 512}
+    assert T.fast_or_plain(False, 512)["completion_logprobs"] is rollout.completion_logprobs

@@ -146,3 +146,12 @@ def test_help_marks_our_protocol_choices():
     text = " ".join(buf.getvalue().split())
     assert "both A/B orders averaged (ours: the paper does not say how it orders a pair)" in text
     assert "a match without a valid choice goes to the first-listed player (ours; the release picks at random)" in text
+
+
+def test_logprob_chunk_tokens_is_checked():
+    """train.logprob_chunk_tokens (fast.head_logprobs' chunk size) is a config key: 0 = off, never negative."""
+    assert load_config([], [])["train"]["logprob_chunk_tokens"] == 1024
+    assert load_config([], ["train.logprob_chunk_tokens=0"])["train"]["logprob_chunk_tokens"] == 0
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["train.logprob_chunk_tokens=-1"])
+    assert str(e.value) == "config key train.logprob_chunk_tokens: must be >= 0 (0 = off), got -1"

@@ -104,9 +104,13 @@ def test_qwen3_4b_numbers():
     """The 4B preset's shapes (plumbing/model_configs/Qwen--Qwen3-4B-Base.json): 4,022,468,096
     parameters (tied); KV 36 x 2 x 8 x 128 x 2 = 147,456 bytes a token; full logits 4 x 1024 x
     151,936 x 6 bytes, chunked at 1024 tokens a quarter of it."""
-    p = PL.memory_plan(load_config([], []), world=8, gpu_bytes=80 * GiB)
+    p = PL.memory_plan(load_config([], ["train.logprob_chunk_tokens=0"]), world=8, gpu_bytes=80 * GiB)
     assert p["params"] == 4_022_468_096
     assert p["items"]["logits"] == p["logits_full"] == 4 * 1024 * 151936 * 6
+    default = PL.memory_plan(load_config([], []), world=8, gpu_bytes=80 * GiB)  # config.yaml: chunks of 1024
+    assert default["items"]["logits"] == 1024 * 151936 * 6
+    plain = PL.memory_plan(load_config([], ["train.fast_paths=false"]), world=8, gpu_bytes=80 * GiB)
+    assert plain["items"]["logits"] == plain["logits_full"]  # the plain twin never chunks
     assert p["logits_chunked"] == 1024 * 151936 * 6
     assert p["items"]["rollout KV cache"] == 64 * (256 + 1024) * 147456
     chunked = PL.memory_plan(load_config([], []) | {"train": {**load_config([], [])["train"], "logprob_chunk_tokens": 512}},
@@ -143,7 +147,7 @@ def test_plan_with_a_model_that_cannot_be_read_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("overrides, key", [
     (["train.micro_batch_size=32"], "model.gradient_checkpointing=full"),
-    (["train.micro_batch_size=64", "model.gradient_checkpointing=full"], "train.micro_batch_size"),  # the logits
+    (["train.micro_batch_size=64", "model.gradient_checkpointing=full", "train.logprob_chunk_tokens=0"], "train.micro_batch_size"),  # the logits
     (["rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.95"],
      "rollout.vllm_gpu_memory_utilization"),
 ])

@@ -387,3 +387,51 @@ def test_reward_cli_scores_with_a_remote_evaluator(fake_server, tmp_path, capsys
     assert out[0]["reward"] == pytest.approx(fake_yes(text)) and out[0]["logp"] == {"far": {"Is it right?": out[0]["reward"]}}
     assert out[1]["reward"] is None and out[1]["logp"] == {"far": {"Is it right?": None}}
     assert "1 rows NOT scored (reward null)" in capsys.readouterr().out
+
+
+# --- the verl adapter through a server (verl's reward workers have no GPU) -------------------------
+
+def test_verl_scores_through_remote_specs(fake_server):
+    """verl_compute_score and verl_remote_score (the function verl's custom_reward_function names,
+    its reward_kwargs plain YAML) take evaluator SPECS {base_url, model, ...} and build the remote
+    evaluator themselves. By hand with the fake server: the sample's reward is v_j * w_k * log p("Yes")
+    = 0.5 * 1 * fake_yes(evaluator text); built once per worker (one probe request), then one
+    request per sample; a spec without model is one line."""
+    from plumbing.services import _VERL_SCORERS, verl_compute_score, verl_remote_score
+    spec = {"name": "far", "kind": "remote", "base_url": fake_server.base_url, "model": "fake", "weight": 0.5,
+            "backoff_base_s": 0.0, "backoff_max_s": 0.0}
+    mqs = R.meta_question_dicts(["Is the answer correct?"])
+    _, full = R.evaluator_prompt_text(None, R.build_evaluator_text(R.DEFAULT_EVALUATOR_TEMPLATE, "What is 2+3?", "5",
+                                                                   "Is the answer correct?", ["Is the answer correct?"]),
+                                      "Yes", chat=False)
+    want = 0.5 * fake_yes(full)  # the text the server is sent: prompt + " Yes"
+    score = verl_compute_score([spec], ["Is the answer correct?"])
+    got = score("openai/gsm8k", "5", "5", {"question": "What is 2+3?"})
+    assert got == pytest.approx(R.rlme_reward([fake_evaluator(fake_server, weight=0.5)], mqs, ["What is 2+3?"], ["5"])["reward"].item())
+    assert got == pytest.approx(want, abs=1e-6), (got, want)
+    _VERL_SCORERS.clear()
+    n = len(fake_server.requests)
+    kwargs = {"evaluators": [spec], "meta_questions": ["Is the answer correct?"]}  # verl's reward_kwargs
+    for _ in range(3):
+        assert verl_remote_score("openai/gsm8k", "5", "5", {"question": "What is 2+3?"}, **kwargs) == got
+    assert len(fake_server.requests) - n == 1 + 3 and len(_VERL_SCORERS) == 1  # one probe, then one per call
+    with pytest.raises(SystemExit, match=r"^verl evaluators\[0\]: a spec with base_url needs model"):
+        verl_compute_score([{"base_url": fake_server.base_url}], ["Is it right?"])
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+@pytest.mark.server
+def test_verl_remote_score_on_llama_cpp_server(llama_server, smollm2):
+    """verl_remote_score through llama-cpp-python's server (the remote evaluator's real server)
+    gives the in-process reward of the same sample within REMOTE_TOLERANCE."""
+    from plumbing.services import verl_remote_score
+    model, tok = smollm2
+    spec = {"name": "remote", "base_url": llama_server, "model": "smollm2", "path": SMOLLM2, **LLAMA}
+    problem, solution = "What is 12 times 5?", "12 x 5 = 60\n\\boxed{60}"
+    got = verl_remote_score("openai/gsm8k", solution, "60", {"question": problem}, evaluators=[spec],
+                            meta_questions=["Is the answer correct?"], template=SHORT_TEMPLATE)
+    local = R.local_evaluator(model, tok, chat=True, name="local", weight=1.0)
+    want = R.rlme_reward([local], R.meta_question_dicts(["Is the answer correct?"]), [problem], [solution],
+                         template=SHORT_TEMPLATE)["reward"].item()
+    assert abs(got - want) <= REMOTE_TOLERANCE, (got, want)

@@ -231,6 +231,7 @@ def test_vllm_request_seeds_distinct():
     (["train.cpu_offload=true", "train.parallel=fsdp2"], "cpu", "config key train.cpu_offload=true needs a CUDA device"),
     (["rollout.backend=vllm"], "cpu", "config key rollout.backend=vllm needs a CUDA device"),
     (["rollout.vllm_sleep_level=3"], "cpu", "config key rollout.vllm_sleep_level: 3 is not one of"),
+    (["rollout.vllm_push_bucket_mb=0"], "cpu", "config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got 0"),
 ])
 def test_scale_config_errors_are_one_line(overrides, device, message):
     with pytest.raises(SystemExit) as e:
@@ -349,6 +350,46 @@ def test_vllm_sleep_and_push_order():
     assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
     vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
     assert calls[4:] == [("reset_prefix_cache",)]
+
+
+def test_vllm_push_in_bfloat16_buckets():
+    """The push casts our float32 weights to the engine's dtype (its parameters': bfloat16 here) and
+    groups them into load_weights calls of at most bucket_bytes. By hand, in bf16 bytes (2 a number):
+    embed 6x4 = 48 B, q 4x4 = 32 B, norm 4 = 8 B, lm_head (tied: skipped), k 4x4 = 32 B, big 40 B
+    with a 64-byte bucket: [embed 48] (+ q 32 > 64), [q 32, norm 8] (+ k 32 > 64), [k 32] (+ big 40 > 64),
+    [big 40]: 4 calls of 48, 40, 32, 40 bytes; a tensor over the bucket (embed with 40 B buckets)
+    travels alone. The engine then holds the weights rounded to bf16."""
+    calls, loaded = [], {}
+
+    def load_weights(ws):
+        ws = list(ws)
+        calls.append([(n, t.dtype, t.numel() * t.element_size()) for n, t in ws])
+        loaded.update((n, t.clone()) for n, t in ws)
+
+    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)]), load_weights=load_weights)
+    llm = SimpleNamespace(sleep=lambda level: None, wake_up=lambda tags=None: None, reset_prefix_cache=lambda: None,
+                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
+    g = torch.Generator().manual_seed(0)
+    weights = [("model.embed_tokens.weight", torch.randn(6, 4, generator=g)), ("model.q.weight", torch.randn(4, 4, generator=g)),
+               ("model.norm.weight", torch.randn(4, generator=g)), ("lm_head.weight", torch.randn(6, 4, generator=g)),
+               ("module.model.k.weight", torch.randn(4, 4, generator=g)), ("model.big", torch.randn(20, generator=g))]
+    engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": True, "bucket_bytes": 64}
+    vllm_push_weights(engine, iter(weights))
+    assert [[n for n, _, _ in c] for c in calls] == [["model.embed_tokens.weight"], ["model.q.weight", "model.norm.weight"],
+                                                     ["model.k.weight"], ["model.big"]]
+    assert [sum(b for _, _, b in c) for c in calls] == [48, 40, 32, 40]
+    assert {d for c in calls for _, d, _ in c} == {torch.bfloat16}
+    for name, t in weights:
+        if name != "lm_head.weight":
+            assert torch.equal(loaded[name.removeprefix("module.")], t.to(torch.bfloat16))
+    calls.clear()
+    vllm_push_weights({**engine, "bucket_bytes": 40}, iter(weights))
+    assert [sum(b for _, _, b in c) for c in calls] == [48, 40, 32, 40]  # embed (48 > 40) alone, the rest as before
+    calls.clear()
+    vllm_push_weights({**engine, "bucket_bytes": 1 << 20}, iter(weights))
+    assert len(calls) == 1 and sum(b for _, _, b in calls[0]) == 160  # everything in one call
+    assert config.load_config([], [])["rollout"]["vllm_push_bucket_mb"] == 512
 
 
 def test_importing_the_stages_never_imports_vllm():
