@@ -33,7 +33,7 @@ RESUMABLE = (
     "run.report_to", "run.tracking_project",
     "data.val", "data.val_config", "data.val_split", "data.val_size",                 # the held-out validation
     "train.micro_batch_size", "rollout.micro_batch_size", "reward.micro_batch_size",  # memory: one global
-    "model.gradient_checkpointing", "train.fast_paths",                               # normaliser, same update
+    "model.gradient_checkpointing", "metarm.gradient_checkpointing", "train.fast_paths",                               # normaliser, same update
     "train.parallel", "train.cpu_offload", "train.device", "train.dist_timeout_s",  # the checkpoint is layout-agnostic (docs/scale-out.md)
     "rollout.vllm_gpu_memory_utilization", "rollout.vllm_enforce_eager", "rollout.vllm_sleep_level",
     "judge.base_url", "judge.api_key_env", "judge.concurrency", "judge.timeout_s", "judge.max_retries",

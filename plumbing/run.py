@@ -733,15 +733,16 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     if ckpt:
         if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
             raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
-        return load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
+        return (load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"], m["gradient_checkpointing"]),
+                os.path.join(ckpt, "metarm"), None)
     if os.path.isfile(os.path.join(path, "metarm.json")):
-        return load_saved_metarm(path, device, m["dtype"]), path, None
+        return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"]), path, None
     base = m["model"] or cfg["model"]["policy"]
 
     def fresh():
         return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
                            max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
-                           online_epochs=m["online_epochs"])
+                           online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"])
 
     mrm, stats = fresh(), None
     if world > 1:  # a fresh head is random: rank 0's on every rank
@@ -778,7 +779,7 @@ def cold_start_settings(cfg, tokenizer):
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01, online_epochs=1):
+                online_lr=5e-6, weight_decay=0.01, online_epochs=1, gradient_checkpointing=False):
     """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
 
     Args:
@@ -786,6 +787,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
         dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
             an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
+        gradient_checkpointing: metarm.gradient_checkpointing: its decoder layers keep only their
+            inputs and are replayed in backward (non-reentrant, as wrap_policy's "full").
     Returns:
         the mrm dict (see the top of this file).
     Raises:
@@ -805,6 +808,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         tok.pad_token = tok.eos_token
     # the sequence classifier pools the last non-pad token and needs the pad id in its config
     model.config.pad_token_id = tok.pad_token_id
+    if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tok.padding_side = "right"
     tok.truncation_side = "left"  # keep the critique, which comes last
     return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
@@ -845,7 +850,7 @@ def save_metarm(mrm, path, rank=0, world=1):
         dist.barrier()  # no rank reads `path` before the rename
 
 
-def load_saved_metarm(path, device="cpu", dtype="float32"):
+def load_saved_metarm(path, device="cpu", dtype="float32", gradient_checkpointing=False):
     """Load a MetaRM written by save_metarm (settings from metarm.json, optimizer state if any:
     optimizer/ resharded to this run's ranks, or an older single-file optimizer.pt).
     Every rank calls it. Raises SystemExit when neither `path` nor `<path>.old` holds one."""
@@ -857,7 +862,7 @@ def load_saved_metarm(path, device="cpu", dtype="float32"):
             mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
                               max_length=meta["max_length"], online_lr=meta["online_lr"],
                               online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
-                              weight_decay=meta["weight_decay"])
+                              weight_decay=meta["weight_decay"], gradient_checkpointing=gradient_checkpointing)
             mrm["updates"] = meta["updates"]
             opt_path = os.path.join(p, "optimizer.pt")
             if os.path.isdir(os.path.join(p, "optimizer")) or os.path.isfile(opt_path):
