@@ -37,9 +37,8 @@ The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tok
 "online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype"}. Its parameters and
 AdamW state are float32 (it is trained); `dtype` is the compute dtype of its forwards (autocast).
 
-Run alone:  python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start   (saves to metarm.path or
-            <run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)
-"""
+Run alone: python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start (saves to metarm.path, or
+<run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)."""
 import math
 import random
 import time
@@ -143,16 +142,16 @@ def do_training_samples(parsed, items, lam):
 def online_update(mrm, items, samples, *, world, seed, gated=True):
     """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`).
 
-    Under torchrun the (item, sample) pairs are all-gathered, rank 0 alone runs `update` (it holds
-    the online optimizer state, which is saved with its checkpoints) and then broadcasts the new
-    parameters, so every rank predicts D_O with the same, updated MetaRM. Returns the update's
-    metrics (rank 0's) plus metarm/updates, the count after this step's update, on every rank."""
+    Under torchrun the (item, sample) pairs are all-gathered and EVERY rank runs the same `update`
+    on them (no rank waits alone; every rank holds the AdamW state, saved sharded by save_metarm),
+    then rank 0's parameters and metrics are broadcast (bit-equal weights even where a GPU kernel
+    is not deterministic). Returns the update's metrics plus metarm/updates on every rank."""
     if world > 1:
         parts = [None] * world
         dist.all_gather_object(parts, list(zip(items, samples)))
         pairs = [p for part in parts for p in part]
         items, samples = [p[0] for p in pairs], [p[1] for p in pairs]
-    out = update(mrm, items, samples, seed=seed, gated=gated) if (world == 1 or dist.get_rank() == 0) else None
+    out = update(mrm, items, samples, seed=seed, gated=gated)
     if world > 1:
         box = [out, mrm["updates"]]
         dist.broadcast_object_list(box, src=0)
@@ -388,42 +387,43 @@ def broadcast_parameters(model, src=0):
 
 def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, micro_batch_size=None, log=print,
-               compute_dtype="float32", generate=rollout.generate):
+               compute_dtype="float32", generate=rollout.generate, rank=0, world=1):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
-    grm: (model, tokenizer) of the base GRM (train.py passes its policy at step 0); dh_items:
-    pairwise dicts with human critiques; judge: a judge dict (reward.judge_scores); chat: the GRM's
-    prompt format, as in training (plumbing/data.py's policy_chat); nlhf: the config's `nlhf:`
-    section; compute_dtype: the GRM's compute dtype while sampling (autocast); generate:
-    rollout.generate or fast.generate (train.fast_paths; the same distribution); the rest: the
-    sampling and train_metarm settings.
-    Returns dict: rollouts, examples, truncated (inputs cut to metarm.max_length), invalid,
-    judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example (e.g.
-    every rollout invalid) nothing is trained and the MetaRM keeps its initial head; the numbers
-    say so.
-    """
-    nl = nlhf
+    grm: (model, tokenizer) of the base GRM (train.py's policy at step 0); dh_items: pairwise dicts
+    with human critiques; judge: a judge dict (reward.judge_scores); chat: the GRM's prompt format
+    (plumbing/data.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
+    sampling; generate: rollout.generate or fast.generate; the rest: sampling and train_metarm.
+    rank, world: each rank samples and judges its contiguous block of dh_items (seed + 1_000_003
+    rank), the examples are all-gathered in item order and every rank runs the same train_metarm
+    (rank 0's result broadcast): no rank works alone; world 1 is one process's run.
+    Returns dict (all ranks' counts): rollouts, examples, truncated (inputs cut to metarm.max_length),
+    invalid, judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example
+    nothing is trained and the MetaRM keeps its initial head; the numbers say so."""
     t0 = time.time()
     grm, tok = grm
-    prompts = [reward.grm_prompt_ids(tok, it, chat, nl) for it in dh_items]
+    mine = dh_items[rank * len(dh_items) // world:(rank + 1) * len(dh_items) // world]
+    prompts = [reward.grm_prompt_ids(tok, it, chat, nlhf) for it in mine]
     device = next(grm.parameters()).device
-    with rollout.autocast(compute_dtype, device.type):
-        out = generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed, micro_batch_size=micro_batch_size)
+    with rollout.autocast(compute_dtype, device.type):  # a rank with no items (world > len(dh_items)) samples none
+        out = generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed + 1_000_003 * rank, micro_batch_size=micro_batch_size) if prompts else {"completions": []}
     del grm
-    items = [it for it in dh_items for _ in range(rollouts_per_prompt)]
-    parsed = [reward.parse_grm_completion(c, nl) for c in out["completions"]]
-    samples = judge_dh(parsed, items, judge, nl)
+    items = [it for it in mine for _ in range(rollouts_per_prompt)]
+    parsed = [reward.parse_grm_completion(c, nlhf) for c in out["completions"]]
+    samples = judge_dh(parsed, items, judge, nlhf)
     ex = examples_from_samples(mrm, items, samples)
-    stats = {"rollouts": len(samples), "examples": len(ex), "truncated": mrm["truncated"],
-             "invalid": sum(not s["valid"] for s in samples),
-             "judge_failures": sum(s["judge_failed"] for s in samples),
-             "target_mean": sum(e["r"] for e in ex) / len(ex) if ex else None}
+    n = {"rollouts": len(samples), "truncated": mrm["truncated"], "invalid": sum(not s["valid"] for s in samples),
+         "judge_failures": sum(s["judge_failed"] for s in samples)}
+    if world > 1:  # every rank's examples and counts, in rank order
+        dist.all_gather_object(parts := [None] * world, (ex, n))
+        ex, n = [e for part, _ in parts for e in part], {k: sum(c[k] for _, c in parts) for k in n}
+    stats = dict(n, examples=len(ex), target_mean=sum(e["r"] for e in ex) / len(ex) if ex else None)
     log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
         f"{stats['judge_failures']} judge failures, {stats['examples']} training examples")
     losses = train_metarm(mrm, ex, epochs=epochs, lr=lr, warmup_frac=warmup_frac, weight_decay=weight_decay, seed=seed)
-    stats.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
-                 seconds=time.time() - t0)
+    if world > 1: broadcast_parameters(mrm["model"])  # noqa: E701
+    stats.update(loss_first=(losses or [None])[0], loss_last=(losses or [None])[-1], seconds=time.time() - t0)
     return stats
 
 

@@ -249,7 +249,7 @@ def metarm_main(argv=None):
         items = items[:m["cold_start_items"]]
     mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
                       batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
-                      online_epochs=m["online_epochs"],
+                      online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"],
                       weight_decay=m["weight_decay"])
     generate = fast.generate if cfg["train"]["fast_paths"] else rollout.generate  # the one switch, as train.py
     grm = load_model(cfg["model"]["policy"])

@@ -352,6 +352,8 @@ def validate_config(cfg, world_size=1):
                           ("warmup_steps", o["warmup_steps"] >= 0, ">= 0")]:
         if not ok:
             raise SystemExit(f"config key optim.{key}: must be {need}, got {o[key]}")
+    if not cfg["train"]["dist_timeout_s"] > 0:  # timedelta(0) would fail every collective at once
+        raise SystemExit(f"config key train.dist_timeout_s: must be > 0 (seconds), got {cfg['train']['dist_timeout_s']}")
     if cfg["data"]["max_prompt_tokens"] < 0 or cfg["nlhf"]["max_prompt_tokens"] < 0:
         raise SystemExit("config key data.max_prompt_tokens / nlhf.max_prompt_tokens: must be >= 0 (0 = model context - max_new_tokens)")
     if cfg["model"]["dtype"] == "float16" and cfg["train"]["parallel"] == "fsdp2":

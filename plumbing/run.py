@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def setup(cfg, passes):
     tc = cfg["train"]
     check_startup(cfg)
     rank, world, device = setup_distributed(tc["device"], always_group=tc["parallel"] == "fsdp2",
-                                            cpu_collectives=tc["cpu_offload"])
+                                            cpu_collectives=tc["cpu_offload"], timeout_s=tc["dist_timeout_s"])
     validate_config(cfg, world)
     check_evaluator_paths(cfg)  # before the policy loads (load_evaluators comes after it)
     check_scale_config(cfg, device)
@@ -327,7 +328,8 @@ def save_run(state, cfg, step):
     save_checkpoint(cfg["run"]["out_dir"], step, state["policy"], state["tokenizer"], optimizer=state["optimizer"],
                     scheduler=state["scheduler"], keep=cfg["run"]["keep_checkpoints"], rank=state["rank"],
                     scaler=state["scaler"], merged=bool(lora and lora["merged"]),
-                    extra=(lambda d: save_metarm(mrm, os.path.join(d, "metarm"))) if mrm is not None else None)
+                    extra=(lambda d: save_metarm(mrm, os.path.join(d, "metarm"), rank=state["rank"], world=state["world"]))
+                    if mrm is not None else None)
     if state["world"] > 1:
         dist.barrier()
 
@@ -398,14 +400,26 @@ def emit(state, cfg, metrics, records):
     return metrics
 
 
+CHECKPOINT_MARKER = "complete.json"  # written last into a checkpoint folder: only folders with it resume
+
+
 def latest_checkpoint(out_dir):
-    """Path of the newest complete checkpoint folder in out_dir/checkpoints, or None."""
+    """Path of the newest complete checkpoint folder in out_dir/checkpoints, or None: a step_N
+    folder with its marker (CHECKPOINT_MARKER, written after every rank finished), or one from
+    before sharded checkpoints (trainer_state.pt and no optimizer/ folder)."""
     root = os.path.join(out_dir, "checkpoints")
     if not os.path.isdir(root):
         return None
     steps = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", d))
-             and os.path.isfile(os.path.join(root, d, "trainer_state.pt"))]
+             and complete_checkpoint(os.path.join(root, d))]
     return os.path.join(root, f"step_{max(steps):06d}") if steps else None
+
+
+def complete_checkpoint(folder):
+    """True for a checkpoint folder that loads whole (latest_checkpoint's rule)."""
+    if os.path.isfile(os.path.join(folder, CHECKPOINT_MARKER)):
+        return True
+    return os.path.isfile(os.path.join(folder, "trainer_state.pt")) and not os.path.isdir(os.path.join(folder, "optimizer"))
 
 
 def checkpoint_step(ckpt):
@@ -413,61 +427,102 @@ def checkpoint_step(ckpt):
     return int(os.path.basename(ckpt).split("_")[1])
 
 
+def save_sharded(state_dict, folder):
+    """torch.distributed.checkpoint.save of `state_dict` into `folder`: a collective, every rank
+    writes its own shards (FSDP2 DTensors) and one rank each replicated tensor (DDP, one
+    process: the planner deduplicates them), in parallel; .metadata says where each piece is, so
+    any other number of ranks reads it back (load_sharded). Without a process group: one writer."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # one process: dcp says it "assumes the intent", which is ours
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state_dict, checkpoint_id=folder, no_dist=not dist.is_initialized())
+
+
+def load_sharded(state_dict, folder):
+    """Fill `state_dict` (this rank's layout: get_optimizer_state_dict of the model as it is
+    wrapped now) in place from a save_sharded folder; dcp reshards to any world size."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state_dict, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    return state_dict
+
+
 def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep, rank=0, extra=None, scaler=None,
                     merged=False):
-    """Write out_dir/checkpoints/step_NNNNNN atomically: a crash mid-write leaves a .tmp folder
-    that resume ignores, never a half checkpoint. `extra(folder)`, if given, writes more state
-    into the folder before it is renamed (RM-NLHF: the MetaRM, in metarm/; rank 0 only).
+    """Write out_dir/checkpoints/step_NNNNNN atomically: everything goes into step_NNNNNN.tmp,
+    every rank finishes (barrier), rank 0 writes the marker (CHECKPOINT_MARKER) last and renames.
+    A crash mid-write leaves a .tmp folder that resume ignores, never a half checkpoint.
+    `extra(folder)`, if given, is called on EVERY rank and writes more state into the folder
+    before it is renamed (RM-NLHF: the MetaRM, in metarm/, save_metarm).
 
-    Every rank calls this (under FSDP2 gathering the state is a collective); rank 0 writes.
-    The checkpoint is layout-agnostic (docs/scale-out.md): the full model state dict as a plain
-    save_pretrained folder (FSDP2: float32 master weights), and the optimizer state as a full,
-    parameter-name-keyed dict (torch.distributed.checkpoint.state_dict), so a run with any
-    world size and either of ddp/fsdp2 resumes from it (load_trainer_state).
-
+    Every rank calls this. The folder (docs/scale-out.md "Checkpoints"):
+      config.json + model.safetensors  the policy as a plain save_pretrained folder for users
+                      (evaluate.py, any HF loader) in float32, the master weights, whatever
+                      model.dtype says; gathered on rank 0 (get_model_state_dict full_state_dict)
+      optimizer/      the AdamW state, torch.distributed.checkpoint (save_sharded): every rank
+                      writes its own shards in parallel, none gathers the whole; it reshards
+                      to any world size and either of ddp / fsdp2 on resume (load_trainer_state)
+      trainer_state.pt  step, scheduler, loss scaler (small; rank 0)
     Under LoRA (a peft model) the folder holds the adapter (peft's adapter_config.json and
     adapter_model.safetensors, no base weights) and the optimizer state of the adapters; with
-    `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged) for
-    evaluate.py or any HF loader.
+    `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged).
 
     Args:
         model: the unwrapped policy (plain, peft, or FSDP2-sharded; never the DDP wrapper).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
-    model_sd = get_model_state_dict(model, options=opts)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
-    if rank != 0:
-        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim_sd = get_optimizer_state_dict(model, optimizer)  # this rank's shard (FSDP2) or the whole (replicated)
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
+    problem = None
     # Ctrl-C / SIGTERM wait for the rename: the checkpoint is written whole or not at all
     with deferred_interrupts():
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        if world > 1:
+            dist.barrier()  # the .tmp folder exists before any rank writes into it
         try:
             with no_progress_bars():
-                model.save_pretrained(tmp, state_dict=model_sd)
-                tokenizer.save_pretrained(tmp)
-                torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                            "scaler": scaler.state_dict() if scaler is not None else None},
-                           os.path.join(tmp, "trainer_state.pt"))
-                if merged:
-                    save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+                save_sharded(optim_sd, os.path.join(tmp, "optimizer"))
                 if extra is not None:
                     extra(tmp)
-        except (OSError, RuntimeError) as e:  # disk full / file-size limit: one line, no .tmp left
-            why = write_failure(e, final, checkpoint_bytes(model, lora=hasattr(model, "peft_config"), merged=merged))
-            shutil.rmtree(tmp, ignore_errors=True)
-            if why is None:
+                if rank == 0:
+                    model.save_pretrained(tmp, state_dict=model_sd)
+                    tokenizer.save_pretrained(tmp)
+                    torch.save({"step": step, "scheduler": scheduler.state_dict(),
+                                "scaler": scaler.state_dict() if scaler is not None else None},
+                               os.path.join(tmp, "trainer_state.pt"))
+                    if merged:
+                        save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+        except (OSError, RuntimeError, CheckpointException) as e:  # disk full / file-size limit: one line
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+            problem = write_failure(cause, final, checkpoint_bytes(model, lora=hasattr(model, "peft_config"),
+                                                                   merged=merged))
+            if problem is None:
                 raise
-            raise SystemExit(why) from None
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
-        for d in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        if world > 1:  # every rank's shards are on disk (or one failed) before the marker
+            gathered = [None] * world
+            dist.all_gather_object(gathered, problem)
+            problem = next((p for p in gathered if p), None)
+        if problem:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SystemExit(problem if rank == 0 else 1)
+        if rank == 0:
+            with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
+                json.dump({"step": step, "world_size": world, "optimizer": "torch.distributed.checkpoint"}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+            for d in done[:-keep] if keep > 0 else []:
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -485,19 +540,24 @@ def no_progress_bars():
 
 
 def load_trainer_state(ckpt, policy, optimizer, scheduler, scaler=None):
-    """Restore optimizer and scheduler from ckpt/trainer_state.pt; returns the step.
+    """Restore optimizer and scheduler from a checkpoint; returns the step.
 
-    The optimizer state is the full name-keyed dict written by save_checkpoint; each rank reads
-    the file (memory-mapped, so ranks on one node share the pages) and keeps its own shard
-    (FSDP2) or all of it (DDP / one process). Call after wrap_policy and after the optimizer
-    was built on the wrapped parameters.
+    The optimizer state is read from ckpt/optimizer/ (torch.distributed.checkpoint, save_checkpoint):
+    every rank asks for its own layout's state dict (its FSDP2 shards, or all of it under DDP / one
+    process) and dcp reads just those pieces, whatever world size wrote them. A checkpoint from
+    before sharded checkpoints (the full name-keyed dict inside trainer_state.pt) loads too. Call
+    after wrap_policy and after the optimizer was built on the wrapped parameters.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)
-    osd = state["optimizer"]
-    if osd.get("state") and all(isinstance(k, int) for k in osd["state"]):
+    if os.path.isdir(os.path.join(ckpt, "optimizer")):
+        # get_optimizer_state_dict first makes the AdamW state (a zero-lr step) so dcp has tensors to fill
+        osd = load_sharded(get_optimizer_state_dict(policy, optimizer), os.path.join(ckpt, "optimizer"))
+        set_optimizer_state_dict(policy, optimizer, osd)
+    elif (osd := state["optimizer"]).get("state") and all(isinstance(k, int) for k in osd["state"]):
         optimizer.load_state_dict(osd)  # a checkpoint from before name-keyed optimizer states
-    else:
+    else:  # before sharded checkpoints: the full name-keyed dict, each rank keeps its part
         set_optimizer_state_dict(policy, optimizer, osd, options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
@@ -688,7 +748,8 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
     from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
     metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
-    Rank 0 does (3) and saves; the other ranks then load the same folder, so all ranks start equal.
+    (3) runs on every rank, each sampling and judging its share (metarm.cold_start); rank 0's
+    weights are broadcast, so all ranks start equal; rank 0 saves the weights.
 
     Args:
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
@@ -706,42 +767,37 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     if ckpt:
         if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
             raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
-        return load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"]), os.path.join(ckpt, "metarm"), None
+        return (load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"], m["gradient_checkpointing"]),
+                os.path.join(ckpt, "metarm"), None)
     if os.path.isfile(os.path.join(path, "metarm.json")):
-        return load_saved_metarm(path, device, m["dtype"]), path, None
+        return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"]), path, None
     base = m["model"] or cfg["model"]["policy"]
 
     def fresh():
         return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
                            max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
-                           online_epochs=m["online_epochs"])
+                           online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"])
 
-    stats = None
-    if rank == 0:
-        mrm = fresh()
-        if m["cold_start"]:
-            items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
-            # rank 0 alone samples: from the policy itself, unless FSDP2 sharded it (then from
-            # a plain copy of the same base weights, freed after the cold start)
-            grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
-                load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-            stats = cold_start(mrm, grm, items, judge, **cold_start_settings(cfg, grm[1]), generate=generate,
-                               micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
-                               log=lambda s: print(f"[train] {s}", flush=True))
-            del grm
-            if not stats["examples"]:  # a MetaRM trained on nothing: its D_O bonus is a random head's
-                print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
-                      f"{stats['invalid']} unparseable, {stats['judge_failures']} judge failures): its D_O predictions "
-                      f"start untrained; the GRM cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)",
-                      flush=True)
-            save_metarm(mrm, path)
-    if world > 1:
-        dist.barrier()
-        if not m["cold_start"]:  # a fresh head is random: take rank 0's
-            mrm = mrm if rank == 0 else fresh()
-            broadcast_parameters(mrm["model"])
-        elif rank != 0:
-            mrm = load_saved_metarm(path, device, m["dtype"])
+    mrm, stats = fresh(), None
+    if world > 1:  # a fresh head is random: rank 0's on every rank
+        broadcast_parameters(mrm["model"])
+    if m["cold_start"]:
+        items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
+        # every rank samples and judges its share of the items, then all fit the same MetaRM
+        # (metarm.cold_start): from the policy itself, unless FSDP2 sharded it (then from a plain
+        # copy of the same base weights, freed after the cold start)
+        grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
+            load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
+        stats = cold_start(mrm, grm, items, judge, **cold_start_settings(cfg, grm[1]), generate=generate,
+                           micro_batch_size=cfg["rollout"]["micro_batch_size"] or None, rank=rank, world=world,
+                           log=lambda s: print(f"[train] {s}", flush=True) if rank == 0 else None)
+        del grm
+        if not stats["examples"] and rank == 0:  # a MetaRM trained on nothing: its D_O bonus is a random head's
+            print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
+                  f"{stats['invalid']} unparseable, {stats['judge_failures']} judge failures): its D_O predictions "
+                  f"start untrained; the GRM cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)",
+                  flush=True)
+        save_metarm(mrm, path, rank=rank, world=world)
     return mrm, "cold_start" if m["cold_start"] else "fresh", stats
 
 
@@ -757,7 +813,7 @@ def cold_start_settings(cfg, tokenizer):
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01, online_epochs=1):
+                online_lr=5e-6, weight_decay=0.01, online_epochs=1, gradient_checkpointing=False):
     """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
 
     Args:
@@ -765,6 +821,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         mode: one of reward.METARM_MODES except 'none'; 'classifier' gets 3 outputs, others 1.
         dtype: the compute dtype of its forwards; the weights load in float32 (they are trained:
             an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
+        gradient_checkpointing: metarm.gradient_checkpointing: its decoder layers keep only their
+            inputs and are replayed in backward (non-reentrant, as wrap_policy's "full").
     Returns:
         the mrm dict (see the top of this file).
     Raises:
@@ -784,6 +842,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         tok.pad_token = tok.eos_token
     # the sequence classifier pools the last non-pad token and needs the pad id in its config
     model.config.pad_token_id = tok.pad_token_id
+    if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tok.padding_side = "right"
     tok.truncation_side = "left"  # keep the critique, which comes last
     return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
@@ -795,29 +855,40 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
 _META = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "updates")
 
 
-def save_metarm(mrm, path):
+def save_metarm(mrm, path, rank=0, world=1):
     """Write the MetaRM to `path` atomically: everything goes to `<path>.tmp` first, then renames.
     A crash leaves either the old folder, or `<path>.old` (which load_saved_metarm falls back to).
-    Contents: HF model + tokenizer, metarm.json (settings), optimizer.pt (online AdamW state)."""
+    Every rank calls it. Contents: HF model (float32 master weights) + tokenizer and metarm.json
+    (settings), rank 0; optimizer/ (online AdamW state, torch.distributed.checkpoint: every rank
+    holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    mrm["model"].save_pretrained(tmp)
-    mrm["tokenizer"].save_pretrained(tmp)
-    with open(os.path.join(tmp, "metarm.json"), "w") as f:
-        json.dump({k: mrm[k] for k in _META}, f, indent=1)
-    if mrm["optimizer"] is not None:
-        torch.save(mrm["optimizer"].state_dict(), os.path.join(tmp, "optimizer.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        mrm["model"].save_pretrained(tmp)
+        mrm["tokenizer"].save_pretrained(tmp)
+        with open(os.path.join(tmp, "metarm.json"), "w") as f:
+            json.dump({k: mrm[k] for k in _META}, f, indent=1)
+    if world > 1:
+        dist.barrier()  # the folder exists before the shards go in
+    if mrm["optimizer"] is not None:  # a collective: every rank has it or none does (online_update)
+        save_sharded(get_optimizer_state_dict(mrm["model"], mrm["optimizer"]), os.path.join(tmp, "optimizer"))
+    if rank == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    if world > 1:
+        dist.barrier()  # no rank reads `path` before the rename
 
 
-def load_saved_metarm(path, device="cpu", dtype="float32"):
-    """Load a MetaRM written by save_metarm (settings from metarm.json, optimizer state if any).
-    Raises SystemExit when neither `path` nor `<path>.old` holds one."""
+def load_saved_metarm(path, device="cpu", dtype="float32", gradient_checkpointing=False):
+    """Load a MetaRM written by save_metarm (settings from metarm.json, optimizer state if any:
+    optimizer/ resharded to this run's ranks, or an older single-file optimizer.pt).
+    Every rank calls it. Raises SystemExit when neither `path` nor `<path>.old` holds one."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     for p in (path, os.path.abspath(path) + ".old"):
         if os.path.isfile(os.path.join(p, "metarm.json")):
             with open(os.path.join(p, "metarm.json")) as f:
@@ -825,12 +896,17 @@ def load_saved_metarm(path, device="cpu", dtype="float32"):
             mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
                               max_length=meta["max_length"], online_lr=meta["online_lr"],
                               online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
-                              weight_decay=meta["weight_decay"])
+                              weight_decay=meta["weight_decay"], gradient_checkpointing=gradient_checkpointing)
             mrm["updates"] = meta["updates"]
             opt_path = os.path.join(p, "optimizer.pt")
-            if os.path.isfile(opt_path):
+            if os.path.isdir(os.path.join(p, "optimizer")) or os.path.isfile(opt_path):
                 mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
                                                      weight_decay=mrm["weight_decay"])
+            if os.path.isdir(os.path.join(p, "optimizer")):
+                model, opt = mrm["model"], mrm["optimizer"]
+                set_optimizer_state_dict(model, opt, load_sharded(get_optimizer_state_dict(model, opt),
+                                                                  os.path.join(p, "optimizer")))
+            elif os.path.isfile(opt_path):  # saved before sharded checkpoints
                 mrm["optimizer"].load_state_dict(torch.load(opt_path, map_location=device))
             return mrm
     raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")

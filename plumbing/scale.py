@@ -6,6 +6,7 @@ ranks), compute_context (the forward's dtype), grad_sync (gradient accumulation)
 weights for generation), generate_vllm / vllm_sleep / push_weights (the vLLM backend), logp_gap.
 """
 import contextlib
+import datetime
 import functools
 import json
 import os
@@ -21,7 +22,7 @@ import rollout
 from plumbing.data import resolve_model_path
 
 
-def setup_distributed(device_setting, always_group=False, cpu_collectives=False):
+def setup_distributed(device_setting, always_group=False, cpu_collectives=False, timeout_s=1800.0):
     """Init the process group when launched by torchrun (gloo on CPU, nccl on CUDA).
 
     Args:
@@ -30,6 +31,9 @@ def setup_distributed(device_setting, always_group=False, cpu_collectives=False)
         cpu_collectives: on CUDA, give CPU tensors a gloo backend next to nccl
             ("cpu:gloo,cuda:nccl"): FSDP2 CPU offload keeps gradients on the CPU, and clipping
             them all-reduces CPU tensors.
+        timeout_s: seconds a collective may wait for the slowest rank before the job fails
+            (train.dist_timeout_s; NCCL's watchdog default is 10 minutes, config.yaml says why
+            that is too short).
     Returns (rank, world, device)."""
     use_cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -38,10 +42,11 @@ def setup_distributed(device_setting, always_group=False, cpu_collectives=False)
     if use_cuda:
         torch.cuda.set_device(local)
     backend = ("cpu:gloo,cuda:nccl" if cpu_collectives else "nccl") if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     elif always_group and not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world, torch.device("cuda", local) if use_cuda else torch.device("cpu")
 
 

@@ -512,11 +512,10 @@ def checkpoint_dtypes(run_dir):
         return None
     out = {"path": ckpt, "weights": safetensors_dtypes(ckpt)}
     try:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False, mmap=True)
-        st = state["optimizer"].get("state", {})
-        first = next(iter(st.values()), {})
-        out["adamw_state"] = sorted({str(v.dtype).removeprefix("torch.") for v in first.values()
-                                     if torch.is_tensor(v) and v.dim() > 0})
+        from torch.distributed.checkpoint import FileSystemReader  # optimizer/: plumbing.run.save_sharded
+        meta = FileSystemReader(os.path.join(ckpt, "optimizer")).read_metadata().state_dict_metadata
+        out["adamw_state"] = sorted({str(m.properties.dtype).removeprefix("torch.") for k, m in meta.items()
+                                     if k.startswith("state.") and hasattr(m, "properties") and len(m.size) > 0})
     except Exception as e:  # a report must not fail on a checkpoint it cannot read
         out["adamw_state"] = f"unreadable: {type(e).__name__}: {e}"
     return out

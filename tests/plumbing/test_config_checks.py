@@ -155,3 +155,26 @@ def test_logprob_chunk_tokens_is_checked():
     with pytest.raises(SystemExit) as e:
         load_config([], ["train.logprob_chunk_tokens=-1"])
     assert str(e.value) == "config key train.logprob_chunk_tokens: must be >= 0 (0 = off), got -1"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "config key train.dist_timeout_s: must be > 0 (seconds), got 0.0"),
+    ("-5", "config key train.dist_timeout_s: must be > 0 (seconds), got -5.0"),
+    ("soon", "config key train.dist_timeout_s: expected float, got 'soon'"),
+])
+def test_the_process_group_timeout_is_checked(value, message):
+    with pytest.raises(SystemExit) as e:
+        load_config([], [f"train.dist_timeout_s={value}"])
+    assert str(e.value) == message
+
+
+def test_the_process_group_timeout_reaches_init_process_group(monkeypatch):
+    """train.dist_timeout_s becomes init_process_group's timeout= (NCCL's default watchdog: 10 min)."""
+    import datetime
+    import torch.distributed as dist
+    from plumbing import scale
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    scale.setup_distributed("cpu", always_group=True, timeout_s=load_config([])["train"]["dist_timeout_s"])
+    assert seen["timeout"] == datetime.timedelta(minutes=30) and seen["backend"] == "gloo"

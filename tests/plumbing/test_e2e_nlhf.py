@@ -406,6 +406,8 @@ def _metarm_rank(rank, world, model_path, port, out_dir):
     items, samples = _rank_samples(rank)
     m = metarm.online_update(mrm, items, samples, world=world, seed=5)
     pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
+    from plumbing.run import save_metarm
+    save_metarm(mrm, os.path.join(out_dir, "saved"), rank=rank, world=world)  # the AdamW state: every rank writes
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"pred": pred, "updates": mrm["updates"], "n": m["metarm/n"]}, f)
     dist.destroy_process_group()
@@ -439,3 +441,10 @@ def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_pa
         got = json.load(open(tmp_path / f"rank{rank}.json"))
         assert got["updates"] == 1 and got["pred"] == pytest.approx(want, abs=1e-5)
     assert json.load(open(tmp_path / "rank0.json"))["n"] == m["metarm/n"] == 4
+    # the online AdamW state, saved by both ranks (torch.distributed.checkpoint), loads in one process
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(os.listdir(tmp_path / "saved" / "optimizer"))
+    back = load_saved_metarm(str(tmp_path / "saved"))
+    assert back["updates"] == 1
+    for a, b in zip(ref["optimizer"].state.values(), back["optimizer"].state.values()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert (a[k] - b[k]).abs().max().item() < 1e-6

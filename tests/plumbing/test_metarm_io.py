@@ -85,3 +85,26 @@ def test_smollm2_as_sequence_classifier():
     assert all(isinstance(p, float) and p == p for p in preds)
     m = metarm.update(mrm, [item(1), item(2)], samples)
     assert m["metarm/n"] == 2 and m["metarm/loss"] >= 0.0
+
+
+def _metarm_step(model_path, checkpointing):
+    """One MetaRM loss + backward on a 2-text batch: (loss, {name: grad}, bytes autograd saved)."""
+    import metarm
+    torch.manual_seed(0)
+    mrm = load_metarm(model_path, "online", 0.5, max_length=128, gradient_checkpointing=checkpointing)
+    mrm["model"].train()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        loss = metarm.metarm_loss(mrm, ["a long critique " * 20, "short"], [1.5, 0.0])
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in mrm["model"].named_parameters()}, sum(saved)
+
+
+def test_metarm_gradient_checkpointing_keeps_the_numbers_and_saves_activations(tiny_model_path):
+    """metarm.gradient_checkpointing: the same loss and gradients, fewer bytes kept for backward
+    (each decoder layer keeps its input only and is replayed)."""
+    loss0, g0, b0 = _metarm_step(tiny_model_path, False)
+    loss1, g1, b1 = _metarm_step(tiny_model_path, True)
+    assert loss1 == pytest.approx(loss0, rel=1e-6)
+    assert max((g0[n] - g1[n]).abs().max().item() for n in g0) < 1e-6
+    assert b1 < 0.7 * b0, (b0, b1)

@@ -471,3 +471,101 @@ def test_torchrun_fsdp2_matches_ddp_and_resumes_in_one_process(tiny_model_path, 
     m_f, _ = check_run_dir(fsdp, 3, n_samples=4)
     for k in ("reward/mean", "loss", "grad_norm"):
         assert m_d[2][k] == pytest.approx(m_f[2][k], rel=1e-4, abs=1e-6), k
+
+
+# --- sharded checkpoints (docs/scale-out.md "Checkpoints"): saved on 2 ranks, resumed on 1 and on 4 ---
+
+def _dcp_save_worker(rank, world, port, model_path, out_dir):
+    _init(rank, world, port)
+    policy, tok = load_model(model_path)
+    model = wrap_policy(policy, "fsdp2", world, CPU)
+    opt, sched = _make_opt(policy)
+    _adam_step(model, policy, opt, _shard(_layout_batch(), rank, world), world, tok.pad_token_id)
+    sched.step()
+    save_checkpoint(out_dir, 1, policy, tok, opt, sched, keep=2, rank=rank)
+    dist.destroy_process_group()
+
+
+def _dcp_resume_worker(rank, world, port, ckpt, out):
+    _init(rank, world, port)
+    policy, tok = load_model(ckpt)
+    model = wrap_policy(policy, "fsdp2", world, CPU)
+    opt, sched = _make_opt(policy)
+    assert load_trainer_state(ckpt, policy, opt, sched) == 1
+    _adam_step(model, policy, opt, _shard(_layout_batch(), rank, world), world, tok.pad_token_id)
+    flat = _flat(model)
+    if rank == 0:
+        torch.save(flat, out)
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_saved_on_2_ranks_resumes_exactly_on_1_and_on_4(tiny_model_path, tmp_path):
+    """The AdamW state is written by every rank (torch.distributed.checkpoint: one .distcp file per
+    rank, nothing gathered on rank 0) and read back resharded: step 2 after the resume equals the
+    uninterrupted one-process step 2 on 1 rank and on 4 FSDP2 ranks. Before: the full state, in
+    trainer_state.pt, written by rank 0 alone."""
+    import json, os
+    batch = _layout_batch()
+    policy, tok = load_model(tiny_model_path)
+    opt, sched = _make_opt(policy)
+    _adam_step(policy, policy, opt, batch, 1, tok.pad_token_id)
+    sched.step()
+    _adam_step(policy, policy, opt, batch, 1, tok.pad_token_id)
+    p2 = _flat(policy)
+
+    _spawn(_dcp_save_worker, 2, tiny_model_path, str(tmp_path / "run"))
+    ckpt = latest_checkpoint(str(tmp_path / "run"))
+    assert ckpt.endswith("step_000001") and not os.path.exists(ckpt + ".tmp")
+    files = sorted(os.listdir(os.path.join(ckpt, "optimizer")))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files  # each rank wrote its own shard
+    assert all(os.path.getsize(os.path.join(ckpt, "optimizer", f)) > 1000 for f in files[1:])
+    assert "optimizer" not in torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    with open(os.path.join(ckpt, "complete.json")) as f:
+        assert json.load(f)["world_size"] == 2
+
+    # 1 rank: the plain one-process path (no FSDP2, no process group)
+    one, _ = load_model(ckpt)
+    opt1, sched1 = _make_opt(one)
+    assert load_trainer_state(ckpt, one, opt1, sched1) == 1 and sched1.last_epoch == 1
+    _adam_step(one, one, opt1, batch, 1, tok.pad_token_id)
+    assert (_flat(one) - p2).abs().max().item() < 1e-5
+    # 4 FSDP2 ranks, 2 rows each
+    _spawn(_dcp_resume_worker, 4, ckpt, str(tmp_path / "four.pt"))
+    assert (torch.load(tmp_path / "four.pt") - p2).abs().max().item() < 1e-5
+    # the test can fail: without the optimizer state step 2 lands elsewhere
+    fresh, _ = load_model(ckpt)
+    opt_f, _ = _make_opt(fresh)
+    _adam_step(fresh, fresh, opt_f, batch, 1, tok.pad_token_id)
+    assert (_flat(fresh) - p2).abs().max().item() > 1e-4
+
+
+def test_only_checkpoints_with_their_marker_resume(tiny_model_path, tmp_path):
+    """A step folder whose marker (complete.json, written last, after every rank's shards) is
+    missing is never resumed from, even with trainer_state.pt and optimizer/ in it; a checkpoint
+    from before sharded checkpoints (trainer_state.pt holding the full optimizer dict, no
+    optimizer/) still is, and loads."""
+    import os, shutil
+    policy, tok = load_model(tiny_model_path)
+    opt, sched = _make_opt(policy)
+    _adam_step(policy, policy, opt, _layout_batch(), 1, tok.pad_token_id)
+    sched.step()
+    out = str(tmp_path / "run")
+    save_checkpoint(out, 1, policy, tok, opt, sched, keep=3)
+    save_checkpoint(out, 2, policy, tok, opt, sched, keep=3)
+    os.remove(os.path.join(out, "checkpoints", "step_000002", "complete.json"))  # as if copied half
+    assert latest_checkpoint(out).endswith("step_000001")
+    # the old format: the full name-keyed optimizer dict inside trainer_state.pt
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    old = os.path.join(out, "checkpoints", "step_000003")
+    shutil.copytree(os.path.join(out, "checkpoints", "step_000001"), old)
+    shutil.rmtree(os.path.join(old, "optimizer"))
+    os.remove(os.path.join(old, "complete.json"))
+    full = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True))
+    torch.save({"step": 1, "optimizer": full, "scheduler": sched.state_dict(), "scaler": None},
+               os.path.join(old, "trainer_state.pt"))
+    assert latest_checkpoint(out) == old
+    again, _ = load_model(old)
+    opt2, sched2 = _make_opt(again)
+    assert load_trainer_state(old, again, opt2, sched2) == 1
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
