@@ -207,7 +207,8 @@ def force_verdicts(monkeypatch, pairs):
     update and prediction, non-zero GRPO advantages) would run. Ids and masks are rebuilt from
     the text, so the update trains on exactly what is logged."""
     def find(text):  # the pair whose context and both responses all appear in the decoded prompt
-        return next(it for it in pairs if all(it[k].strip()[:300] in text for k in ("context", "response_a", "response_b")))
+        return next((it for it in pairs if all(it[k].strip()[:300] in text for k in ("context", "response_a", "response_b"))),
+                    None)  # None: a prompt from none of `pairs` (e.g. a validation file's) keeps the model's own text
     real = fast.generate
 
     def generate(model, tok, prompt_ids, group_size, max_new_tokens, *a, **kw):
@@ -216,6 +217,8 @@ def force_verdicts(monkeypatch, pairs):
         for g, ids in enumerate(prompt_ids):
             text = tok.decode(ids)
             it = find(text)
+            if it is None:
+                continue
             crit = it["critique"].splitlines()[0] if it["critique"] else f"Response {it['winner']} is more helpful."
             rows.append((g * group_size, verdict(crit, it["winner"])))
         return with_completions(out, tok, rows)
