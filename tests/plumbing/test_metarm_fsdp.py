@@ -42,6 +42,13 @@ def _flat(model):
     return torch.cat([v.float().flatten() for _, v in sorted(sd.items())])
 
 
+def _real_bytes(mrm):
+    """This rank's MetaRM weight and AdamW bytes, as the tensors are in memory (local shards)."""
+    b = lambda t: (t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+    state = [v for s in mrm["optimizer"].state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"MetaRM weights": sum(b(p) for p in mrm["model"].parameters()), "MetaRM AdamW state": sum(b(v) for v in state)}
+
+
 def _worker(rank, world, port, model_path, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -51,7 +58,7 @@ def _worker(rank, world, port, model_path, out):
     assert mrm["shard"] == (rank, world) and all(isinstance(p, DTensor) for p in mrm["model"].parameters())
     m1 = metarm.online_update(mrm, *_samples(FIRST[rank]), world=world, seed=5)
     pred = metarm.predict(mrm, *_do(DO[rank]))
-    flat = _flat(mrm["model"])
+    flat, real = _flat(mrm["model"]), _real_bytes(mrm)
     save_metarm(mrm, os.path.join(out, "saved"), rank=rank, world=world)
     back = load_saved_metarm(os.path.join(out, "saved"), gradient_checkpointing=True, parallel="fsdp2", rank=rank,
                              world=world)
@@ -59,7 +66,7 @@ def _worker(rank, world, port, model_path, out):
     m2 = metarm.online_update(back, *_samples(SECOND[rank]), world=world, seed=6)
     pred2 = metarm.predict(back, *_do(DO[rank]))
     save_metarm(back, os.path.join(out, "saved2"), rank=rank, world=world)
-    torch.save({"m1": m1, "m2": m2, "pred": pred, "pred2": pred2, "flat": flat}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"m1": m1, "m2": m2, "pred": pred, "pred2": pred2, "flat": flat, "real": real}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -71,9 +78,17 @@ def _plain_flat(model):
     return torch.cat([v.float().flatten() for _, v in sorted(model.state_dict().items())])
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tiny_model_path, tmp_path_factory):
+    """The 2-rank FSDP2 run of _worker, once for this module's tests: its folder."""
+    out = tmp_path_factory.mktemp("metarm_fsdp")
+    _spawn(_worker, 2, tiny_model_path, str(out))
+    return out
+
+
 @pytest.mark.slow
-def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_model_path, tmp_path):
-    _spawn(_worker, 2, tiny_model_path, str(tmp_path))
+def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_model_path, fsdp_run):
+    tmp_path = fsdp_run
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # one process: rank 0's fresh head (seed 0), the same 5 examples in rank order, the same seed
     torch.manual_seed(0)
@@ -111,3 +126,34 @@ def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_m
     # the 2-rank save after step 2, loaded in one process: step 2's weights (1 -> 2 -> 1 ranks)
     two = load_saved_metarm(str(tmp_path / "saved2"))
     assert two["updates"] == 2 and (_plain_flat(two["model"]) - _plain_flat(ref["model"])).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_plan_counts_the_metarm_as_placed(tiny_model_path, fsdp_run):
+    """plumbing/plan.py's MetaRM lines follow load_metarm's placement. Before: always a 1/world
+    FSDP2 shard with all metarm.batch_size rows on each rank. Now fsdp2 on 2 ranks: the bytes of the
+    real local shards (the FSDP2 worker above, after its AdamW step), activations for this rank's
+    ceil(3 / 2) = 2 rows; ddp on 2 ranks: a full replica, all 3 rows."""
+    from plumbing import plan as PL
+    from plumbing.config import load_config
+    from conftest import REPO
+    over = [f"model.policy={tiny_model_path}", "metarm.batch_size=3", "metarm.max_length=64",
+            "metarm.gradient_checkpointing=true", "metarm.dtype=float32"]
+    cfg = lambda par: load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")], over + [f"train.parallel={par}"])
+    torch.manual_seed(0)
+    one = load_metarm(tiny_model_path, **KW)
+    metarm.update(one, *_samples(_all(FIRST)), seed=5)
+    full = _real_bytes(one)
+    n = sum(p.numel() for p in one["model"].parameters())
+    assert full["MetaRM weights"] == 4 * n
+    f = PL.shape_facts(PL.meta_model(PL.model_config(tiny_model_path), num_labels=1))
+    arch = {k: f[k] for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")}
+    for rank in (0, 1):
+        real = torch.load(fsdp_run / f"rank{rank}.pt")["real"]
+        items = PL.memory_plan(cfg("fsdp2"), world=2, gpu_bytes=80 * 2**30, rank=rank)["items"]
+        assert {k: items[k] for k in real} == real and real["MetaRM weights"] < full["MetaRM weights"]
+        assert items["MetaRM activations"] == PL.activation_bytes(tokens=2 * 64, dtype_bytes=4, checkpointing="full", **arch) \
+            + 4 * (f["root_params"] + 2 * f["layer_params"])
+    items = PL.memory_plan(cfg("ddp"), world=2, gpu_bytes=80 * 2**30)["items"]
+    assert {k: items[k] for k in full} == full
+    assert items["MetaRM activations"] == PL.activation_bytes(tokens=3 * 64, dtype_bytes=4, checkpointing="full", **arch)
