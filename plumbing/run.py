@@ -862,8 +862,8 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         # the root too (FSDP2 keeps its weights gathered after forward, for backward): else a no-grad
         # forward (D_O, agreement) leaves gathered tensors registered, not the shards AdamW steps
         model.set_reshard_after_forward(True, recurse=False)
-    return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
-            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
+    return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None,
+            "mode": mode, "lam": float(lam), "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
             "online_epochs": int(online_epochs), "truncated": 0,
             "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
 
