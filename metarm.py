@@ -34,8 +34,8 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
 
 The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tokenizer",
 "optimizer" (online AdamW, created on first update), "mode", "lam", "batch_size", "max_length",
-"online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype"}. Its parameters and
-AdamW state are float32 (it is trained); `dtype` is the compute dtype of its forwards (autocast).
+"online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype", "shard" ((rank, world),
+world > 1: FSDP2 shards it)}. Its parameters and AdamW state are float32 (trained); `dtype`: autocast's.
 
 Run alone: python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start (saves to metarm.path, or
 <run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)."""
@@ -84,8 +84,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
         samples[i] = dict(s, r_hat=None)
     metrics["order/judge_done_s"] = time.perf_counter() - t0
     # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
-    updates_before = mrm["updates"] if mrm is not None else 0
-    truncated_before = mrm["truncated"] if mrm is not None else 0
+    updates_before, truncated_before = (mrm["updates"], mrm["truncated"]) if mrm is not None else (0, 0)
     if mrm is not None:
         train_items, train_samples = [items[i] for i in dh_idx], dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
@@ -142,19 +141,16 @@ def do_training_samples(parsed, items, lam):
 def online_update(mrm, items, samples, *, world, seed, gated=True):
     """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`).
 
-    Under torchrun the (item, sample) pairs are all-gathered and EVERY rank runs the same `update`
-    on them (no rank waits alone; every rank holds the AdamW state, saved sharded by save_metarm),
-    then rank 0's parameters and metrics are broadcast (bit-equal weights even where a GPU kernel
-    is not deterministic). Returns the update's metrics plus metarm/updates on every rank."""
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, list(zip(items, samples)))
-        pairs = [p for part in parts for p in part]
-        items, samples = [p[0] for p in pairs], [p[1] for p in pairs]
+    Under torchrun the (item, sample) pairs are all-gathered and every rank runs `update` on them:
+    a replica (ddp) trains on all, then rank 0's parameters are broadcast (bit-equal weights even
+    where a GPU kernel is not deterministic); FSDP2 shards (mrm["shard"]) train each rank's share
+    of every batch (fit). Rank 0's metrics are broadcast. Returns them plus metarm/updates."""
+    if world > 1:  # every rank's pairs, in rank order
+        dist.all_gather_object(parts := [None] * world, list(zip(items, samples)))
+        items, samples = [p[0] for part in parts for p in part], [p[1] for part in parts for p in part]
     out = update(mrm, items, samples, seed=seed, gated=gated)
-    if world > 1:
-        box = [out, mrm["updates"]]
-        dist.broadcast_object_list(box, src=0)
+    if world > 1:  # rank 0's metrics; its weights, unless FSDP2 shards them (broadcast_parameters)
+        dist.broadcast_object_list(box := [out, mrm["updates"]], src=0)
         out, mrm["updates"] = box
         broadcast_parameters(mrm["model"])
     return dict(out, **{"metarm/updates": mrm["updates"]})
@@ -200,8 +196,7 @@ def metarm_input(mrm, context, response_a, response_b, critique):
             break
     for k in range(4):
         if keep[k] < len(ids[k]):
-            head = keep[k] // 2
-            tail = keep[k] - head
+            head, tail = keep[k] // 2, keep[k] - keep[k] // 2
             parts[k] = (tok.decode(ids[k][:head]) + " [...] " + (tok.decode(ids[k][-tail:]) if tail else "")).strip()
     mrm["truncated"] += 1
     return metarm_text(*parts), True
@@ -239,8 +234,7 @@ def examples_from_samples(mrm, items, samples):
 def metarm_loss(mrm, texts, rewards):
     """Loss (scalar, with grad) on one batch of texts and their D_H rewards R: MSE(ŷ, R) (RM-NLHF
     Eq. 7; 'binary_retrain': MSE to 1[R > 1]); 'classifier': cross-entropy over (0, 1, 1 + λ)."""
-    out = _forward(mrm, texts)
-    targets = [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
+    out, targets = _forward(mrm, texts), [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
     if mrm["mode"] == "classifier":
         return F.cross_entropy(out, torch.tensor(targets, device=out.device))
     return F.mse_loss(out, torch.tensor(targets, dtype=torch.float32, device=out.device))
@@ -248,8 +242,7 @@ def metarm_loss(mrm, texts, rewards):
 
 def _forward(mrm, texts):
     """Raw outputs [B] (regression) or [B, 3] (classifier) for a list of texts."""
-    tok, model = mrm["tokenizer"], mrm["model"]
-    device = next(model.parameters()).device
+    tok, model, device = mrm["tokenizer"], mrm["model"], next(mrm["model"].parameters()).device
     enc = tok(texts, padding=True, truncation=True, max_length=mrm["max_length"], return_tensors="pt").to(device)
     with rollout.autocast(mrm["dtype"], device.type):  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
         logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.float()
@@ -262,12 +255,15 @@ def _forward(mrm, texts):
 
 @torch.no_grad()
 def raw_outputs(mrm, texts):
-    """The MetaRM's raw outputs for texts, in batches: floats (regression) or [3] logit lists (classifier)."""
-    model, out = mrm["model"], []
+    """The MetaRM's raw outputs for texts, in batches: floats (regression) or [3] logit lists (classifier).
+    Sharded, every rank runs the most batches of any rank (FSDP2 gathers per forward), dummies dropped."""
+    model, out, bs = mrm["model"], [], mrm["batch_size"]
+    n = torch.tensor(-(-len(texts) // bs), device=next(model.parameters()).device)
+    if mrm["shard"][1] > 1: dist.all_reduce(n, op=dist.ReduceOp.MAX)  # noqa: E701
     was = model.training
     model.eval()
-    for i in range(0, len(texts), mrm["batch_size"]):
-        out += _forward(mrm, texts[i:i + mrm["batch_size"]]).tolist()
+    for i in range(0, int(n) * bs, bs):
+        out += _forward(mrm, texts[i:i + bs] or ["."]).tolist()[:len(texts[i:i + bs])]
     model.train(was)
     return out
 
@@ -290,11 +286,9 @@ def predict(mrm, items, critiques):
     idx = [i for i, c in enumerate(critiques) if c is not None]
     texts = [metarm_input(mrm, items[i]["context"], response_a=items[i]["response_a"],
                           response_b=items[i]["response_b"], critique=critiques[i])[0] for i in idx]
-    preds = predict_texts(mrm, texts) if idx else []
-    out = [None] * len(critiques)
-    for i, p in zip(idx, preds):
-        out[i] = p
-    return out
+    preds = predict_texts(mrm, texts)  # with no text too: a sharded MetaRM's forwards are collectives
+    out = dict(zip(idx, preds))
+    return [out.get(i) for i in range(len(critiques))]
 
 
 def agreement(outputs, rewards, lam, mode="online", gated=True):
@@ -328,9 +322,12 @@ def update(mrm, items, samples, seed=0, gated=True):
     metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
     if not ex:
         return metrics
-    judged = [e for e in ex if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
-    metrics["metarm/agreement"] = agreement(raw_outputs(mrm, [e["text"] for e in judged]), [e["r"] for e in judged],
-                                            mrm["lam"], mode=mrm["mode"], gated=gated)
+    judged, (r, w) = [e for e in ex if e["dh"]], mrm["shard"]  # D_O outcome labels (train_on_do) are not the judge's
+    out = raw_outputs(mrm, [e["text"] for e in judged[r::w]])  # sharded: each rank its share, then all of them
+    if w > 1:
+        dist.all_gather_object(parts := [None] * w, out)
+        out = [parts[i % w][i // w] for i in range(len(judged))]
+    metrics["metarm/agreement"] = agreement(out, [e["r"] for e in judged], mrm["lam"], mode=mrm["mode"], gated=gated)
     if mrm["mode"] == "offline":
         return metrics
     if mrm["optimizer"] is None:
@@ -346,23 +343,26 @@ def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None, log=None):
     `epochs` passes over `examples` ({"text", "r"}: examples_from_samples), pass e in batches of
     mrm["batch_size"] shuffled by seed + e; per batch metarm_loss, backward, the gradient norm
     clipped to 1.0, an `optimizer` step, and with `lr_at` (the lr multiplier at optimizer step t,
-    0-based) a LambdaLR step. log: None or a callable taking one progress line per step.
-    Returns [(loss, batch size)], one per optimizer step.
-    """
-    model = mrm["model"]
+    0-based) a LambdaLR step. log: None or a callable taking one progress line per step. FSDP2 (mrm["shard"]
+    (r, w)): rank r runs batch[r::w] (empty: a dummy, weight 0), its mean loss x its share x w, so the w ranks'
+    gradient mean is the batch's (Eq. 7), as in one process. Returns [(batch mean loss, batch size)] a step."""
+    model, (r, w) = mrm["model"], mrm["shard"]
     model.train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
     total = epochs * math.ceil(len(examples) / mrm["batch_size"])
     steps = []
     for epoch in range(epochs):
         for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
-            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
+            mine = b[r::w]  # this rank's share (one process / ddp: all of b, weight 1.0)
+            loss = metarm_loss(mrm, [examples[i]["text"] for i in mine] or ["."], [examples[i]["r"] for i in mine] or [0.0])
+            loss = loss * (len(mine) * w / len(b))  # 1.0 in one process / ddp
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if sched is not None:
                 sched.step()
+            if w > 1: dist.all_reduce(loss := loss.detach().clone()); loss /= w  # noqa: E701,E702
             steps.append((loss.item(), len(b)))
             if log:
                 log(f"metarm: epoch {epoch + 1}/{epochs} step {len(steps)}/{total} loss {steps[-1][0]:.4f}")
@@ -376,8 +376,8 @@ def _batches(n, batch_size, seed):
 
 
 def broadcast_parameters(model, src=0):
-    """Copy rank `src`'s parameters and buffers into every rank's model (in place)."""
-    for t in list(model.parameters()) + list(model.buffers()):
+    """Copy rank `src`'s parameters and buffers into every rank's model (in place); FSDP2 shards: nothing."""
+    for t in [] if rollout.is_fsdp(model) else list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src)
 
 
@@ -396,7 +396,7 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
     sampling; generate: rollout.generate or fast.generate; the rest: sampling and train_metarm.
     rank, world: each rank samples and judges its contiguous block of dh_items (seed + 1_000_003
     rank), the examples are all-gathered in item order and every rank runs the same train_metarm
-    (rank 0's result broadcast): no rank works alone; world 1 is one process's run.
+    (replicas: rank 0's result broadcast; FSDP2: each its share, fit): no rank works alone.
     Returns dict (all ranks' counts): rollouts, examples, truncated (inputs cut to metarm.max_length),
     invalid, judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example
     nothing is trained and the MetaRM keeps its initial head; the numbers say so."""

@@ -26,9 +26,12 @@ What is counted, per GPU, as rank 0 holds it (GiB = 2**30 bytes):
   - frozen copies in model.dtype: the GRPO reference (algo.kl_coef > 0; none under LoRA with
     fast paths), reward.evaluators of kind frozen (their own model) and frozen_self (the policy's);
     live and remote evaluators hold nothing more;
-  - the MetaRM (rm_nlhf): a sequence classifier on metarm.model, placed as issue 26 item 3 says:
-    FSDP2-sharded float32 master + gradients + AdamW, compute in metarm.dtype, activation
-    checkpointing on its metarm.batch_size x metarm.max_length-token inputs;
+  - the MetaRM (rm_nlhf): a sequence classifier on metarm.model (plumbing/run.py load_metarm):
+    under train.parallel fsdp2 with world > 1 FSDP2-sharded float32 master + gradients + AdamW,
+    the root and two layers gathered in metarm.dtype, each rank training on its share of a batch,
+    ceil(metarm.batch_size / world) x metarm.max_length tokens (metarm.py fit); else a float32
+    replica with autocast's metarm.dtype weight cache and all metarm.batch_size rows; activation
+    checkpointing as metarm.gradient_checkpointing says;
   - vLLM: rollout.vllm_gpu_memory_utilization x the GPU while it samples (its weights + KV cache;
     asleep ~0); and the KV cache the rollout needs, layers x 2 x kv_heads x head_dim x dtype bytes
     x tokens (the group's prompt counted once: vLLM's prefix cache), against the share left after
@@ -279,20 +282,26 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
             names.append(e["name"])
     add("frozen evaluators", frozen, ", ".join(names) or "live / remote only")
 
-    # the MetaRM (rm_nlhf): FSDP2-sharded like the policy, checkpointed inputs
+    # the MetaRM (rm_nlhf): FSDP2-sharded like the policy under fsdp2 with world > 1 (plumbing/run.py
+    # load_metarm), each rank training on its share of a batch (metarm.py fit); else a float32 replica
     mr = cfg["metarm"]
     if task == "rm_nlhf" and mr["mode"] != "none":
         mm = meta_model(model_config(mr["model"] or m["policy"]), num_labels=3 if mr["mode"] == "classifier" else 1)
         mf = shape_facts(mm)
         md = BYTES[mr["dtype"]]
-        msh = sum(shard_numel(s, world, rank) for s in mf["tensors"])
-        add("MetaRM weights", 4 * msh, f"float32, 1/{world} FSDP2 shard")
-        add("MetaRM AdamW state", 8 * msh + 4 * len(mf["tensors"]) if mr["mode"] != "offline" else 0, "float32, sharded")
-        add("MetaRM gradients", 4 * msh, "float32, sharded (reward stage)")
-        add("MetaRM activations", activation_bytes(tokens=mr["batch_size"] * mr["max_length"], dtype_bytes=md,
-                                                   checkpointing="full", **{k: mf[k] for k in arch})
-            + (mf["root_params"] + 2 * mf["layer_params"]) * md,
-            f"{mr['batch_size']} x {mr['max_length']} tokens, full checkpointing, {mr['dtype']}")
+        mw = world if fsdp and world > 1 else 1
+        msh = sum(shard_numel(s, mw, rank if mw > 1 else 0) for s in mf["tensors"])
+        where = f"1/{mw} FSDP2 shard" if mw > 1 else "full replica"
+        trains = mr["mode"] != "offline"
+        add("MetaRM weights", 4 * msh, f"float32, {where}")
+        add("MetaRM AdamW state", 8 * msh + 4 * len(mf["tensors"]) if trains else 0, f"float32, {where}")
+        add("MetaRM gradients", 4 * msh if trains else 0, f"float32, {where} (reward stage)")
+        mrows, ck = -(-mr["batch_size"] // mw), "full" if mr["gradient_checkpointing"] else "none"
+        gathered = mf["root_params"] + 2 * mf["layer_params"] if mw > 1 else mf["params"] if md != 4 else 0
+        add("MetaRM activations", activation_bytes(tokens=mrows * mr["max_length"], dtype_bytes=md, checkpointing=ck,
+                                                   **{k: mf[k] for k in arch}) + gathered * md,
+            f"{mrows} x {mr['max_length']} tokens{' (its share of metarm.batch_size)' if mw > 1 else ''}, checkpointing {ck}, "
+            f"{mr['dtype']}; + {'root + 2 layers gathered' if mw > 1 else 'autocast weight cache'}")
 
     # rollout: vLLM's share, or the HF loop's own KV cache and unsharded weights
     kvt = kv_bytes_per_token(f, d)

@@ -749,7 +749,8 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
     metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
     (3) runs on every rank, each sampling and judging its share (metarm.cold_start); rank 0's
-    weights are broadcast, so all ranks start equal; rank 0 saves the weights.
+    weights are broadcast, so all ranks start equal; rank 0 saves the weights. Under train.parallel
+    fsdp2 with world > 1 the MetaRM is sharded like the policy (load_metarm; docs/scale-out.md).
 
     Args:
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
@@ -764,22 +765,23 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
     if m["mode"] == "none":
         return None, "none", None
     path = m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
+    placed = {"parallel": cfg["train"]["parallel"], "rank": rank, "world": world}  # FSDP2 shards it (load_metarm)
     if ckpt:
         if not os.path.isfile(os.path.join(ckpt, "metarm", "metarm.json")):
             raise SystemExit(f"checkpoint {ckpt} has no MetaRM (metarm/); resume needs the one saved with the GRM")
-        return (load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"], m["gradient_checkpointing"]),
+        return (load_saved_metarm(os.path.join(ckpt, "metarm"), device, m["dtype"], m["gradient_checkpointing"], **placed),
                 os.path.join(ckpt, "metarm"), None)
     if os.path.isfile(os.path.join(path, "metarm.json")):
-        return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"]), path, None
+        return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"], **placed), path, None
     base = m["model"] or cfg["model"]["policy"]
 
     def fresh():
         return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
                            max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
-                           online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"])
+                           online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"], **placed)
 
     mrm, stats = fresh(), None
-    if world > 1:  # a fresh head is random: rank 0's on every rank
+    if world > 1:  # a fresh head is random: rank 0's on every rank (FSDP2: load_metarm did, before sharding)
         broadcast_parameters(mrm["model"])
     if m["cold_start"]:
         items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
@@ -813,7 +815,8 @@ def cold_start_settings(cfg, tokenizer):
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
-                online_lr=5e-6, weight_decay=0.01, online_epochs=1, gradient_checkpointing=False):
+                online_lr=5e-6, weight_decay=0.01, online_epochs=1, gradient_checkpointing=False, parallel="ddp",
+                rank=0, world=1):
     """Load a MetaRM from a base LM (new scalar head) or from a saved MetaRM folder.
 
     Args:
@@ -823,6 +826,12 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
             an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
         gradient_checkpointing: metarm.gradient_checkpointing: its decoder layers keep only their
             inputs and are replayed in backward (non-reentrant, as wrap_policy's "full").
+        parallel, rank, world: train.parallel and the ranks. fsdp2 with world > 1: rank 0's weights
+            are broadcast (a fresh head is random), then wrap_policy shards it like the policy
+            (fully_shard per decoder layer + root; on GPU compute in `dtype`, gradients reduced in
+            float32, float32 master shards) and mrm["shard"] = (rank, world): metarm.py's fit trains
+            each rank on its share of every batch, its forwards run alike on every rank. Else a
+            replica, mrm["shard"] = (0, 1). An optimizer is built on the parameters after this.
     Returns:
         the mrm dict (see the top of this file).
     Raises:
@@ -846,8 +855,15 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tok.padding_side = "right"
     tok.truncation_side = "left"  # keep the critique, which comes last
-    return {"model": model, "tokenizer": tok, "optimizer": None, "mode": mode, "lam": float(lam),
-            "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
+    sharded = parallel == "fsdp2" and world > 1
+    if sharded:  # 16 bytes a parameter on every GPU otherwise (docs/scale-out.md, "The MetaRM's placement")
+        broadcast_parameters(model)
+        wrap_policy(model, "fsdp2", world, torch.device(device), dtype=dtype)
+        # the root too (FSDP2 keeps its weights gathered after forward, for backward): else a no-grad
+        # forward (D_O, agreement) leaves gathered tensors registered, not the shards AdamW steps
+        model.set_reshard_after_forward(True, recurse=False)
+    return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None,
+            "mode": mode, "lam": float(lam), "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
             "online_epochs": int(online_epochs), "truncated": 0,
             "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}
 
@@ -860,13 +876,17 @@ def save_metarm(mrm, path, rank=0, world=1):
     A crash leaves either the old folder, or `<path>.old` (which load_saved_metarm falls back to).
     Every rank calls it. Contents: HF model (float32 master weights) + tokenizer and metarm.json
     (settings), rank 0; optimizer/ (online AdamW state, torch.distributed.checkpoint: every rank
-    holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded).
+    FSDP2-sharded (load_metarm): every rank gathers the full float32 state dict to the CPU (a
+    collective), rank 0 writes it as the same HF folder; the optimizer/ shards stay sharded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
+    full = get_model_state_dict(mrm["model"], options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if rollout.is_fsdp(mrm["model"]) else None  # None: save_pretrained's own state dict
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        mrm["model"].save_pretrained(tmp)
+        mrm["model"].save_pretrained(tmp, state_dict=full)
         mrm["tokenizer"].save_pretrained(tmp)
         with open(os.path.join(tmp, "metarm.json"), "w") as f:
             json.dump({k: mrm[k] for k in _META}, f, indent=1)
@@ -884,9 +904,11 @@ def save_metarm(mrm, path, rank=0, world=1):
         dist.barrier()  # no rank reads `path` before the rename
 
 
-def load_saved_metarm(path, device="cpu", dtype="float32", gradient_checkpointing=False):
+def load_saved_metarm(path, device="cpu", dtype="float32", gradient_checkpointing=False, parallel="ddp", rank=0,
+                      world=1):
     """Load a MetaRM written by save_metarm (settings from metarm.json, optimizer state if any:
-    optimizer/ resharded to this run's ranks, or an older single-file optimizer.pt).
+    optimizer/ resharded to this run's ranks, or an older single-file optimizer.pt). parallel,
+    rank, world: load_metarm's (FSDP2 shards it before the optimizer is built on its parameters).
     Every rank calls it. Raises SystemExit when neither `path` nor `<path>.old` holds one."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     for p in (path, os.path.abspath(path) + ".old"):
@@ -896,7 +918,8 @@ def load_saved_metarm(path, device="cpu", dtype="float32", gradient_checkpointin
             mrm = load_metarm(p, meta["mode"], meta["lam"], dtype=dtype, device=device, batch_size=meta["batch_size"],
                               max_length=meta["max_length"], online_lr=meta["online_lr"],
                               online_epochs=meta.get("online_epochs", 1),  # saved before online_epochs existed: 1
-                              weight_decay=meta["weight_decay"], gradient_checkpointing=gradient_checkpointing)
+                              weight_decay=meta["weight_decay"], gradient_checkpointing=gradient_checkpointing,
+                              parallel=parallel, rank=rank, world=world)
             mrm["updates"] = meta["updates"]
             opt_path = os.path.join(p, "optimizer.pt")
             if os.path.isdir(os.path.join(p, "optimizer")) or os.path.isfile(opt_path):
