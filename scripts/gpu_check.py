@@ -13,7 +13,10 @@
        b. trainer weights perturbed, sync skipped       -> expected > 0.1
        c. after sleep + vllm_push_weights + wake        -> expected < 0.02
 `report` merges that with the metrics.jsonl of the training runs (seconds per stage, rollout
-tokens/s, peak memory, vLLM-trainer gap) into one JSON file and prints it.
+tokens/s, peak memory, vLLM-trainer gap) into one JSON file and prints it. `report` and `bare-report`
+also put each training run's memory plan (plumbing/plan.py memory_plan of its config.yaml, one GPU)
+next to its measured torch.cuda.max_memory_allocated (memory/peak_mb) with the ratio measured / planned
+(memory_vs_plan; on the CPU there is no CUDA peak, so no ratio), and print one line per run.
 
 Results: docs/performance.md and docs/scale-out.md.
 
@@ -169,9 +172,14 @@ def report(out_path, engine_json, run_dirs):
                                     "mean_after_first": {k: sum(r[k] for r in later) / len(later)
                                                          if all(r.get(k) is not None for r in later) else None
                                                          for k in keys}}
+        peak = max(r.get("memory/peak_mb") or 0 for r in rows)
+        res[os.path.basename(d)]["memory_plan"] = plan_for_run(d, peak)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
+    for d in run_dirs:
+        if "memory_plan" in res[os.path.basename(d)]:
+            print_plan_comparison(os.path.basename(d), res[os.path.basename(d)]["memory_plan"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,6 +533,61 @@ RUN_KEYS = ["time/rollout", "time/reward", "time/update", "time/step", "rollout/
             "reward/mean", "loss", "grad_norm", "completion/length_mean"]
 
 
+def memory_vs_plan(plan, measured_mb, on_gpu):
+    """The memory plan of a run next to what it measured, and their ratio.
+
+    Args:
+        plan: plumbing/plan.py memory_plan's dict (peak_bytes, peak_stage, stages {stage: {"bytes"}}).
+        measured_mb: the largest memory/peak_mb of the run's metrics.jsonl (MiB): on a GPU that is
+            torch.cuda.max_memory_allocated of rank 0 since the process started (plumbing/scale.py
+            peak_memory_mb), so the peak over every stage of the run; off the GPU it is the process's
+            RSS, which the plan does not model.
+        on_gpu: whether the run trained on CUDA.
+    Returns:
+        dict: planned_gib (the plan's peak, GiB), planned_peak_stage, planned_stages_gib {stage: GiB},
+        measured_gib (None off the GPU), ratio = measured / planned (None off the GPU).
+    """
+    out = {"planned_gib": plan["peak_bytes"] / GIB, "planned_peak_stage": plan["peak_stage"],
+           "planned_stages_gib": {k: v["bytes"] / GIB for k, v in plan["stages"].items()},
+           "measured_gib": measured_mb / 1024 if on_gpu and measured_mb else None, "ratio": None}
+    if out["measured_gib"] is not None and plan["peak_bytes"] > 0:
+        out["ratio"] = out["measured_gib"] / out["planned_gib"]
+    return out
+
+
+def plan_for_run(run_dir, measured_mb, world=1):
+    """memory_vs_plan for a finished run: its config (<run_dir>/config.yaml, as resolved by train.py)
+    planned on `world` GPUs (the gpu_check runs are one process) of this machine's size (80 GiB
+    where there is no GPU: only `fits` depends on it). {"error": ...} when the plan cannot be made."""
+    import yaml
+    from plumbing.plan import memory_plan
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return {"error": f"no {path}"}
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    cuda = torch.cuda.is_available()
+    on_gpu = cfg["train"]["device"] == "cuda" or (cfg["train"]["device"] == "auto" and cuda)
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * GIB
+    try:
+        plan = memory_plan(cfg, world=world, gpu_bytes=gpu_bytes)
+    except (SystemExit, Exception) as e:  # a report must not fail on a plan it cannot make
+        return {"error": f"memory_plan: {type(e).__name__}: {e}"}
+    return memory_vs_plan(plan, measured_mb, on_gpu)
+
+
+def print_plan_comparison(name, c):
+    """One line per run: the plan's peak, the measured torch.cuda.max_memory_allocated, their ratio."""
+    if "error" in c:
+        print(f"[memory plan] {name}: {c['error']}")
+    elif c["ratio"] is None:
+        print(f"[memory plan] {name}: planned {c['planned_gib']:.2f} GiB ({c['planned_peak_stage']}); "
+              f"measured: not on a GPU (no torch.cuda.max_memory_allocated)")
+    else:
+        print(f"[memory plan] {name}: planned {c['planned_gib']:.2f} GiB ({c['planned_peak_stage']}), "
+              f"measured {c['measured_gib']:.2f} GiB (torch.cuda.max_memory_allocated), ratio {c['ratio']:.2f}")
+
+
 def run_summary(run_dir):
     rows = read_metrics(run_dir)
     if not rows:
@@ -537,6 +600,7 @@ def run_summary(run_dir):
     extra = {k: rows[-1][k] for k in rows[-1] if k.startswith(("nlhf/", "metarm/", "judge/"))}
     if extra:
         out["last_step_nlhf"] = extra
+    out["memory_plan"] = plan_for_run(run_dir, out["peak_mb"])
     ck = checkpoint_dtypes(run_dir)
     if ck:
         out["checkpoint_dtypes"] = ck
@@ -578,6 +642,9 @@ def bare_report(out_path, out_dir, notes=()):
                                  "rollout/tokens_per_s": m.get("rollout/tokens_per_s"),
                                  "peak_gib": r["peak_mb"] / 1024 if "peak_mb" in r else None}
         peaks.append(summary["runs"][name]["peak_gib"])
+        if "memory_plan" in r:  # the plan's peak vs torch.cuda.max_memory_allocated (not in all_finite: None off the GPU)
+            summary["memory_plan"] = dict(summary.get("memory_plan", {}), **{name: {
+                k: r["memory_plan"].get(k) for k in ("planned_gib", "measured_gib", "ratio", "error") if k in r["memory_plan"]}})
     b = res["big_update"]
     summary["big_update"] = {"seconds": b.get("update_seconds"), "peak_gib": b.get("peak_gib"),
                              "tokens_per_s": b.get("update_tokens_per_s")}
@@ -589,6 +656,9 @@ def bare_report(out_path, out_dir, notes=()):
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
+    for name in BARE_RUNS:
+        if "memory_plan" in res[name]:
+            print_plan_comparison(name, res[name]["memory_plan"])
 
 
 def main():

@@ -289,7 +289,10 @@ class Runs:
             pairs = (load_pairwise(data_path("mr_ben_math", "math.jsonl"), n["dh_schema"], seed=cfg["run"]["seed"])
                      + [dict(it, critique=None) for it in
                         load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"), n["do_schema"],
-                                             seed=cfg["run"]["seed"])])
+                                             seed=cfg["run"]["seed"])]
+                     # in-run validation (swaps: nlhf.val = LLMBar, run at the last step) goes through the same generate
+                     + [dict(it, critique=None) for it in
+                        load_pairwise(data_path("llmbar", "LLMBar_Natural.jsonl"), seed=cfg["run"]["seed"])])
             with pytest.MonkeyPatch.context() as mp:
                 force_verdicts(mp, pairs)
                 train.main(args)

@@ -110,3 +110,43 @@ def test_bare_smoke_on_cpu(tmp_path):
     assert any("judge.backend=proxy" in n for n in res["notes"])
     # the random models and checkpoints are deleted at the end (too big to bring back from the GPU machine)
     assert not (out / "model").exists() and not (out / "rlme_ddp" / "checkpoints").exists()
+
+
+def test_memory_vs_plan_is_the_ratio_of_measured_to_planned():
+    """Hand-computed: a plan peaking at 4 GiB in its update stage, a run that measured 3072 MiB of
+    torch.cuda.max_memory_allocated: 3.0 GiB, ratio 3 / 4 = 0.75. Off the GPU (peak_mb is the RSS)
+    the plan is shown, with no measured value and no ratio."""
+    G = 2**30
+    plan = {"peak_bytes": 4 * G, "peak_stage": "update",
+            "stages": {"rollout": {"bytes": 2 * G, "items": []}, "update": {"bytes": 4 * G, "items": []}}}
+    c = gpu_check.memory_vs_plan(plan, 3072.0, on_gpu=True)
+    assert c == {"planned_gib": 4.0, "planned_peak_stage": "update", "planned_stages_gib": {"rollout": 2.0, "update": 4.0},
+                 "measured_gib": 3.0, "ratio": 0.75}
+    off = gpu_check.memory_vs_plan(plan, 3072.0, on_gpu=False)
+    assert off["measured_gib"] is None and off["ratio"] is None and off["planned_gib"] == 4.0
+
+
+def test_bare_report_puts_each_runs_plan_next_to_its_peak(tmp_path, tiny_model_path, capsys):
+    """bare-report plans each run from its config.yaml (plumbing/plan.py memory_plan, one GPU) and
+    divides the run's largest memory/peak_mb by it; one printed line per run."""
+    import yaml
+    from plumbing import config
+    from plumbing.plan import memory_plan
+    out = tmp_path / "out"
+    run = out / "rlme_fsdp2"
+    run.mkdir(parents=True)
+    cfg = config.load_config([], [f"model.policy={tiny_model_path}", "train.device=cuda", "train.parallel=fsdp2"])
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rows = [{"step": s, "memory/peak_mb": mb, "loss": 0.1} for s, mb in ((1, 100.0), (2, 300.0))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gpu_check.bare_report(str(out / "gpu_check.json"), str(out))
+    res = json.loads((out / "gpu_check.json").read_text())
+    planned = memory_plan(cfg, world=1, gpu_bytes=80 * 2**30)["peak_bytes"] / 2**30
+    c = res["rlme_fsdp2"]["memory_plan"]
+    assert c["planned_gib"] == pytest.approx(planned) and planned > 0
+    assert c["measured_gib"] == pytest.approx(300 / 1024)  # the largest peak of the run, MiB -> GiB
+    assert c["ratio"] == pytest.approx((300 / 1024) / planned)
+    assert res["summary"]["memory_plan"]["rlme_fsdp2"]["ratio"] == pytest.approx(c["ratio"])
+    assert "error" in res["rlme_ddp"]  # no run there: no plan either
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[memory plan] rlme_fsdp2")]
+    assert line and f"ratio {c['ratio']:.2f}" in line[0] and "torch.cuda.max_memory_allocated" in line[0]
