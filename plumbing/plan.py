@@ -151,8 +151,9 @@ def activation_bytes(*, tokens, layers, hidden, heads, kv_heads, head_dim, inter
             o_proj h, gate and up 2 i, down h: plumbing/scale.py keep_matmul_outputs), one
             layer's full set while it is replayed.
         prompt_tokens, prompt_rows: fast.completion_logprobs runs each distinct prompt of the
-            micro-batch once, with grad, never checkpointed (its pass writes the KV cache):
-            prompt_rows x prompt_tokens tokens at the full per-layer count, plus the cache
+            micro-batch once, with grad; under checkpointing "none" its prompt_rows x
+            prompt_tokens tokens at the full per-layer count (memory_plan passes them as `tokens`
+            under full / selective: fast.prefill checkpoints that pass too), plus the cache
             repeated to the rows (counted by the caller).
     Returns an int (bytes).
     """
@@ -257,9 +258,12 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     add("activations", activation_bytes(tokens=mb * (tn if shared else tp + tn), dtype_bytes=d,
                                         checkpointing=m["gradient_checkpointing"], **arch),
         f"{mb} x {tn if shared else tp + tn} tokens, checkpointing {m['gradient_checkpointing']}")
-    add("prompt pass", activation_bytes(tokens=0, dtype_bytes=d, checkpointing="none", prompt_tokens=tp - 1,
-                                        prompt_rows=rows_p, **arch) + (mb * tp * kv_bytes_per_token(f, d) if shared else 0),
-        f"fast path: {rows_p} x {tp - 1} prompt tokens once per group, never checkpointed, + its KV cache x {mb} rows")
+    ck = m["gradient_checkpointing"]  # fast.prefill checkpoints the prompt pass too unless "none"
+    add("prompt pass", (activation_bytes(tokens=0, dtype_bytes=d, checkpointing="none", prompt_tokens=tp - 1, prompt_rows=rows_p, **arch)
+                        if ck == "none" else activation_bytes(tokens=rows_p * (tp - 1), dtype_bytes=d, checkpointing=ck, **arch))
+        + (mb * tp * kv_bytes_per_token(f, d) if shared else 0),
+        f"fast path: {rows_p} x {tp - 1} prompt tokens once per group, "
+        f"{'not checkpointed' if ck == 'none' else 'checkpointing ' + ck}, + its KV cache x {mb} rows")
     chunk = 0 if plain else int(t.get("logprob_chunk_tokens", 0) or 0)  # a fast path (fast.head_logprobs)
     full_logits = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain)
     chunked = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain, chunk_tokens=chunk or CHUNK_EXAMPLE)
