@@ -621,7 +621,7 @@ def vllm_sleep(engine):
 def vllm_push_weights(engine, named_tensors):
     """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
 
-    Wakes the weights first and the KV cache only after the load, so the peak is weights + one
+    Empties torch's CUDA cache, then wakes the weights first and the KV cache only after the load, so the peak is weights + one
     bucket + one gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name,
     full tensor) one at a time (full_state_items: gathered from FSDP2 shards); each is cast to the
     engine's dtype (its parameters', e.g. bfloat16: half the bytes of our float32 masters) and
@@ -630,6 +630,10 @@ def vllm_push_weights(engine, named_tensors):
     """
     llm = engine["llm"]
     if engine["asleep"]:
+        if torch.cuda.is_available():
+            # the trainer's cached free blocks (the reward / update peaks, docs/scale-out.md "Memory plan")
+            # back to the driver, so the engine's share (rollout.vllm_gpu_memory_utilization) can be mapped again
+            torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     model = vllm_model(llm)
     p = next(model.parameters())

@@ -230,6 +230,9 @@ def test_vllm_request_seeds_distinct():
     (["train.cpu_offload=true", "train.parallel=ddp"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
     (["train.cpu_offload=true", "train.parallel=fsdp2"], "cpu", "config key train.cpu_offload=true needs a CUDA device"),
     (["rollout.backend=vllm"], "cpu", "config key rollout.backend=vllm needs a CUDA device"),
+    (["train.fsdp_reduce_every_micro_batch=true", "train.parallel=ddp"], "cpu",
+     "config key train.fsdp_reduce_every_micro_batch=true needs train.parallel=fsdp2"),
+    (["train.fsdp_reduce_every_micro_batch=1"], "cpu", "config key train.fsdp_reduce_every_micro_batch: expected bool, got 1"),
     (["rollout.vllm_sleep_level=3"], "cpu", "config key rollout.vllm_sleep_level: 3 is not one of"),
     (["rollout.vllm_push_bucket_mb=0"], "cpu", "config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got 0"),
 ])
@@ -350,6 +353,22 @@ def test_vllm_sleep_and_push_order():
     assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
     vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
     assert calls[4:] == [("reset_prefix_cache",)]
+
+
+def test_vllm_wake_empties_the_torch_cuda_cache_first(monkeypatch):
+    """Issue 26: before a sleeping engine wakes, the trainer's cached free CUDA blocks go back
+    (torch.cuda.empty_cache), else the reward / update peaks stay reserved beside the engine's share."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), load_weights=lambda ws: None)
+    llm = SimpleNamespace(wake_up=lambda tags=None: calls.append(("wake_up", tuple(tags))),
+                          reset_prefix_cache=lambda: calls.append(("reset_prefix_cache",)),
+                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
+    vllm_push_weights({"llm": llm, "asleep": True, "sleep_level": 1, "tied": False}, iter([("model.norm.weight", torch.ones(2))]))
+    assert calls == [("empty_cache",), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
 
 
 def test_vllm_push_in_bfloat16_buckets():
