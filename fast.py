@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rollout import (checkpointed_modules, completion_logits, eos_ids, eval_mode, is_fsdp, left_pad,
                      positions_from_mask, rollout_dict, set_attribute)
@@ -136,14 +137,49 @@ def prefill(model, prompts, counts, pad_id):
     ids, attn = left_pad(prompts, pad_id)
     ids, attn = ids.to(device), attn.to(device)
     cache = DynamicCache(config=model.config)
-    # This pass WRITES the cache: never activation-checkpointed (transformers would drop the cache;
-    # kept, the replay in backward would write it twice). Its activations stay: one row a group.
-    with set_attribute(checkpointed_modules(model), "gradient_checkpointing", False):
-        out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), cache=cache,
-                    use_cache=True, logits_to_keep=1)
+    kw = dict(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=True, logits_to_keep=1)
+    layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
+    if torch.is_grad_enabled() and layers and all(type(c) is DynamicLayer for c in cache.layers):
+        # Under activation checkpointing (model.gradient_checkpointing) this pass is checkpointed too:
+        # a layer's K/V are written once (write_once_cache) and the replay in backward gets its
+        # recomputed K/V back without a second write, so a 6k-token prompt keeps its layer inputs,
+        # not every activation (docs/scale-out.md "Memory plan"). The completion pass gets a fresh
+        # cache of the same tensors: the replay still looks its layers up in `cache`.
+        with set_attribute(layers, "_can_checkpoint_with_cache", True):
+            out = model(cache=write_once_cache(cache), **kw)
+        cache = copy_cache(cache, model.config)
+    else:
+        # This pass WRITES the cache: not checkpointed (transformers would drop the cache; kept, the
+        # replay in backward would write it twice). Its activations stay: one row a group.
+        with set_attribute(checkpointed_modules(model), "gradient_checkpointing", False):
+            out = model(cache=cache, **kw)
     reps = torch.tensor(counts, device=device)
     repeat_cache(cache, reps)
     return cache, out.logits[:, -1].repeat_interleave(reps, dim=0), attn.repeat_interleave(reps, dim=0)
+
+
+def write_once_cache(cache):
+    """`cache` (an empty DynamicCache of full-attention layers) whose layers store the first K/V
+    they get and, on later calls (the backward replay of a checkpointed prompt pass), return the
+    recomputed K/V as given, storing nothing: the replay sees the shapes of the first forward.
+    Returns the same cache object."""
+    class WriteOnceLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.is_initialized:
+                return key_states, value_states
+            return super().update(key_states, value_states, *args, **kwargs)
+    cache.layers = [WriteOnceLayer() for _ in cache.layers]
+    return cache
+
+
+def copy_cache(cache, config):
+    """A new DynamicCache holding `cache`'s keys and values (the same tensors, their autograd graph)."""
+    from transformers import DynamicCache
+    new = DynamicCache(config=config)
+    for layer, old in zip(new.layers, cache.layers):
+        layer.lazy_initialization(old.keys, old.values)
+        layer.keys, layer.values = old.keys, old.values
+    return new
 
 
 def repeat_cache(cache, counts):
@@ -289,7 +325,7 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         completion_ids: LongTensor [N, L].
         pad_id: int, padding id of the tokenizer.
         Works under activation
-            checkpointing (the prompt pass is not checkpointed, the completion pass is).
+            checkpointing (both passes are checkpointed: `prefill` writes the prompt cache once).
         prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
             DDP sees one forward per backward); default `model`. (The plain twin has it too, unused: one forward there.)
         chunk_tokens: 0 = the LM head over all N x L positions at once ([N, L, V] float32 logits);

@@ -547,6 +547,9 @@ def check_scale_config(cfg, device):
     t, ro = cfg["train"], cfg["rollout"]
     if t["cpu_offload"] and t["parallel"] != "fsdp2":
         raise SystemExit("config key train.cpu_offload=true needs train.parallel=fsdp2")
+    if t["fsdp_reduce_every_micro_batch"] and t["parallel"] != "fsdp2":
+        raise SystemExit("config key train.fsdp_reduce_every_micro_batch=true needs train.parallel=fsdp2 "
+                         "(DDP all-reduces the full gradient; set it false)")
     if t["cpu_offload"] and device.type != "cuda":
         raise SystemExit("config key train.cpu_offload=true needs a CUDA device (on CPU the shards already live in CPU memory)")
     if ro["backend"] == "vllm":

@@ -24,7 +24,8 @@ What is counted, per GPU, as rank 0 holds it (GiB = 2**30 bytes):
     whole model (plumbing/scale.py unsharded);
   - activations of one micro-batch (`activation_bytes`), its logits (`logits_bytes`);
   - frozen copies in model.dtype: the GRPO reference (algo.kl_coef > 0; none under LoRA with
-    fast paths), reward.evaluators of kind frozen (their own model) and frozen_self (the policy's);
+    fast paths; FSDP2-sharded as the policy under fsdp2, plumbing/scale.py shard_frozen, its
+    no-grad pass gathering a layer at a time as the policy's "gathered weights" do), reward.evaluators of kind frozen (their own model) and frozen_self (the policy's);
     live and remote evaluators hold nothing more;
   - the MetaRM (rm_nlhf): a sequence classifier on metarm.model (plumbing/run.py load_metarm):
     under train.parallel fsdp2 with world > 1 FSDP2-sharded float32 master + gradients + AdamW,
@@ -153,8 +154,9 @@ def activation_bytes(*, tokens, layers, hidden, heads, kv_heads, head_dim, inter
             o_proj h, gate and up 2 i, down h: plumbing/scale.py keep_matmul_outputs), one
             layer's full set while it is replayed.
         prompt_tokens, prompt_rows: fast.completion_logprobs runs each distinct prompt of the
-            micro-batch once, with grad, never checkpointed (its pass writes the KV cache):
-            prompt_rows x prompt_tokens tokens at the full per-layer count, plus the cache
+            micro-batch once, with grad; under checkpointing "none" its prompt_rows x
+            prompt_tokens tokens at the full per-layer count (memory_plan passes them as `tokens`
+            under full / selective: fast.prefill checkpoints that pass too), plus the cache
             repeated to the rows (counted by the caller).
     Returns an int (bytes).
     """
@@ -243,7 +245,8 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
         for name in ("policy weights", "policy gradients", "AdamW state"):
             add(name, 0, "in host memory (train.cpu_offload)")
     micro = -(-rows_per_step // mb)
-    add("gradient accumulation", 4 * f["params"] if fsdp and micro > 1 else 4 * trained if world > 1 and not fsdp else 0,
+    every = fsdp and t["fsdp_reduce_every_micro_batch"]  # reduce-scatter each micro-batch: only the shard (policy gradients)
+    add("gradient accumulation", 4 * f["params"] if fsdp and micro > 1 and not every else 4 * trained if world > 1 and not fsdp else 0,
         f"FSDP2: unsharded float32 gradient over {micro} micro-batches" if fsdp else "DDP gradient buckets")
     if fsdp:
         add("gathered weights", (f["root_params"] + 2 * f["layer_params"]) * d, "root + a layer + the prefetched one, compute dtype")
@@ -258,9 +261,12 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     add("activations", activation_bytes(tokens=mb * (tn if shared else tp + tn), dtype_bytes=d,
                                         checkpointing=m["gradient_checkpointing"], **arch),
         f"{mb} x {tn if shared else tp + tn} tokens, checkpointing {m['gradient_checkpointing']}")
-    add("prompt pass", activation_bytes(tokens=0, dtype_bytes=d, checkpointing="none", prompt_tokens=tp - 1,
-                                        prompt_rows=rows_p, **arch) + (mb * tp * kv_bytes_per_token(f, d) if shared else 0),
-        f"fast path: {rows_p} x {tp - 1} prompt tokens once per group, never checkpointed, + its KV cache x {mb} rows")
+    ck = m["gradient_checkpointing"]  # fast.prefill checkpoints the prompt pass too unless "none"
+    add("prompt pass", (activation_bytes(tokens=0, dtype_bytes=d, checkpointing="none", prompt_tokens=tp - 1, prompt_rows=rows_p, **arch)
+                        if ck == "none" else activation_bytes(tokens=rows_p * (tp - 1), dtype_bytes=d, checkpointing=ck, **arch))
+        + (mb * tp * kv_bytes_per_token(f, d) if shared else 0),
+        f"fast path: {rows_p} x {tp - 1} prompt tokens once per group, "
+        f"{'not checkpointed' if ck == 'none' else 'checkpointing ' + ck}, + its KV cache x {mb} rows")
     chunk = 0 if plain else int(t.get("logprob_chunk_tokens", 0) or 0)  # a fast path (fast.head_logprobs)
     full_logits = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain)
     chunked = logits_bytes(rows=mb, tokens=tn, vocab=f["vocab"], dtype_bytes=d, plain=plain, chunk_tokens=chunk or CHUNK_EXAMPLE)
@@ -270,7 +276,8 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
 
     # frozen copies
     ref = algo["loss"] == "grpo" and algo["kl_coef"] > 0 and not (lora and t["fast_paths"])
-    add("GRPO reference", f["params"] * d if ref else 0, "frozen initial policy, model.dtype")
+    add("GRPO reference", (sum(shard) if fsdp else f["params"]) * d if ref else 0,  # plumbing/scale.py shard_frozen
+        f"frozen initial policy, model.dtype, {'1/' + str(world) + ' FSDP2 shard' if fsdp else 'replicated (ddp)'}")
     frozen, names = 0, []
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     for e in cfg["reward"]["evaluators"] if rlme else []:
@@ -373,7 +380,7 @@ def what_to_change(p, cfg):
             "scoring KV cache": f"reward.micro_batch_size (now {cfg['reward']['micro_batch_size']})",
             "frozen evaluators": "reward.evaluators (a remote evaluator holds no copy)",
             "GRPO reference": "algo.kl_coef (0: no reference copy)",
-            "gradient accumulation": f"train.micro_batch_size (now {cfg['train']['micro_batch_size']}; at the rank's "
+            "gradient accumulation": f"train.fsdp_reduce_every_micro_batch=true or train.micro_batch_size (now {cfg['train']['micro_batch_size']}; at the rank's "
                                      f"{p['rows_per_step']} rows a step FSDP2 keeps no unsharded gradient)",
             "policy weights": "train.cpu_offload=true", "AdamW state": "train.cpu_offload=true"}
     stage = p["stages"][p["peak_stage"]]["items"]

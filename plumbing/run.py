@@ -37,7 +37,7 @@ from plumbing.guards import (apply_optim_settings, check_free_space, check_resum
 from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_val_items, load_train_items,
                            load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
-                            save_merged, setup_distributed, wrap_policy)
+                            save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R
@@ -157,7 +157,8 @@ def start_run(cfg, passes, rank, world, device):
 
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
-                        cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"])
+                        cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
+                        reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
     if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
@@ -170,6 +171,8 @@ def start_run(cfg, passes, rank, world, device):
     elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         state["ref_model"], _ = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         state["ref_model"].eval().requires_grad_(False)
+        if tc["parallel"] == "fsdp2":  # 1/world of it a rank, as the policy (plumbing/scale.py shard_frozen)
+            state["ref_model"] = shard_frozen(state["ref_model"], world, device)
 
     # optimizer, schedule, loss scaling; the resume point
     o = cfg["optim"]

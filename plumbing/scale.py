@@ -132,7 +132,7 @@ def keep_matmul_outputs(ctx, op, *args, **kwargs):
 
 
 def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=False,
-                gradient_checkpointing="none"):
+                gradient_checkpointing="none", reduce_every_micro_batch=False):
     """Wrap the policy for training (docs/scale-out.md).
 
     ddp: DistributedDataParallel when world > 1, else the model itself.
@@ -145,6 +145,12 @@ def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=Fa
         layer in backward) or "selective" (also keep the matrix-multiply outputs, replay only the
         cheap ops: `keep_matmul_outputs`). Non-reentrant: the variant that works under FSDP2 and
         with DDP no_sync. Neither changes what is computed (tests/algorithm/test_rollout.py).
+    reduce_every_micro_batch: fsdp2 only (train.fsdp_reduce_every_micro_batch): `grad_sync`
+        reduce-scatters after every micro-batch, so a rank keeps only its float32 gradient shard
+        (1/world) instead of FSDP2's unsharded float32 accumulator (a 7B model: 28 GiB); the
+        same gradient up to float32 summation order (tests/plumbing/test_scale.py), one
+        reduce-scatter per micro-batch instead of one per optimizer step. Kept on the module
+        (attribute `reduce_every_micro_batch`), read by grad_sync.
 
     Returns:
         the module to run forward/backward on (DDP wrapper, or the policy).
@@ -168,16 +174,42 @@ def wrap_policy(policy, parallel, world, device, dtype="float32", cpu_offload=Fa
     for layer in decoder_layers(policy):
         fully_shard(layer, **kw)
     fully_shard(policy, **kw)
+    policy.reduce_every_micro_batch = bool(reduce_every_micro_batch)
     return policy
+
+
+def shard_frozen(model, world, device):
+    """FSDP2 shards of a frozen model: the GRPO reference (the initial policy of the k3 KL,
+    RM-NLHF Eq. 1-3; docs/method.md §4.5) under train.parallel fsdp2, so each rank holds 1/world
+    of its weights instead of a replicated copy (a 7B bf16 reference: 14.2 GiB -> 1.8 GiB a GPU
+    at world 8; docs/scale-out.md "Memory plan").
+
+    Each decoder layer and the root are `fully_shard`ed as in `wrap_policy`, with
+    reshard_after_forward=True on the root too (FSDP2 keeps a root gathered for the backward that
+    follows a training forward; a no-grad pass has none); no gradients, no optimizer, the
+    weights stay in their own dtype (model.dtype). Each no-grad forward gathers one layer at a
+    time; every rank runs the same number of forwards (train.frozen_logprobs' micro-batches).
+    Returns the model (fully_shard changes its class in place); log-probs equal the unsharded
+    model's (tests/plumbing/test_scale.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model.requires_grad_(False)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model
 
 
 @contextlib.contextmanager
 def grad_sync(model, world, sync):
     """Gradient accumulation over micro-batches: communicate gradients only when `sync` (the
     last micro-batch). DDP: `no_sync()` otherwise. FSDP2: `set_requires_gradient_sync(sync)`;
-    unsynced micro-batches accumulate unsharded gradients, the last one reduce-scatters them."""
+    unsynced micro-batches accumulate unsharded float32 gradients, the last one reduce-scatters
+    them; with the model's `reduce_every_micro_batch` (wrap_policy) every micro-batch
+    reduce-scatters and adds into the sharded gradient (memory: docs/scale-out.md "Memory plan")."""
     if rollout.is_fsdp(model):
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_gradient_sync(sync or getattr(model, "reduce_every_micro_batch", False))
         yield
     elif world > 1 and not sync:
         with model.no_sync():
@@ -589,7 +621,7 @@ def vllm_sleep(engine):
 def vllm_push_weights(engine, named_tensors):
     """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
 
-    Wakes the weights first and the KV cache only after the load, so the peak is weights + one
+    Empties torch's CUDA cache, then wakes the weights first and the KV cache only after the load, so the peak is weights + one
     bucket + one gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name,
     full tensor) one at a time (full_state_items: gathered from FSDP2 shards); each is cast to the
     engine's dtype (its parameters', e.g. bfloat16: half the bytes of our float32 masters) and
@@ -598,6 +630,10 @@ def vllm_push_weights(engine, named_tensors):
     """
     llm = engine["llm"]
     if engine["asleep"]:
+        if torch.cuda.is_available():
+            # the trainer's cached free blocks (the reward / update peaks, docs/scale-out.md "Memory plan")
+            # back to the driver, so the engine's share (rollout.vllm_gpu_memory_utilization) can be mapped again
+            torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     model = vllm_model(llm)
     p = next(model.parameters())

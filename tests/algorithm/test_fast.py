@@ -571,3 +571,33 @@ def test_fast_or_plain_binds_the_chunk_size():
     has no chunking (it is the full-logits computation the chunked one is checked against)."""
     assert T.fast_or_plain(True, 512)["completion_logprobs"].keywords == {"chunk_tokens": 512}
     assert T.fast_or_plain(False, 512)["completion_logprobs"] is rollout.completion_logprobs
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_prompt_pass_is_checkpointed_too(tiny_model_path, checkpointing):
+    """Issue 26: under model.gradient_checkpointing the shared prompt pass (fast.prefill) is
+    checkpointed as well: a decoder layer's attention runs for the 2 distinct prompts [2, 3]
+    once in forward and once more in backward's replay (before: once, never replayed), the 5 rows'
+    completion pass [5, 6] twice as before; the log-probs and gradients stay the plain twin's
+    without checkpointing."""
+    a, b = [1, 50, 60, 70], [1, 90, 91, 92]
+    prompts = [a, a, a, b, b]
+    comp = torch.randint(3, 200, (5, 6), generator=torch.Generator().manual_seed(2))
+    weights = torch.arange(1.0, 31.0).view(5, 6)
+    out = {}
+    for mode, use_fast in (("none", False), (checkpointing, True)):
+        model, tok = load_model(tiny_model_path)
+        model = wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing=mode)
+        model.train()
+        shapes = []
+        model.model.layers[0].self_attn.register_forward_hook(
+            lambda m, args, kwargs, o: shapes.append(tuple(kwargs["hidden_states"].shape[:2])), with_kwargs=True)
+        lp = (fast.completion_logprobs if use_fast else rollout.completion_logprobs)(model, prompts, comp, tok.pad_token_id)
+        (lp * weights).sum().backward()
+        out[use_fast] = (lp.detach(), [p.grad.clone() for p in model.parameters()], shapes)
+    lp0, g0s, _ = out[False]
+    lp1, g1s, shapes = out[True]
+    assert sorted(shapes) == [(2, 3), (2, 3), (5, 6), (5, 6)]  # prompt replayed in backward
+    assert torch.allclose(lp1, lp0, atol=1e-5)
+    for g1, g0 in zip(g1s, g0s):
+        assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max()

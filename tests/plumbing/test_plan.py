@@ -122,6 +122,7 @@ def _presets():
     paper = os.path.join("configs", "paper", "rm_nlhf_qwen7b.yaml")
     out = [([], 8), (["configs/rm_nlhf.yaml"], 8), ([paper], 8), ([paper, "configs/paper/released_code.yaml"], 8)]
     out += [([paper, f], 8) for f in sorted(glob.glob("configs/paper/ablations/*.yaml", root_dir=REPO))]
+    out += [([paper, f], 8) for f in sorted(glob.glob("configs/paper/table10/*.yaml", root_dir=REPO))]
     out += [([f], 8) for f in sorted(glob.glob("configs/paper/rlme/*.yaml", root_dir=REPO))]
     return out + [(["configs/gpu_check.yaml"], 1), (["configs/gpu_bare.yaml"], 1)]
 
@@ -188,3 +189,31 @@ def test_cpu_offload_and_lora_change_what_trains_on_the_gpu():
     n = 36 * 163_840
     assert lora["policy weights"] == 4 * 4_022_468_096
     assert lora["policy gradients"] == 4 * n and lora["AdamW state"] == 8 * n + 4 * 2 * 72
+
+
+def test_paper_presets_fit_8_x_80_gib_and_the_new_items_by_hand():
+    """Issue 26. DeepSeek-R1-Distill-Qwen-7B (28 layers, h 3584, 28 heads, 4 KV heads of 128, MLP
+    18,944; 7,615,616,512 parameters, bf16) at world 8, micro-batch 2, G 8, 6144-token prompts:
+      - prompt pass under full checkpointing (fast.prefill): 6143 tokens x (28 x 3584 layer inputs
+        + one layer's 4 h + 2 (a + kv) d_h + 4 i = 98,304) x 2 bytes = 2,440,687,616 bytes, + its
+        KV cache 2 rows x 6144 x 57,344 = 704,643,072 (was 6143 x 28 x 98,304 x 2 = 33.8 GB);
+      - train.fsdp_reduce_every_micro_batch: no unsharded float32 gradient (was 4 x params);
+      - the GRPO reference: its 1/8 FSDP2 shard in bf16 = 2 x the policy's shard elements;
+      - vLLM at 0.5 x 80 GiB = 40 GiB, no HF KV cache, no unsharded weights.
+    The paper preset and both Table 10 blocks fit 80 GiB at world 8."""
+    paper = os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")
+    p = PL.memory_plan(load_config([paper], []), world=8, gpu_bytes=80 * GiB)
+    it = p["items"]
+    assert it["prompt pass"] == 6143 * (28 * 3584 + 98304) * 2 + 2 * 6144 * 57344 == 2_440_687_616 + 704_643_072
+    assert it["gradient accumulation"] == 0
+    assert it["GRPO reference"] == 2 * it["policy weights"] // 4
+    assert it["vLLM engine"] == 40 * GiB and "rollout KV cache" not in it and "unsharded weights" not in it
+    old = PL.memory_plan(load_config([paper], ["train.fsdp_reduce_every_micro_batch=false"]), world=8, gpu_bytes=80 * GiB)
+    assert old["items"]["gradient accumulation"] == 4 * 7_615_616_512
+    none = PL.memory_plan(load_config([paper], ["model.gradient_checkpointing=none"]), world=8, gpu_bytes=80 * GiB)
+    assert none["items"]["prompt pass"] == 6143 * 28 * 98304 * 2 + 2 * 6144 * 57344  # not checkpointed: every activation
+    for extra in ([], ["configs/paper/table10/qwen7b.yaml"], ["configs/paper/table10/llama8b.yaml"]):
+        q = PL.memory_plan(load_config([paper] + [os.path.join(REPO, e) for e in extra], []), world=8, gpu_bytes=80 * GiB)
+        assert q["fits"], (extra, q["peak_stage"], q["peak_bytes"] / GiB)
+    llama = PL.memory_plan(load_config([paper, os.path.join(REPO, "configs/paper/table10/llama8b.yaml")], []), world=8, gpu_bytes=80 * GiB)
+    assert llama["params"] == 8_030_261_248  # Llama-3.1-8B's shape (plumbing/model_configs/)

@@ -230,6 +230,9 @@ def test_vllm_request_seeds_distinct():
     (["train.cpu_offload=true", "train.parallel=ddp"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
     (["train.cpu_offload=true", "train.parallel=fsdp2"], "cpu", "config key train.cpu_offload=true needs a CUDA device"),
     (["rollout.backend=vllm"], "cpu", "config key rollout.backend=vllm needs a CUDA device"),
+    (["train.fsdp_reduce_every_micro_batch=true", "train.parallel=ddp"], "cpu",
+     "config key train.fsdp_reduce_every_micro_batch=true needs train.parallel=fsdp2"),
+    (["train.fsdp_reduce_every_micro_batch=1"], "cpu", "config key train.fsdp_reduce_every_micro_batch: expected bool, got 1"),
     (["rollout.vllm_sleep_level=3"], "cpu", "config key rollout.vllm_sleep_level: 3 is not one of"),
     (["rollout.vllm_push_bucket_mb=0"], "cpu", "config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got 0"),
 ])
@@ -350,6 +353,22 @@ def test_vllm_sleep_and_push_order():
     assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
     vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
     assert calls[4:] == [("reset_prefix_cache",)]
+
+
+def test_vllm_wake_empties_the_torch_cuda_cache_first(monkeypatch):
+    """Issue 26: before a sleeping engine wakes, the trainer's cached free CUDA blocks go back
+    (torch.cuda.empty_cache), else the reward / update peaks stay reserved beside the engine's share."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), load_weights=lambda ws: None)
+    llm = SimpleNamespace(wake_up=lambda tags=None: calls.append(("wake_up", tuple(tags))),
+                          reset_prefix_cache=lambda: calls.append(("reset_prefix_cache",)),
+                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
+    vllm_push_weights({"llm": llm, "asleep": True, "sleep_level": 1, "tied": False}, iter([("model.norm.weight", torch.ones(2))]))
+    assert calls == [("empty_cache",), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
 
 
 def test_vllm_push_in_bfloat16_buckets():
@@ -569,3 +588,64 @@ def test_only_checkpoints_with_their_marker_resume(tiny_model_path, tmp_path):
     assert load_trainer_state(old, again, opt2, sched2) == 1
     for a, b in zip(opt.state.values(), opt2.state.values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+# --- issue 26: reduce-scatter every micro-batch; the FSDP2-sharded GRPO reference -----------------
+
+def _reduce_every_worker(rank, world, port, model_path, out):
+    from conftest import frozen_logprobs
+    from plumbing.scale import grad_sync, shard_frozen
+    _init(rank, world, port)
+    results = {}
+    for every in (False, True):
+        torch.manual_seed(0)
+        policy, tok = load_model(model_path)
+        before = _flat(policy)
+        model = wrap_policy(policy, "fsdp2", world, CPU, reduce_every_micro_batch=every)
+        opt = torch.optim.SGD(policy.parameters(), lr=1.0)  # update = -grad
+        # 4 rows a rank in micro-batches of 2: two micro-batches, one unsynced
+        upd = update_policy(model, policy, opt, _shard(_layout_batch(), rank, world), _layout_cfg(2, "seq_sum", parallel="fsdp2"),
+                            world=world, device=CPU, pad_id=tok.pad_token_id)
+        # after one unsynced micro-batch: the sharded .grad exists only when every micro-batch reduce-scatters
+        # (otherwise FSDP2 holds the unsharded accumulator and .grad stays None until the synced one)
+        opt.zero_grad(set_to_none=True)
+        with grad_sync(model, world, sync=False):
+            model(input_ids=torch.arange(1, 9)[None], labels=torch.arange(1, 9)[None]).loss.backward()
+        grads = [p.grad is not None for p in policy.parameters()]
+        results[every] = {"delta": _flat(policy) - before, "grad_norm": upd["grad_norms"][0], "has_grad": grads}
+        model.set_requires_gradient_sync(True)
+    # the frozen reference: its log-probs, unsharded and FSDP2-sharded, on this rank's rows
+    cfg = _layout_cfg(2, "seq_sum", parallel="fsdp2")
+    batch = _shard(_layout_batch(), rank, world)
+    ref, tok = load_model(model_path)
+    ref.eval().requires_grad_(False)
+    full = frozen_logprobs(ref, batch, tok.pad_token_id, cfg, CPU)
+    n_full = sum(p.numel() for p in ref.parameters())
+    ref = shard_frozen(ref, world, CPU)
+    local = sum(p.to_local().numel() for p in ref.parameters())
+    sharded = frozen_logprobs(ref, batch, tok.pad_token_id, cfg, CPU)
+    results["ref"] = {"full": full, "sharded": sharded, "local": local, "n_full": n_full,
+                      "requires_grad": any(p.requires_grad for p in ref.parameters())}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_reduce_every_micro_batch_and_sharded_reference_on_2_gloo_ranks(tiny_model_path, tmp_path):
+    """Issue 26: (1) train.fsdp_reduce_every_micro_batch (plumbing/scale.py grad_sync) gives the
+    accumulate-then-reduce update (2 ranks x 2 micro-batches, SGD lr 1: delta = -grad) within float32
+    summation order, and keeps a sharded .grad after an unsynced micro-batch (the unsharded float32
+    accumulator is what it saves); (2) the FSDP2-sharded GRPO reference (shard_frozen) holds about
+    1/2 of the weights a rank and gives the unsharded model's log-probs."""
+    out = str(tmp_path / "every")
+    _spawn(_reduce_every_worker, 2, tiny_model_path, out)
+    for rank in (0, 1):
+        r = torch.load(f"{out}.{rank}")
+        acc, every = r[False], r[True]
+        assert acc["delta"].abs().max() > 1e-4
+        assert (every["delta"] - acc["delta"]).abs().max().item() < 1e-6
+        assert every["grad_norm"] == pytest.approx(acc["grad_norm"], rel=1e-5)
+        assert all(every["has_grad"]) and not any(acc["has_grad"])
+        ref = r["ref"]
+        assert not ref["requires_grad"] and ref["local"] <= ref["n_full"] // 2 + 64 * 64  # dim-0 chunks: about half
+        for a, b in zip(ref["full"], ref["sharded"]):
+            assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-6, rtol=0), (a, b)
