@@ -191,7 +191,8 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     for o in overrides:
         key, eq, val = o.partition("=")
         if not eq:
-            raise SystemExit(f"override {o!r}: expected key.sub=value")
+            hint = f" (a config file goes after --config: --config {o})" if o.endswith((".yaml", ".yml")) else ""
+            raise SystemExit(f"override {o!r}: expected key.sub=value{hint}")
         if not val.strip():  # YAML reads it as null; a shell turns key="" into exactly this
             raise SystemExit(f"override {o!r}: no value (a shell drops the quotes of key=\"\"): write {key}=null "
                              f"for null, {key}=\"''\" for an empty string")

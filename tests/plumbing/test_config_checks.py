@@ -178,3 +178,14 @@ def test_the_process_group_timeout_reaches_init_process_group(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
     scale.setup_distributed("cpu", always_group=True, timeout_s=load_config([])["train"]["dist_timeout_s"])
     assert seen["timeout"] == datetime.timedelta(minutes=30) and seen["backend"] == "gloo"
+
+
+def test_a_config_file_given_as_an_override_says_use_config():
+    """`python train.py configs/cpu.yaml` (no --config): the line says where the file goes (a new
+    user's slip, issue 25's fresh-clone check)."""
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["configs/cpu.yaml"])
+    assert str(e.value) == ("override 'configs/cpu.yaml': expected key.sub=value "
+                            "(a config file goes after --config: --config configs/cpu.yaml)")
+    with pytest.raises(SystemExit, match=r"^override 'lr': expected key.sub=value$"):
+        load_config([], ["lr"])
