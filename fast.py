@@ -398,7 +398,7 @@ def chunked_head(model, targets, temperature, chunk_tokens):
     inner = model
     while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP / torch.compile wrappers
         inner = getattr(inner, "module", None) or inner._orig_mod
-    head = inner.get_output_embeddings()
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None  # else: unchunked
     config = getattr(inner, "config", None)
     if (chunk_tokens <= 0 or targets.numel() <= chunk_tokens or type(head) is not torch.nn.Linear
             or any(getattr(config, a, None) not in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING)):

@@ -408,6 +408,9 @@ class BaseModelView(torch.nn.Module):
         with base_model(self.policy):
             return self.policy(*args, **kwargs)
 
+    def get_output_embeddings(self):  # the policy's LM head (fast.chunked_head swaps its forward)
+        return self.policy.get_output_embeddings()
+
 
 def merged_state_items(policy):
     """(name, tensor) for every weight of the policy with its LoRA adapters merged in, one at a

@@ -162,7 +162,7 @@ bare() {
     TORCHRUN+=(train.py)
     local RL=(--config configs/gpu_bare.yaml "model.policy=$MODEL" "data.train=$DATA" run.resume=false "train.device=$DEVICE" "${FAST[@]}")
     local NL=(--config configs/rm_nlhf.yaml "model.policy=$MODEL" "nlhf.dh=$DH" "nlhf.do=$DO" judge.backend=proxy
-              run.resume=false run.total_steps=2 run.save_every=0 run.keep_checkpoints=1 rollout.backend=hf
+              run.resume=false run.eval_every=0 nlhf.val=null run.total_steps=2 run.save_every=0 run.keep_checkpoints=1 rollout.backend=hf
               rollout.prompts_per_step=4 rollout.group_size=4 rollout.max_new_tokens=128 nlhf.max_items=64
               nlhf.max_prompt_tokens=1024 metarm.cold_start_items=2 metarm.rollouts_per_prompt=2
               metarm.max_new_tokens=64 metarm.epochs=1 metarm.max_length=1024 "train.device=$DEVICE" "${FAST[@]}")
