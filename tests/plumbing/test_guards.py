@@ -207,9 +207,9 @@ def test_ctrl_c_is_one_line_exit_130_and_says_what_resumes(tiny_model_path, tmp_
     cmd = [sys.executable, os.path.join(REPO, "train.py"), *small_args(tiny_model_path, out, steps=50)]
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    first = os.path.join(out, "checkpoints", "step_000001", "trainer_state.pt")
-    deadline = time.time() + 300
-    while not os.path.exists(first) and time.time() < deadline:
+    from plumbing.run import latest_checkpoint
+    deadline = time.time() + 300  # any complete checkpoint (step_000001 may already be rotated out)
+    while latest_checkpoint(out) is None and time.time() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
