@@ -130,13 +130,20 @@ def _make_opt(policy):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
 
-def _fsdp_ckpt_worker(rank, world, port, ckpt_in, out_dir, gen_out):
-    _init(rank, world, port)
-    policy, tok = load_model(ckpt_in)
+def _resume_and_step(ckpt, rank, world):
+    """Load the step-1 checkpoint `ckpt` under FSDP2 on this rank and take one AdamW step on its
+    shard of the layout batch; returns (model, policy, tok, opt, sched)."""
+    policy, tok = load_model(ckpt)
     model = wrap_policy(policy, "fsdp2", world, CPU)
     opt, sched = _make_opt(policy)
-    assert load_trainer_state(ckpt_in, policy, opt, sched) == 1
+    assert load_trainer_state(ckpt, policy, opt, sched) == 1
     _adam_step(model, policy, opt, _shard(_layout_batch(), rank, world), world, tok.pad_token_id)
+    return model, policy, tok, opt, sched
+
+
+def _fsdp_ckpt_worker(rank, world, port, ckpt_in, out_dir, gen_out):
+    _init(rank, world, port)
+    model, policy, tok, opt, sched = _resume_and_step(ckpt_in, rank, world)
     sched.step()
     save_checkpoint(out_dir, 2, policy, tok, opt, sched, keep=2, rank=rank)
     # Generation under FSDP2: ranks run different numbers of forwards (max_new_tokens 3 vs 7);
@@ -507,11 +514,7 @@ def _dcp_save_worker(rank, world, port, model_path, out_dir):
 
 def _dcp_resume_worker(rank, world, port, ckpt, out):
     _init(rank, world, port)
-    policy, tok = load_model(ckpt)
-    model = wrap_policy(policy, "fsdp2", world, CPU)
-    opt, sched = _make_opt(policy)
-    assert load_trainer_state(ckpt, policy, opt, sched) == 1
-    _adam_step(model, policy, opt, _shard(_layout_batch(), rank, world), world, tok.pad_token_id)
+    model = _resume_and_step(ckpt, rank, world)[0]
     flat = _flat(model)
     if rank == 0:
         torch.save(flat, out)
