@@ -392,7 +392,7 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
 
     grm: (model, tokenizer) of the base GRM (train.py's policy at step 0); dh_items: pairwise dicts
     with human critiques; judge: a judge dict (reward.judge_scores); chat: the GRM's prompt format
-    (plumbing/data.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
+    (plumbing/prompts.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
     sampling; generate: rollout.generate or fast.generate; the rest: sampling and train_metarm.
     rank, world: each rank samples and judges its contiguous block of dh_items (seed + 1_000_003
     rank), the examples are all-gathered in item order and every rank runs the same train_metarm

@@ -209,7 +209,7 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
     terms, reward.hybrid_reward). The settings are config.yaml's reward.* (reward_settings).
 
     Args:
-        items: list (N) of item dicts (plumbing/data.py's load_train_items), one per completion.
+        items: list (N) of item dicts (plumbing/items.py's load_train_items), one per completion.
         completions: list[str] (N). evaluators: reward.local_evaluator / remote dicts ([] for rlvr).
         context: the forward's mixed-precision context (the live evaluator is the policy).
         world: number of ranks (the metrics are summed over them).

@@ -27,10 +27,13 @@ from reward import DEFAULT_EVALUATOR_TEMPLATE, meta_question_dicts, rlme_reward
 import rollout
 from rollout import build_prompt_ids
 
-from plumbing.data import (BENCHMARK_REGISTRY, BENCHMARKS, DEFAULT_BASE_RELEASE, QA_DEFAULTS, QA_PRESETS,
-                           SHARED_DATA, benchmark_units, jsonl_rows, load_benchmark, load_dh_items,
-                           load_judge_check_items, load_math_problems, load_model, load_qa_items, not_utf8,
-                           parse_json_object, parse_sources, read_jsonl, select_benchmarks, use_chat_template)
+from plumbing.benchmarks import (BENCHMARK_REGISTRY, BENCHMARKS, DEFAULT_BASE_RELEASE, QA_DEFAULTS, QA_PRESETS,
+                                 SHARED_DATA, benchmark_units, load_benchmark, load_judge_check_items,
+                                 load_math_problems, load_qa_items, parse_sources, select_benchmarks)
+from plumbing.jsonl import jsonl_rows, not_utf8, read_jsonl
+from plumbing.models import load_model
+from plumbing.pairwise import load_dh_items
+from plumbing.prompts import parse_json_object, use_chat_template
 from plumbing.run import cold_start_settings, load_metarm, save_metarm
 from plumbing.services import checked_template, load_evaluator, make_judge, remote_evaluator
 from plumbing import config

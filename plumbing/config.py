@@ -14,7 +14,8 @@ import yaml
 
 import reward as R
 
-from plumbing.data import PAIR_SCHEMAS, _gguf_location
+from plumbing.models import _gguf_location
+from plumbing.pairwise import PAIR_SCHEMAS
 from plumbing.services import REMOTE_DEFAULTS
 
 

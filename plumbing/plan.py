@@ -64,7 +64,7 @@ def model_config(path):
     config.json, a GGUF package file's header (gguf:<package>/<file>), else the HF cache (never the hub).
     Raises SystemExit (one line) when none can be read."""
     from transformers import AutoConfig
-    from plumbing.data import _gguf_location
+    from plumbing.models import _gguf_location
     bundled = os.path.join(MODEL_CONFIGS, path.replace("/", "--") + ".json")
     try:
         if os.path.isfile(bundled):

@@ -34,8 +34,10 @@ from plumbing.config import check_evaluator_paths, check_scale_config, check_sin
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
-from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_val_items, load_train_items,
-                           load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
+from plumbing.items import load_train_items, load_val_items
+from plumbing.models import load_model, resolve_model_path
+from plumbing.pairwise import load_nlhf_items, load_nlhf_val_items
+from plumbing.prompts import keep_short, policy_chat, prompt_token_limit
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
                             save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import rollout
 
-from plumbing.data import resolve_model_path
+from plumbing.models import resolve_model_path
 
 
 def setup_distributed(device_setting, always_group=False, cpu_collectives=False, timeout_s=1800.0):

@@ -20,7 +20,8 @@ from reward import (DEFAULT_EVALUATOR_TEMPLATE, JUDGE_VARIANTS, build_evaluator_
                     parse_judge_output, parse_meta_judge_output, rlme_reward)
 import rollout
 
-from plumbing.data import load_model, resolve_model_path, use_chat_template
+from plumbing.models import load_model, resolve_model_path
+from plumbing.prompts import use_chat_template
 from plumbing.scale import BaseModelView
 
 

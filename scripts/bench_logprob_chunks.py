@@ -34,7 +34,9 @@ def child(chunk, config, overrides, what):
     import rollout
     import train
     from plumbing import config as C
-    from plumbing.data import load_model, load_train_items, policy_chat
+    from plumbing.items import load_train_items
+    from plumbing.models import load_model
+    from plumbing.prompts import policy_chat
     from plumbing.scale import wrap_policy
     cfg = train.load_config([config], [f"train.logprob_chunk_tokens={chunk}", *overrides])
     C.validate_config(cfg)

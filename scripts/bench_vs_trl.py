@@ -36,7 +36,9 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from plumbing.data import load_model, load_train_items, policy_chat  # noqa: E402
+from plumbing.items import load_train_items  # noqa: E402
+from plumbing.models import load_model  # noqa: E402
+from plumbing.prompts import policy_chat  # noqa: E402
 from plumbing.scale import wrap_policy  # noqa: E402
 
 # Our config values that make our step TRL's: TRL's CISPO divides the summed token loss by the

@@ -46,7 +46,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import fast  # noqa: E402
-from plumbing.data import load_dataset_rows, load_model, resolve_model_path, use_chat_template
+from plumbing.items import load_dataset_rows
+from plumbing.models import load_model, resolve_model_path
+from plumbing.prompts import use_chat_template
 from plumbing.run import latest_checkpoint
 from plumbing.scale import compute_context, generate_vllm, keep_matmul_outputs, make_vllm_engine, peak_memory_mb, vllm_push_weights, vllm_sleep, vllm_token_logprobs, wrap_policy
 

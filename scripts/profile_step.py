@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from plumbing.data import load_model, load_train_items, policy_chat
+from plumbing.items import load_train_items
+from plumbing.models import load_model
+from plumbing.prompts import policy_chat
 from plumbing.services import load_evaluators
 
 EXTRA_QUESTIONS = ["Is the reasoning free of arithmetic mistakes?", "Does the solution answer the question that was asked?",

@@ -28,7 +28,9 @@ import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 import fast  # noqa: E402
-from plumbing.data import load_model, load_train_items, policy_chat
+from plumbing.items import load_train_items
+from plumbing.models import load_model
+from plumbing.prompts import policy_chat
 
 CANDIDATES = {
     "steps": ("Is the solution written as numbered steps?",

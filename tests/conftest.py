@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from plumbing.data import load_model, resolve_model_path
+from plumbing.models import load_model, resolve_model_path
 from plumbing.services import make_judge
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

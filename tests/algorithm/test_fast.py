@@ -16,7 +16,7 @@ from test_rollout import _small_vocab_model
 from test_train import _layout_batch, _layout_cfg, other_model_path
 import train as T
 
-from plumbing.data import load_model
+from plumbing.models import load_model
 from plumbing.scale import wrap_policy
 from plumbing.services import score_remote
 

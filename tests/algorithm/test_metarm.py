@@ -7,7 +7,8 @@ from conftest import data_path, make_judge
 import metarm
 import reward
 
-from plumbing.data import load_model, load_pairwise
+from plumbing.models import load_model
+from plumbing.pairwise import load_pairwise
 from plumbing.run import load_metarm
 from plumbing.services import proxy_f1
 from plumbing import config

@@ -5,7 +5,8 @@ import torch
 from conftest import SMOLLM2
 import reward as R
 
-from plumbing.data import clean_gsm8k_label, resolve_model_path
+from plumbing.items import clean_gsm8k_label
+from plumbing.models import resolve_model_path
 
 
 # --- boxed extraction (docs/method.md §4.3) ---------------------------------------------------------------

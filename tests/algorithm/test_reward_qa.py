@@ -1,5 +1,5 @@
 """reward.py for string answers and context QA (RLME §4 Tables 1-2): SQuAD normalisation, EM and
-F1, answer_reward per label format, render_context (plumbing/data.py), the QA evaluator template, rlme_reward's
+F1, answer_reward per label format, render_context (plumbing/items.py), the QA evaluator template, rlme_reward's
 transform ("log" = RLME Eq. 3, "prob"), and hybrid_reward."""
 import json
 import math
@@ -10,7 +10,8 @@ import torch
 from conftest import data_path
 import reward as R
 
-from plumbing.data import load_model, render_context
+from plumbing.items import render_context
+from plumbing.models import load_model
 
 
 PAPER_QA_QUESTION = "Is the answer supported by the context, regardless of whether it seems right or wrong?"

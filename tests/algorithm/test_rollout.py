@@ -7,7 +7,7 @@ import torch
 import fast
 import rollout
 
-from plumbing.data import load_model
+from plumbing.models import load_model
 
 
 def test_mask_pad_equals_eos():

@@ -9,7 +9,7 @@ from conftest import frozen_logprobs, update_policy
 import rollout
 import train as T
 
-from plumbing.data import load_model
+from plumbing.models import load_model
 
 
 ALGO = {"loss": "cispo", "ratio": "sequence", "eps_low": 1.0, "eps_high": 5.0, "clip_eps": 0.2,

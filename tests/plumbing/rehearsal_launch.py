@@ -15,7 +15,7 @@ if __name__ == "__main__":
     if os.environ.get("REHEARSAL_FORCE_VERDICTS"):
         import pytest
         from conftest import data_path
-        from plumbing.data import load_pairwise
+        from plumbing.pairwise import load_pairwise
         from test_e2e_nlhf import force_verdicts, load_pairs
         # + the validation pairs test_configs.swaps reads (nlhf.val), whose prompts go through the same generate
         val = [dict(it, critique=None) for it in load_pairwise(data_path("llmbar", "LLMBar_Natural.jsonl"), seed=0)]

@@ -14,7 +14,8 @@ import rollout
 import train
 from conftest import REPO, data_path
 from plumbing.cli import evaluate_main, reward_main
-from plumbing.data import load_model, render_prompt, use_chat_template
+from plumbing.models import load_model
+from plumbing.prompts import render_prompt, use_chat_template
 from plumbing.services import load_evaluators, remote_evaluator
 
 # Qwen3's handling of enable_thinking and of the system message, cut down to what a single-turn

@@ -13,7 +13,7 @@ from test_e2e_nlhf import pair
 from test_train_run import _free_port
 
 from plumbing import config
-from plumbing.data import load_model
+from plumbing.models import load_model
 from plumbing.run import setup_metarm
 
 CPU = torch.device("cpu")

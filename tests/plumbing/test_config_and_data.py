@@ -1,4 +1,4 @@
-"""Configuration and data plumbing (plumbing/config.py, plumbing/data.py): layering and overrides, one-line errors naming the key, file or line, every preset loading, the RLME items and their labels."""
+"""Configuration and data plumbing (plumbing/config.py, plumbing/items.py): layering and overrides, one-line errors naming the key, file or line, every preset loading, the RLME items and their labels."""
 import glob
 import os
 
@@ -7,7 +7,7 @@ import pytest
 from conftest import data_path
 import train as T
 
-from plumbing.data import load_train_items
+from plumbing.items import load_train_items
 from plumbing import config
 
 

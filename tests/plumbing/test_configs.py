@@ -36,7 +36,7 @@ import yaml
 
 from conftest import REPO, TINY_MODEL_FIXTURE, data_path
 import fast
-from plumbing.data import load_pairwise
+from plumbing.pairwise import load_pairwise
 
 # name (relative to the repo) -> the --config layers a user runs it with, and whether its runs
 # go through the command line (`python train.py --config ...`) instead of train.main in-process

@@ -1,4 +1,4 @@
-"""Data rows (issue 25 item 8; plumbing/data.py, rollout.policy_prompt_ids): a missing or empty
+"""Data rows (issue 25 item 8; plumbing/items.py, plumbing/pairwise.py, rollout.policy_prompt_ids): a missing or empty
 question or pairwise prompt is refused at load with one line naming file and row; TRL's
 conversational `prompt` column is read as chat messages through the policy's chat template; TRL's
 preference rows (explicit and implicit prompt) are read as pairwise items, not taken for RM-Bench."""
@@ -11,8 +11,11 @@ from conftest import SMOLLM2, data_path
 import rollout
 import train as T
 
-from plumbing.data import (detect_schema, keep_short, load_dh_items, load_do_items, load_nlhf_items, load_pairwise, load_train_items,
-                           load_val_items, policy_chat, read_jsonl, resolve_model_path, split_dh_do)
+from plumbing.items import load_train_items, load_val_items
+from plumbing.jsonl import read_jsonl
+from plumbing.models import resolve_model_path
+from plumbing.pairwise import detect_schema, load_dh_items, load_do_items, load_nlhf_items, load_pairwise, split_dh_do
+from plumbing.prompts import keep_short, policy_chat
 
 
 def write_jsonl(path, rows):

@@ -16,7 +16,8 @@ import reward
 import rollout
 import train
 import fast
-from plumbing.data import keep_short, load_pairwise, prompt_token_limit
+from plumbing.pairwise import load_pairwise
+from plumbing.prompts import keep_short, prompt_token_limit
 from plumbing.run import load_metarm, load_saved_metarm
 from plumbing.services import JUDGE_KEYS
 

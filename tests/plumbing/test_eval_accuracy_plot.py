@@ -20,7 +20,7 @@ import reward as R  # noqa: E402
 import train as T  # noqa: E402
 from conftest import REPO, data_path  # noqa: E402
 from plumbing import cli  # noqa: E402
-from plumbing.data import load_model  # noqa: E402
+from plumbing.models import load_model  # noqa: E402
 from plumbing.run import rlme_step_metrics, validation_step  # noqa: E402
 
 

@@ -14,7 +14,10 @@ import reward
 from conftest import REPO, SMOLLM2, data_path
 from plumbing import cli
 from plumbing.cli import curve, ema, evaluate_main, load_or_sample, parse_curve, prompt_template
-from plumbing.data import BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems, load_model, load_qa_items, passes_contamination_rule, render_context, select_benchmarks
+from plumbing.benchmarks import (BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems,
+                                 load_qa_items, passes_contamination_rule, select_benchmarks)
+from plumbing.items import render_context
+from plumbing.models import load_model
 from plumbing.run import wrong_answer
 
 

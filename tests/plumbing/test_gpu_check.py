@@ -55,14 +55,14 @@ def test_bare_report_merges_stages_and_metrics(tmp_path):
 
 
 def test_datasets_stand_in_loads_train_items(tmp_path):
-    """The stand-in for `datasets` (for a machine without it) gives load_train_items (plumbing/data.py) the same
+    """The stand-in for `datasets` (for a machine without it) gives load_train_items (plumbing/items.py) the same
     items as the real package."""
     gpu_check.datasets_shim(str(tmp_path / "shim"))
     data = tmp_path / "d.jsonl"
     gpu_check.synthetic_data(str(data), n=5)
-    code = ("import json, datasets; from plumbing import config, data; "
+    code = ("import json, datasets; from plumbing import config, items; "
             "cfg = config.load_config([], ['data.train=%s', 'data.max_items=4']); "
-            "print(json.dumps([datasets.__file__, data.load_train_items(cfg)]))" % data)
+            "print(json.dumps([datasets.__file__, items.load_train_items(cfg)]))" % data)
 
     def items(*path):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, REPO]))

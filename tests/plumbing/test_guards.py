@@ -145,7 +145,7 @@ def test_check_free_space_is_one_line():
 
 def test_checkpoint_bytes_against_a_real_folder(tiny_model_path, tmp_path):
     """Full fine-tuning: 4 bytes of weights + 8 of AdamW moments per parameter, +2 % +16 MiB."""
-    from plumbing.data import load_model
+    from plumbing.models import load_model
     from plumbing.run import save_checkpoint
     policy, tok = load_model(tiny_model_path)
     n = sum(p.numel() for p in policy.parameters())
@@ -164,7 +164,7 @@ def test_checkpoint_bytes_against_a_real_folder(tiny_model_path, tmp_path):
 FULL_DISK = """
 import resource, signal, sys, torch
 sys.path.insert(0, {repo!r})
-from plumbing.data import load_model
+from plumbing.models import load_model
 from plumbing.run import save_checkpoint
 policy, tok = load_model({model!r})
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -232,7 +232,7 @@ def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
     """optimizer_steps skips AdamW when the global gradient norm is not finite (before: every
     parameter became NaN and was checkpointed)."""
     import train as T
-    from plumbing.data import load_model
+    from plumbing.models import load_model
     policy, tok = load_model(tiny_model_path)
     before = [p.detach().clone() for p in policy.parameters()]
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)

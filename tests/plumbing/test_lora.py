@@ -9,7 +9,8 @@ import torch
 import train as T
 from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
-from plumbing.data import load_model, load_pairwise
+from plumbing.models import load_model
+from plumbing.pairwise import load_pairwise
 from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_weight_name, wrap_policy
 from plumbing.services import load_evaluators
 

@@ -1,4 +1,4 @@
-"""RM-NLHF's plumbing: the pairwise dataset schemas (plumbing/data.py: HelpSteer3, Mr-Ben, the authors' rm_nlhf rows, RewardBench 2, parquet) and the critique judge's client (plumbing/services.py: retries and backoff against a real local HTTP server, start-up errors, transformers serve)."""
+"""RM-NLHF's plumbing: the pairwise dataset schemas (plumbing/pairwise.py: HelpSteer3, Mr-Ben, the authors' rm_nlhf rows, RewardBench 2, parquet) and the critique judge's client (plumbing/services.py: retries and backoff against a real local HTTP server, start-up errors, transformers serve)."""
 import json
 import socket
 import time
@@ -8,7 +8,7 @@ import pytest
 from conftest import chat_body, data_path, make_judge
 import reward
 
-from plumbing.data import load_pairwise
+from plumbing.pairwise import load_pairwise
 from plumbing.services import backoff_delay
 
 

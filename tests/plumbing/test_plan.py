@@ -13,7 +13,8 @@ from test_scale import _init, _spawn
 import train as T
 from plumbing import plan as PL
 from plumbing.config import load_config
-from plumbing.data import REPO, load_model
+from plumbing.benchmarks import REPO
+from plumbing.models import load_model
 
 CPU = torch.device("cpu")
 GiB = 2**30

@@ -30,7 +30,7 @@ import reward as R
 from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
 import fast
 from plumbing.cli import reward_main
-from plumbing.data import _gguf_location
+from plumbing.models import _gguf_location
 from plumbing.services import echo_target_logprob, remote_evaluator, remote_request, score_remote, trl_reward_function
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1

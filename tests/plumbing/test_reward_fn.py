@@ -39,7 +39,7 @@ def expected(evaluators, problems=PROBLEMS, completions=COMPLETIONS, **kw):
 def test_load_evaluator_builds_a_frozen_evaluator(evaluators):
     ev, plain = evaluators
     assert set(ev) == {"name", "weight", "score", "model", "tokenizer", "chat"}  # reward.local_evaluator's dict
-    # "chat": the template options (plumbing.data.use_chat_template), False for plain text
+    # "chat": the template options (plumbing.prompts.use_chat_template), False for plain text
     assert (ev["name"], ev["chat"], ev["weight"]) == ("chat", {"system": None, "kwargs": {}}, 1.0)
     assert (plain["chat"], plain["weight"]) == (False, 0.5)
     # the chat template and the plain-text prompt score the same text differently

@@ -2,7 +2,8 @@
 import pytest
 
 from plumbing.cli import rollout_main
-from plumbing.data import read_jsonl, resolve_model_path
+from plumbing.jsonl import read_jsonl
+from plumbing.models import resolve_model_path
 
 
 def test_model_path_errors(tmp_path):

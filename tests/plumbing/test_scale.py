@@ -16,7 +16,8 @@ from test_train import _layout_batch, _layout_cfg
 from test_train_run import _free_port
 import train as T
 
-from plumbing.data import load_model, REPO
+from plumbing.benchmarks import REPO
+from plumbing.models import load_model
 from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
 from plumbing.scale import (all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded,
                             vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs,

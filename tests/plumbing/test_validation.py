@@ -14,9 +14,10 @@ import reward as R
 import rollout
 import train as T
 import fast
-from plumbing.data import load_model, load_train_items, load_val_items
+from plumbing.items import load_train_items, load_val_items
+from plumbing.models import load_model
 from plumbing import config
-from plumbing.data import load_nlhf_val_items, load_pairwise
+from plumbing.pairwise import load_nlhf_val_items, load_pairwise
 from plumbing.run import early_stop, monitor, nlhf_validation_step, rlme_step_metrics, validation_step, wrong_answer
 
 
