@@ -23,16 +23,18 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
   (0.9, as RLME §4.1's figures; ema) over them and, for several runs, a ±1 standard-error band.
 
 Every subcommand writes its results as JSON (summary) and JSONL (one record per item)
-under --out (default runs/eval, git-ignored) and prints a readable table:
+under --out (default runs/eval, git-ignored) and prints a readable table. The command line is
+plumbing/cli.py's, run from the repository root:
 
-    python evaluate.py math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
-    python evaluate.py math --model PATH --config configs/paper/rlme/nocheat.yaml --inject wrong
-    python evaluate.py qa --model PATH --preset faitheval [--data LOCAL_COPY.jsonl]
-    python evaluate.py pairwise --model GRM [--benchmarks NAME,...] [BENCHMARK.jsonl ...]  (default: BENCHMARK_REGISTRY's, App. G.1 rule)
-    python evaluate.py bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
-    python evaluate.py evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
-    python evaluate.py judge-check --data ANNOTATED.jsonl --base-url http://127.0.0.1:8000/v1 --model M
-    python evaluate.py plot rlme=run1/metrics.jsonl,run2/metrics.jsonl rlvr=run3/metrics.jsonl
+    python -m plumbing.cli evaluate math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
+    python -m plumbing.cli evaluate math --model PATH --config configs/paper/rlme/nocheat.yaml --inject wrong
+    python -m plumbing.cli evaluate qa --model PATH --preset faitheval [--data LOCAL_COPY.jsonl]
+    python -m plumbing.cli evaluate pairwise --model GRM [--benchmarks NAME,...] [BENCHMARK.jsonl ...]
+        (default: BENCHMARK_REGISTRY's, App. G.1 rule)
+    python -m plumbing.cli evaluate bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
+    python -m plumbing.cli evaluate evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
+    python -m plumbing.cli evaluate judge-check --data ANNOTATED.jsonl --base-url http://127.0.0.1:8000/v1 --model M
+    python -m plumbing.cli evaluate plot rlme=run1/metrics.jsonl,run2/metrics.jsonl rlvr=run3/metrics.jsonl
 
 The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
 graded answers (or sample their own with --policy), so one sampling pass serves all three.
@@ -775,6 +777,5 @@ def judge_check_summary(rows, threshold=0.5):
     return out
 
 
-if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's evaluate_main
-    import importlib
-    importlib.import_module("plumbing.cli").evaluate_main()
+if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (evaluate_main)
+    raise SystemExit("evaluate.py's command line: python -m plumbing.cli evaluate --help (from the repository root)")

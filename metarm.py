@@ -37,7 +37,7 @@ The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tok
 "online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype", "shard" ((rank, world),
 world > 1: FSDP2 shards it)}. Its parameters and AdamW state are float32 (trained); `dtype`: autocast's.
 
-Run alone: python metarm.py --config configs/cpu_rm_nlhf.yaml cold-start (saves to metarm.path, or
+Run alone: python -m plumbing.cli metarm --config configs/cpu_rm_nlhf.yaml cold-start (saves to metarm.path, or
 <run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)."""
 import math
 import random
@@ -445,6 +445,5 @@ def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_deca
     return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at, log=log)]
 
 
-if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's metarm_main
-    import importlib
-    importlib.import_module("plumbing.cli").metarm_main()
+if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (metarm_main)
+    raise SystemExit("metarm.py's command line: python -m plumbing.cli metarm --help (from the repository root)")

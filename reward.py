@@ -13,7 +13,7 @@ judge (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose).
   R' = -1 / 0 / 1 + clip(max(0, R_hat - 1), 0, lam) (Eq. 8), R_hat the MetaRM's (metarm.py).
 
 Plain strings, lists and tensors throughout, so any logged reward can be recomputed by hand from
-samples.jsonl. Run alone: python reward.py --evaluator PATH --in samples.jsonl --out scored.jsonl
+samples.jsonl. Run alone: python -m plumbing.cli reward --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
 import collections
 import concurrent.futures
@@ -866,19 +866,7 @@ def judge_scores(judge, pairs):
         return list(pool.map(one, pairs))
 
 
-# The README's public imports: reward.load_evaluator, remote_evaluator, trl_reward_function and
-# verl_compute_score are built in plumbing/services.py (they load models and call servers); this
-# forwards those four names lazily, so reading or copying this file needs nothing from plumbing/.
-SERVICES = ("load_evaluator", "remote_evaluator", "trl_reward_function", "verl_compute_score")
-
-
-def __getattr__(name):
-    if name in SERVICES:
-        import importlib
-        return getattr(importlib.import_module("plumbing.services"), name)
-    raise AttributeError(f"module 'reward' has no attribute {name!r}")
-
-
-if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's reward_main
-    import importlib
-    importlib.import_module("plumbing.cli").reward_main()
+# load_evaluator, remote_evaluator, trl_reward_function and verl_compute_score (they load models and
+# call servers; README, "The RLME reward in another trainer") are plumbing/services.py's.
+if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (reward_main)
+    raise SystemExit("reward.py's command line: python -m plumbing.cli reward --help (from the repository root)")

@@ -27,7 +27,7 @@ returns; fast.generate and the vLLM backend (plumbing/scale.py) return the same:
                                              own and logs the gap (docs/method.md §7)
     }
 
-Run alone (JSONL in, JSONL out):  python rollout.py --model PATH --in prompts.jsonl --out rollouts.jsonl
+Run alone (JSONL in, JSONL out):  python -m plumbing.cli rollout --model PATH --in prompts.jsonl --out rollouts.jsonl
 """
 import contextlib
 
@@ -340,6 +340,5 @@ def set_attribute(modules, name, value):
             setattr(m, name, v)
 
 
-if __name__ == "__main__":  # the command line (arguments, loading, output files) is plumbing/cli.py's rollout_main
-    import importlib
-    importlib.import_module("plumbing.cli").rollout_main()
+if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (rollout_main)
+    raise SystemExit("rollout.py's command line: python -m plumbing.cli rollout --help (from the repository root)")

@@ -241,7 +241,7 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
     records = []
     for i, (it, c) in enumerate(zip(items, completions)):
         # problem: what the evaluator was shown (context QA: the passages + the question), so
-        # `python reward.py` on samples.jsonl recomputes the reward
+        # `python -m plumbing.cli reward` on samples.jsonl recomputes the reward
         # reward None: a remote evaluator failed, the sample is masked (as a failed judge call)
         ok = bool(valid[i])
         rec = {"item": it["index"], "problem": it["problem"], "extracted": R.extract_boxed(c), "label": it["label"],

@@ -1,8 +1,17 @@
-"""The command lines of the stage files: `python rollout.py`, `python reward.py`, `python
-metarm.py cold-start` and `python evaluate.py {math,qa,pairwise,bon,evaluator-check,judge-check,
-plot}` land here (each stage file's `__main__` calls rollout_main, reward_main, metarm_main or
-evaluate_main). Argument parsing, loading models and data, writing result files; the
-computations are the stage files' functions.
+"""The command lines of the stage files, run from the repository root:
+
+    python -m plumbing.cli rollout ...       rollout_main: sample G completions per JSONL prompt
+    python -m plumbing.cli reward ...        reward_main: score JSONL rows with a frozen evaluator
+    python -m plumbing.cli metarm cold-start ...
+                                             metarm_main: the MetaRM cold start alone
+    python -m plumbing.cli evaluate {math,qa,pairwise,bon,evaluator-check,judge-check,plot} ...
+                                             evaluate_main (build_parser, the cmd_* functions)
+
+Argument parsing, loading models and data, writing result files; the computations are the stage
+files' functions. They live here, not in the stage files' `__main__` blocks, because this module
+imports the stage files: `python reward.py` importing it would load reward.py a second time (as
+`reward` beside `__main__`) and close an import circle (tests/plumbing/test_imports.py). Nothing
+in plumbing/ imports this module, so `python -m plumbing.cli` loads every file once.
 """
 import argparse
 import json
@@ -48,7 +57,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def rollout_main(argv=None):
-    ap = ArgumentParser(description="Sample G completions per prompt (one JSON per line in: {'prompt': ...}).")
+    ap = ArgumentParser(prog="python -m plumbing.cli rollout",
+                        description="Sample G completions per prompt (one JSON per line in: {'prompt': ...}).")
     ap.add_argument("--model", required=True, help="policy model: HF folder, hub id or GGUF file")
     ap.add_argument("--in", dest="inp", required=True, help="JSONL input, one prompt per row")
     ap.add_argument("--out", required=True, help="JSONL output: one row per completion (prompt, group, completion, "
@@ -89,7 +99,7 @@ def rollout_main(argv=None):
 
 
 def read_scoring_rows(path, problem_field="problem", completion_field="completion", reference_field="reference"):
-    """The rows `python reward.py` scores, checked before any model loads.
+    """The rows `python -m plumbing.cli reward` scores, checked before any model loads.
 
     Args:
         path: str, a JSONL file (our samples.jsonl has the fields problem and completion).
@@ -124,13 +134,14 @@ def read_scoring_rows(path, problem_field="problem", completion_field="completio
 
 
 def reward_main(argv=None):
-    """`python reward.py`: score a JSONL file with one frozen evaluator (RLME Eq. 2-3) and write
+    """`python -m plumbing.cli reward`: score a JSONL file with one frozen evaluator (RLME Eq. 2-3) and write
     each row back with "logp" {evaluator: {question: log p}} and "reward" added. Existing "logp" /
     "reward" fields (as in samples.jsonl) are replaced. Input errors end in one line before the
     model loads."""
     # defaults shown as "(default: ...)" in --help, written out: argparse's own formatter also
     # prints "(default: None)" for the required and the unset options
     ap = ArgumentParser(
+        prog="python -m plumbing.cli reward",
         description="Score JSONL rows (problem, completion[, reference]) with the RLME reward "
                     "r = sum_k w_k log p(target | problem, completion, question_k) of one evaluator (RLME Eq. 2-3).")
     ap.add_argument("--evaluator", required=True,
@@ -235,7 +246,8 @@ def reward_main(argv=None):
 
 
 def metarm_main(argv=None):
-    ap = ArgumentParser(description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
+    ap = ArgumentParser(prog="python -m plumbing.cli metarm",
+                        description="MetaRM (RM-NLHF §3.2, App. D): cold start from D_H rollouts of the base GRM.")
     ap.add_argument("--config", action="append", required=True, help="YAML file(s) over config.yaml; later ones override")
     ap.add_argument("command", choices=["cold-start"], help="cold-start: train the MetaRM on the base GRM's D_H rollouts")
     ap.add_argument("--out", default=None, help="save folder (None: metarm.path, else <run.out_dir>/metarm)")
@@ -466,19 +478,19 @@ def load_or_sample(a, need):
     if a.samples:
         items = jsonl_rows(a.samples)[:a.n_problems]
         if any("samples" not in it or "question" not in it for it in items):
-            raise SystemExit(f"{a.samples}: not a `evaluate.py math` items file (needs 'question' and "
+            raise SystemExit(f"{a.samples}: not an `evaluate math` items file (needs 'question' and "
                              f"'samples'); fields found: {sorted(items[0])}")
     elif a.policy:
         problems = load_math_problems(a.data, a.n_problems)
         announce_work(f"{a.cmd} --policy", len(problems), need, a.max_new_tokens,
                       f"--n-problems, {'--ns' if a.cmd == 'bon' else '--n-samples'}, --max-new-tokens, "
-                      f"or --samples FILE from `evaluate.py math`")
+                      f"or --samples FILE from `evaluate math`")
         model, tok = load_model(a.policy, a.dtype)
         items = sample_and_grade(model, tok, problems, n_samples=need, temperature=a.temperature,
                                  max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size, greedy=False)
         del model
     else:
-        raise SystemExit("give --samples FILE (from `evaluate.py math`) or --policy MODEL")
+        raise SystemExit("give --samples FILE (from `evaluate math`) or --policy MODEL")
     have = min(len(it["samples"]) for it in items)
     if have < need:
         raise SystemExit(f"N={need} is larger than the samples available ({have} per problem"
@@ -890,7 +902,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser():
-    ap = ArgumentParser(description=evaluate.__doc__.split("\n")[0],
+    ap = ArgumentParser(prog="python -m plumbing.cli evaluate", description=evaluate.__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -937,7 +949,7 @@ def build_parser():
                             "release leaves as is); the sampling seed is --seed")
 
     def answers(p):  # the graded answers that bon and evaluator-check score (load_or_sample)
-        p.add_argument("--samples", default=None, help="items JSONL from `evaluate.py math` (else --policy samples)")
+        p.add_argument("--samples", default=None, help="items JSONL from `evaluate math` (else --policy samples)")
         p.add_argument("--policy", default=None, help="policy model to sample answers from")
 
     p = subcommand("math", "GSM8K / MATH-500 accuracy: greedy and sampled pass@1")
@@ -1085,3 +1097,23 @@ def evaluate_main(argv=None):
     if hasattr(a, "seed"):
         torch.manual_seed(a.seed)
     return a.fn(a)
+
+
+STAGES = {"rollout": rollout_main, "reward": reward_main, "metarm": metarm_main, "evaluate": evaluate_main}
+
+
+def main(argv=None):
+    """`python -m plumbing.cli STAGE ARGS...`: STAGE's command line (STAGES) on ARGS. Returns what
+    it returns. SystemExit (one line) for a missing or unknown STAGE; -h / --help lists them."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    usage = f"usage: python -m plumbing.cli {{{','.join(STAGES)}}} ... (STAGE --help: its options)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return None
+    if not argv or argv[0] not in STAGES:
+        raise SystemExit(f"{usage}; got {argv[0]!r}" if argv else usage)
+    return STAGES[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

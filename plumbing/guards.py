@@ -7,7 +7,8 @@ says where the run is, and JSON logs that never hold NaN.
                                              the config of a resumed run against the run's own (RESUMABLE)
     checkpoint_bytes, checkpoints_at_peak, check_free_space, write_failure
                                              what a checkpoint needs on disk, checked before training
-    deferred_interrupts, run_interruptible   Ctrl-C / SIGTERM: never half a save, one line, exit 130
+    deferred_interrupts, last_logged_step    Ctrl-C / SIGTERM: never half a save; the step a run reached
+                                             (plumbing/run.py's run_interruptible: one line, exit 130)
     finite_or_none, no_signal_note           JSON-safe metrics; a step that cannot learn says so
 """
 import contextlib
@@ -19,7 +20,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 
 import torch.distributed as dist
 
@@ -238,29 +238,6 @@ def deferred_interrupts():
             signal.signal(s, h)
         if caught:
             raise KeyboardInterrupt
-
-
-def run_interruptible(train, cfg):
-    """train(cfg), where Ctrl-C (or the SIGTERM torchrun and schedulers send) ends in one line on
-    rank 0, the step reached and what the same command does, and exit status 130."""
-    from plumbing.run import latest_checkpoint  # run.py imports this module
-
-    def term(signum, frame):
-        raise KeyboardInterrupt
-    old = signal.signal(signal.SIGTERM, term)
-    try:
-        train(cfg)
-    except KeyboardInterrupt:
-        out_dir = cfg["run"]["out_dir"]
-        if int(os.environ.get("RANK", "0")) == 0:
-            ckpt = latest_checkpoint(out_dir)
-            reached = last_logged_step(os.path.join(out_dir, "metrics.jsonl"))
-            print(f"\n[train] interrupted after step {reached} of {cfg['run']['total_steps']}; the same command "
-                  + (f"resumes from {os.path.basename(ckpt)} ({ckpt})" if ckpt else
-                     "starts afresh: no checkpoint yet (run.save_every)"), file=sys.stderr, flush=True)
-        raise SystemExit(130)
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def last_logged_step(path):

@@ -10,6 +10,9 @@
     setup_metarm, load_metarm, save_metarm, load_saved_metarm, cold_start_settings
                               the MetaRM of an rm_nlhf run: restored, loaded or cold-started
     record_cold_start         the cold-start set's size: cold_start.json, a line, first-step metrics
+    run_interruptible(train, cfg)  Ctrl-C / SIGTERM: one line with the step reached and the checkpoint
+                              the same command resumes from, exit 130 (here, not in guards.py: it
+                              needs latest_checkpoint, and run.py imports guards.py)
 """
 import contextlib
 import functools
@@ -20,6 +23,8 @@ import os
 import re
 import secrets
 import shutil
+import signal
+import sys
 import warnings
 
 import torch
@@ -33,7 +38,7 @@ import rollout
 from plumbing.config import check_evaluator_paths, check_scale_config, check_single_pass, validate_config
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
-                             record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
+                             last_logged_step, record_resume, stop_together, write_failure, LOCK_NAME)
 from plumbing.items import load_train_items, load_val_items
 from plumbing.models import load_model, resolve_model_path
 from plumbing.pairwise import load_nlhf_items, load_nlhf_val_items
@@ -729,8 +734,10 @@ def check_startup(cfg):
         raise SystemExit(f"config key run.out_dir={out_dir}: cannot write there ({e.strerror})")
     for name in cfg["run"]["report_to"]:  # each tracker's name is its package (config.TRACKERS)
         try:
-            importlib.import_module(name)
+            found = importlib.util.find_spec(name) is not None  # installed? (find_spec imports nothing)
         except ImportError:
+            found = False
+        if not found:
             raise SystemExit(f"config key run.report_to: {name} needs the `{name}` package: pip install {name}")
     if "wandb" in cfg["run"]["report_to"]:
         check_wandb_credentials()
@@ -750,7 +757,7 @@ def check_wandb_credentials():
 def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world, generate=rollout.generate):
     """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
     (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
-    (default <out_dir>/metarm, e.g. written by `python metarm.py cold-start`); (3) a cold start
+    (default <out_dir>/metarm, e.g. written by `python -m plumbing.cli metarm cold-start`); (3) a cold start
     from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
     metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
     (3) runs on every rank, each sampling and judging its share (metarm.cold_start); rank 0's
@@ -1175,3 +1182,24 @@ def monitor(state, cfg, val, metrics):
     r = cfg["run"]
     return bool(r["early_stop_patience"]) and early_stop([h["accuracy"] for h in hist], r["early_stop_drop"],
                                                          r["early_stop_patience"])
+
+
+def run_interruptible(train, cfg):
+    """train(cfg), where Ctrl-C (or the SIGTERM torchrun and schedulers send) ends in one line on
+    rank 0, the step reached and what the same command does, and exit status 130."""
+    def term(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGTERM, term)
+    try:
+        train(cfg)
+    except KeyboardInterrupt:
+        out_dir = cfg["run"]["out_dir"]
+        if int(os.environ.get("RANK", "0")) == 0:
+            ckpt = latest_checkpoint(out_dir)
+            reached = last_logged_step(os.path.join(out_dir, "metrics.jsonl"))
+            print(f"\n[train] interrupted after step {reached} of {cfg['run']['total_steps']}; the same command "
+                  + (f"resumes from {os.path.basename(ckpt)} ({ckpt})" if ckpt else
+                     "starts afresh: no checkpoint yet (run.save_every)"), file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -26,7 +26,7 @@ from plumbing.scale import BaseModelView
 
 
 def remote_evaluators(cfg, passes):
-    """The `kind: remote` evaluators, {index: reward.remote_evaluator dict}, each probed with one
+    """The `kind: remote` evaluators, {index: remote_evaluator dict}, each probed with one
     scoring request (one-line SystemExit naming reward.evaluators[i] if it cannot score)."""
     out = {}
     for i, ev in enumerate(cfg["reward"]["evaluators"]):
@@ -159,10 +159,10 @@ def _checked_setup(evaluators, meta_questions, template, transform):
         raise ValueError(f"transform {transform!r}: expected log or prob")
     keys = {"name", "weight", "score"}
     if not evaluators:
-        raise ValueError("evaluators: need at least one (reward.load_evaluator builds one)")
+        raise ValueError("evaluators: need at least one (load_evaluator builds one)")
     for i, ev in enumerate(evaluators):
         if not isinstance(ev, dict) or not keys <= set(ev):
-            raise ValueError(f"evaluators[{i}]: expected a dict with keys {sorted(keys)} (reward.load_evaluator)")
+            raise ValueError(f"evaluators[{i}]: expected a dict with keys {sorted(keys)} (load_evaluator)")
     return meta_question_dicts(meta_questions), checked_template(template)
 
 

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: the same RLME step in our train.py and in TRL's GRPOTrainer (issue 6).
 
-    # trl==1.16.0 comes with requirements.txt (reward.trl_reward_function is tested inside TRL)
+    # trl==1.16.0 comes with requirements.txt (plumbing.services.trl_reward_function is tested inside TRL)
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
     python scripts/bench_vs_trl.py --check-loss                     # same loss and gradient on one batch
     python scripts/bench_vs_trl.py --check-loss model.gradient_checkpointing=selective   # ours checkpointed

@@ -123,8 +123,8 @@ def undescribed(parser, name):
 
 
 def test_every_flag_of_every_cli_has_a_help_string(monkeypatch):
-    """Before: `python rollout.py --help` listed 8 flags with no description, reward.py's --dtype
-    only its default, metarm.py's command none."""
+    """Before: `python rollout.py --help` (now `python -m plumbing.cli rollout`) listed 8 flags with no
+    description, reward.py's --dtype only its default, metarm.py's command none."""
     import train
     parsers = [(built_parser(cli.rollout_main, cli, monkeypatch), "rollout.py"),
                (built_parser(cli.reward_main, cli, monkeypatch), "reward.py"),

@@ -23,9 +23,9 @@ from plumbing.run import wrong_answer
 
 
 def run_cli(*args, timeout=600, **env_vars):
-    """Run `python evaluate.py ARGS` as a user would (env_vars: extra environment); returns CompletedProcess."""
+    """Run `python -m plumbing.cli evaluate ARGS` as a user would (env_vars: extra environment); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", **env_vars)
-    return subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"), *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "plumbing.cli", "evaluate", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
@@ -546,7 +546,7 @@ def test_best_of_n_with_fake_judge():
 def test_load_or_sample_bad_files(tmp_path):
     import argparse
     ns = argparse.Namespace(samples=write_jsonl(tmp_path / "x.jsonl", [{"question": "q"}]), n_problems=None, policy=None)
-    with pytest.raises(SystemExit, match=r"not a `evaluate.py math` items file.*fields found: \['question'\]"):
+    with pytest.raises(SystemExit, match=r"not an `evaluate math` items file.*fields found: \['question'\]"):
         load_or_sample(ns, 1)
     ns.samples = write_jsonl(tmp_path / "y.jsonl", [bon_item(0, 3), bon_item(1, 2)])
     assert len(load_or_sample(ns, 2)) == 2

@@ -231,6 +231,7 @@ def test_finite_or_none():
 def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
     """optimizer_steps skips AdamW when the global gradient norm is not finite (before: every
     parameter became NaN and was checkpointed)."""
+    import rollout
     import train as T
     from plumbing.models import load_model
     policy, tok = load_model(tiny_model_path)
@@ -242,7 +243,7 @@ def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
     upd = T.optimizer_steps(policy, policy, opt, batch, loss_fn=T.loss_function(
         {"loss": "cispo", "eps_low": 1.0, "eps_high": 5.0, "ratio": "sequence", "aggregation": "seq_sum"}),
         aggregation="seq_sum", max_new_tokens=2, updates_per_batch=1, minibatches=1, group_size=2,
-        micro_batch_size=2, temperature=1.0, grad_clip=1.0, logprobs=__import__("rollout").completion_logprobs,
+        micro_batch_size=2, temperature=1.0, grad_clip=1.0, logprobs=rollout.completion_logprobs,
         clip_grad_norm=T.clip_grad_norm, context=contextlib.nullcontext, world=1, device=torch.device("cpu"),
         pad_id=tok.pad_token_id)
     assert not math.isfinite(upd["grad_norms"][0])

@@ -67,8 +67,9 @@ nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
 judge: {{backend: proxy}}
 metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs: 1, batch_size: 2, max_length: 128}}
 """)
-    r = subprocess.run([sys.executable, os.path.join(REPO, "metarm.py"), "--config", cfg, "cold-start"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "plumbing.cli", "metarm", "--config", cfg, "cold-start"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     stats = json.loads(r.stdout.strip().splitlines()[-1])
     assert stats["rollouts"] == 4 and stats["saved"] == f"{tmp_path}/run/metarm"

@@ -14,6 +14,7 @@ llama-cpp-python is an optional install (requirements-remote.txt, built from sou
 the integration tests skip without it.
 """
 import http.server
+import importlib.util
 import json
 import math
 import os
@@ -245,7 +246,7 @@ def start_llama_server(log_path, timeout=120):
 
 
 needs_llama_cpp = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("llama_cpp") is None,
+    importlib.util.find_spec("llama_cpp") is None,
     reason="llama-cpp-python is not installed (pip install -r requirements-remote.txt; builds from source, 5-11 min)")
 
 

@@ -1,5 +1,5 @@
 """The RLME reward outside our trainer (reward.py): TRL's reward function, verl's compute_score,
-load_evaluator and `python reward.py`. Every value must be reward.rlme_reward's on the same
+load_evaluator and `python -m plumbing.cli reward`. Every value must be reward.rlme_reward's on the same
 (problem, completion) pairs (RLME Eq. 2-3)."""
 import json
 import math
@@ -138,7 +138,7 @@ def test_verl_compute_score_equals_the_per_sample_reward(evaluators):
                                                                                {"question": PROBLEMS[0]})
 
 
-# ---- python reward.py ------------------------------------------------------------------------------
+# ---- python -m plumbing.cli reward -----------------------------------------------------------------
 
 
 def write_jsonl(path, rows):
@@ -178,13 +178,14 @@ def test_cli_round_trip_equals_rlme_reward(tmp_path, tiny_model_path, capsys):
 
 
 def test_cli_runs_on_its_own(tmp_path, tiny_model_path):
-    """`python reward.py` as a program: default question, --transform prob, other field names; its
-    evaluator is named "self" by default, as the training run's samples.jsonl names it."""
+    """`python -m plumbing.cli reward` as a program, from another folder: default question, --transform prob,
+    other field names; its evaluator is named "self" by default, as the training run's samples.jsonl names it."""
     rows = [{"q": p, "a": c} for p, c in zip(PROBLEMS[:2], COMPLETIONS[:2])]
     inp, out = write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "out.jsonl")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "reward.py"), "--evaluator", tiny_model_path, "--in", inp,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "plumbing.cli", "reward", "--evaluator", tiny_model_path, "--in", inp,
                         "--out", out, "--problem-field", "q", "--completion-field", "a", "--transform", "prob"],
-                       capture_output=True, text=True, cwd=str(tmp_path))
+                       capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert r.returncode == 0, r.stderr
     assert "2 rows scored" in r.stdout
     got = [json.loads(line) for line in open(out)]
