@@ -15,7 +15,9 @@ where there are any). Timings: docs/performance.md.
     fast.score_remote         plumbing.services.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
 
-The stage files never import this file.
+Who imports this file: train.py, for the one switch (`fast_or_plain`), and plumbing/ (cli.py,
+services.py); rollout.py, reward.py, metarm.py and evaluate.py never do, so a reader of the method
+never needs it. It imports only rollout.py (tests/plumbing/test_layout.py, test_imports.py).
 """
 import concurrent.futures
 import contextlib

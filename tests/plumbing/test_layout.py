@@ -36,6 +36,12 @@ def test_stage_files_import_neither_plumbing_nor_fast(path):
     assert not bad, f"{path} imports {sorted(bad)}"
 
 
+def test_fast_imports_of_ours_only_rollout():
+    """fast.py's docstring: the speed twins need rollout.py's helpers and nothing else of ours."""
+    ours = {m.split(".")[0] for m in imported_modules("fast.py")} & {f[:-3] for f in os.listdir(REPO) if f.endswith(".py")}
+    assert ours | ({"plumbing"} & {m.split(".")[0] for m in imported_modules("fast.py")}) == {"rollout"}
+
+
 def test_nothing_imports_train():
     files = ["fast.py"] + [os.path.join("plumbing", f) for f in os.listdir(os.path.join(REPO, "plumbing"))
                            if f.endswith(".py")]
