@@ -5,6 +5,14 @@ layer on top, and every value is checked once, at start-up, before any model loa
 
 Unknown keys, wrong types, values outside CHOICES and impossible combinations stop with one line
 that names the key (docs/method.md §3). Plumbing: skip on first read.
+
+    load_config(paths, overrides)        config.yaml + presets + overrides, merged (_merge) and checked
+    CHOICES, LIST_ITEM_KEYS, NULLABLE, MAPPINGS, RENAMED, ...
+                                         what the schema cannot say by its defaults alone
+    validate_config(cfg, world_size)     the values and their combinations; check_data_config,
+                                         check_report_to (TRACKERS), check_lora_config (LORA_FIELDS)
+    check_evaluator_paths, check_model_path, check_single_pass, check_scale_config
+                                         start-up checks setup() runs once the world size is known
 """
 import difflib
 import math
