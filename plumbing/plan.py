@@ -66,6 +66,7 @@ Not counted: the no-grad passes of the update (old / reference log-probs: smalle
 training pass), vLLM's own CPU memory while asleep.
 """
 import copy
+import functools
 import json
 import math
 import os
@@ -161,6 +162,13 @@ def shape_facts(model):
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
             "qk_norm": any(n.endswith(".q_norm") for n, _ in model.named_modules())}
+
+
+@functools.lru_cache(maxsize=64)
+def model_facts(path, num_labels=None):
+    """shape_facts of the model at `path` (model_config, meta_model), cached per path: the plan
+    of every shipped preset builds the same few models."""
+    return shape_facts(meta_model(model_config(path), num_labels=num_labels))
 
 
 ARCH = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "qk_norm")
@@ -348,8 +356,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     """
     m, t, ro, algo, task = cfg["model"], cfg["train"], cfg["rollout"], cfg["algo"], cfg["task"]
     d = BYTES[m["dtype"]]
-    policy = meta_model(model_config(m["policy"]))
-    f = shape_facts(policy)
+    f = model_facts(m["policy"])
     fsdp = t["parallel"] == "fsdp2"
     r = d if fsdp else 4  # the residual stream: FSDP2 computes in model.dtype; DDP's autocast keeps float32 activations there
     lora = m["lora"]
@@ -366,7 +373,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
 
     # the trained policy: master weights, gradients, AdamW (exact, tests/plumbing/test_plan.py)
     shard = [shard_numel(s, world if fsdp else 1, rank if fsdp else 0) for s in f["tensors"]]
-    trained, n_trained = lora_params(policy, lora) if lora else (sum(shard), len(shard))
+    trained, n_trained = lora_params(meta_model(model_config(m["policy"])), lora) if lora else (sum(shard), len(shard))
     add("policy weights", 4 * sum(shard), f"float32 master, {'1/' + str(world) + ' FSDP2 shard' if fsdp else 'full (ddp)'}")
     add("policy gradients", 4 * trained, "float32, as the weights" + (" (LoRA adapters only)" if lora else ""))
     add("AdamW state", 8 * trained + 4 * n_trained, "exp_avg + exp_avg_sq float32 (+ step)")
@@ -424,7 +431,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     for e in cfg["reward"]["evaluators"] if rlme else []:
         if e["kind"] == "frozen":
-            ef = shape_facts(meta_model(model_config(e["path"])))
+            ef = model_facts(e["path"])
             frozen += ef["params"] * d
             names.append(e["name"])
             evals.append(ef)
@@ -438,7 +445,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
     mr, mf = cfg["metarm"], None
     metarm = task == "rm_nlhf" and mr["mode"] != "none"
     if metarm:
-        mf = shape_facts(meta_model(model_config(mr["model"] or m["policy"]), num_labels=3 if mr["mode"] == "classifier" else 1))
+        mf = model_facts(mr["model"] or m["policy"], num_labels=3 if mr["mode"] == "classifier" else 1)
         md = BYTES[mr["dtype"]]
         mw = world if fsdp and world > 1 else 1
         msh = sum(shard_numel(s, mw, rank if mw > 1 else 0) for s in mf["tensors"])
