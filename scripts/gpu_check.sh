@@ -52,8 +52,43 @@
 #   Report: peak GPU memory, time/rollout, time/reward, time/update per run (metrics.jsonl, mean
 #   after step 1), rollout tokens/s, the big update's seconds and peak, the checkpoints' dtypes
 #   (float32 master weights?), each stage's exit code and seconds.
+#
+# ---- Plan mode: the memory plan measured (issue 34), one GPU with torch + CUDA, ~9 minutes ---------------
+#
+#   bash scripts/gpu_check.sh --plan [OUT] [--budget-s 540] [--preset FILE[+FILE]]... [--device cpu --smoke]
+#       OUT          default runs/gpu_check_plan: plan_check.json (rewritten after every stage) and plan_check.log
+#   One process is rank 0 of a world-8 run through torch's fake process group: the presets' models are
+#   built on the meta device, sharded by the project's own wrapping (FSDP2: 1/8 shards, gathered layers,
+#   reduce-scatter buffers as a GPU of the node holds them), and every stage of `train.py --plan` runs
+#   through the project's code (HF decode, metarm.fit / raw_outputs, train.update_policy, the broadcast
+#   load, the full-state gather); per stage and preset it prints the plan's torch share next to
+#   torch.cuda.max_memory_allocated and their ratio (scripts/plan_check.py). Presets: configs/rm_nlhf.yaml,
+#   the paper preset, config.yaml, Table 10's Llama-8B, the RLME crowd, in that order; the run stops inside
+#   --budget-s (a stage with under 25 s left is skipped, one that overruns is interrupted). Needs no data,
+#   no tokenizer, no vLLM, no hub (the shapes are in plumbing/model_configs/). Device tool: timeout_s 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+plan() {
+    local OUT=runs/gpu_check_plan BUDGET=540 ARGS=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --budget-s) BUDGET=$2; shift 2 ;;
+            --device|--preset|--world|--stage-min-s) ARGS+=("$1" "$2"); shift 2 ;;
+            --smoke) ARGS+=("$1"); shift ;;
+            -*) echo "gpu_check --plan: unknown option $1"; return 2 ;;
+            *) OUT=$1; shift ;;
+        esac
+    done
+    local PY
+    PY=${PYTHON:-$(command -v python3 || command -v python)}
+    mkdir -p "$OUT"
+    export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    # the script stops itself inside the budget; the outer limit is for a hang in a kernel or a collective
+    timeout -k 10 "$(( ${BUDGET%.*} + 45 ))" "$PY" scripts/gpu_check.py plan-check --out "$OUT/plan_check.json" \
+        --budget-s "$BUDGET" "${ARGS[@]}" 2>&1 | tee "$OUT/plan_check.log"
+    return "${PIPESTATUS[0]}"
+}
 
 bare() {
     local OUT=runs/gpu_check_bare TOK=runs/gpu_tokenizer WHEELS= DEVICE=cuda SMOKE=0 KEEP=0
@@ -192,6 +227,12 @@ bare() {
     [ "$rc" = 0 ] || return 1
     "$PY" -c "import json, sys; s = json.load(open('$OUT/gpu_check.json'))['summary']; sys.exit(0 if s['stages_ok'] and s['consistency_ok'] and s['all_finite'] else 1)"
 }
+
+if [ "${1:-}" = "--plan" ]; then
+    shift
+    plan "$@"
+    exit $?
+fi
 
 if [ "${1:-}" = "--bare" ]; then
     shift
