@@ -225,6 +225,7 @@ def run(presets, *, out, device, world, budget_s, smoke, stage_min_s):
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     if cuda:
+        dev = torch.device("cuda", dev.index if dev.index is not None else 0)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
