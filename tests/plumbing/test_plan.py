@@ -78,16 +78,39 @@ def test_plan_bytes_equal_the_real_tensors_in_one_process(tiny_model_path):
 
 
 def test_activation_logits_and_kv_formulas_by_hand():
-    """A tiny shape: h 64, 4 heads, 2 KV heads of 16, MLP 128, 2 layers, bf16 (2 bytes).
-    Per token and layer: 4 h + 2 (a + kv) d_h + 4 i = 256 + 192 + 512 = 960 elements."""
+    """A tiny shape: h 64, 4 heads, 2 KV heads of 16, MLP 128, 2 layers, bf16 (2 bytes), the
+    residual stream in bf16 (FSDP2). Per token and layer (plumbing/plan.py layer_saved_bytes):
+    two RMSNorms 2 (4 h + 4 + 2 h) = 776, their outputs 2 x 2 h = 256, q and the attention output
+    2 x 2 x 4 x 16 = 256, log-sum-exp 4 x 4 = 16, MLP 4 x 2 x 128 = 1024: 2328; per row k / v
+    2 x 2 x 16 x 2 = 128 a position (2 KV heads; 4 heads under a mask: 256, + 2 bytes of mask a
+    query-key pair). Root per token: norm 388 + its output 128 + cos / sin 2 x 2 x 16 + ids 8 = 588."""
     arch = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
-    assert PL.layer_activation_elements(**{k: v for k, v in arch.items() if k != "layers"}) == 960
+    one = lambda **kw: PL.layer_saved_bytes(**{k: v for k, v in arch.items() if k != "layers"}, qk_norm=False,
+                                            dtype_bytes=2, residual_bytes=2, **kw)
+    assert one(rows=1, q_len=10, kv_len=10, masked=False) == 10 * 2328 + 10 * 128 == 24560
+    assert one(rows=2, q_len=5, kv_len=8, masked=True) == 10 * 2328 + 2 * (8 * 256 + 5 * 8 * 2) == 27536
+    qk = PL.layer_saved_bytes(**{k: v for k, v in arch.items() if k != "layers"}, qk_norm=True, dtype_bytes=2,
+                              residual_bytes=2, rows=1, q_len=10, kv_len=10, masked=False)
+    assert qk - 24560 == 10 * ((4 + 2) * 6 * 16 + 4 * 6)  # Qwen3's q_norm and k_norm over 4 + 2 heads
+    # autocast over float32 weights (DDP): float32 norms 2 (4 h + 4 + 4 h) and 5 bf16 casts of their outputs
+    assert PL.layer_saved_bytes(**{k: v for k, v in arch.items() if k != "layers"}, qk_norm=False, dtype_bytes=2,
+                                residual_bytes=4, rows=1, q_len=10, kv_len=10, masked=False) \
+        == 10 * (2 * (8 * 64 + 4) + 5 * 2 * 64 + 256 + 16 + 1024 + 128)
     act = lambda ck, **kw: PL.activation_bytes(dtype_bytes=2, checkpointing=ck, **arch, **kw)
-    assert act("none", tokens=10) == 10 * 2 * 960 * 2 == 38400
-    assert act("full", tokens=10) == 10 * (2 * 64 + 960) * 2 == 21760  # layer inputs + one replayed layer
-    # kept: input 64 + q,k,v (4 + 2 * 2) * 16 = 128 + o 64 + gate, up 256 + down 64 = 576 a layer
-    assert act("selective", tokens=10) == 10 * (2 * 576 + 960) * 2 == 42240
-    assert act("full", tokens=0, prompt_tokens=5, prompt_rows=1) == 5 * 2 * 960 * 2 == 19200  # never checkpointed
+    assert act("none", tokens=10) == 2 * 24560 + 10 * 588 == 55000
+    assert act("full", tokens=10) == 10 * 2 * 2 * 64 + 24560 + 5880 == 33000  # layer inputs + one replayed layer + root
+    # kept: input 128 + q, k, v (4 + 2 x 2) x 16 x 2 = 256 + o 128 + gate, up 512 + down 128 = 1152 a layer and token
+    assert act("selective", tokens=10) == 2 * 10 * 1152 + 24560 + 5880 == 53480
+    assert act("none", tokens=10, rows=2, kv_len=8, masked=True, root=False) == 2 * 27536
+    nog = PL.no_grad_pass_bytes(rows=2, q_len=5, kv_len=8, masked=True, dtype_bytes=2,
+                                **{k: v for k, v in arch.items() if k != "layers"})
+    # attention 10 (2 h + 2 (a + kv) d_h) 2 + k / v on 4 heads 2 x 8 x 2 x 4 x 16 x 2 + mask 2 x 5 x 8 x 2 = 10,656
+    # > MLP 10 (2 h + 3 i) 2 = 10,240; + the boolean mask 80
+    assert nog == 10656 + 80
+    assert PL.head_backward_bytes(vocab=10, hidden=64, dtype_bytes=2, chunked=True, positions=6) == (4 + 2 + 4) * 640
+    assert PL.head_backward_bytes(vocab=10, hidden=64, dtype_bytes=4, chunked=True, positions=6) == 4 * 640
+    assert PL.head_backward_bytes(vocab=10, hidden=64, dtype_bytes=2, chunked=False, positions=6) == 2 * (6 * 10 + 640)
+    assert PL.reserve_bytes(0, 1) == GiB // 2 and PL.reserve_bytes(10 * GiB, 8) == 2 * GiB + GiB
     lg = lambda **kw: PL.logits_bytes(rows=2, tokens=3, vocab=10, dtype_bytes=2, **kw)
     assert lg(plain=False) == 6 * 10 * (2 + 4) == 360
     assert lg(plain=True) == 6 * 10 * (2 + 4 + 8) == 840  # + float32 log-softmax and its gradient
@@ -136,7 +159,8 @@ def test_plan_runs_offline_for_every_shipped_gpu_preset(configs, world, tiny_mod
     args = [a for c in configs for a in ("--config", c)] + ["--plan", "--world-size", str(world), "--gpu-memory", "80"]
     T.main(args + extra)
     out = capsys.readouterr().out
-    assert "memory plan per GPU" in out and "peaks: rollout" in out and "policy weights" in out
+    assert "memory plan per GPU" in out and "peaks: setup" in out and "policy weights" in out
+    assert out.rstrip().endswith(": fits"), out[-600:]  # issue 34: every shipped GPU preset fits by the corrected plan
 
 
 def test_plan_with_a_model_that_cannot_be_read_is_one_line(monkeypatch):
@@ -193,28 +217,45 @@ def test_cpu_offload_and_lora_change_what_trains_on_the_gpu():
 
 
 def test_paper_presets_fit_8_x_80_gib_and_the_new_items_by_hand():
-    """Issue 26. DeepSeek-R1-Distill-Qwen-7B (28 layers, h 3584, 28 heads, 4 KV heads of 128, MLP
-    18,944; 7,615,616,512 parameters, bf16) at world 8, micro-batch 2, G 8, 6144-token prompts:
-      - prompt pass under full checkpointing (fast.prefill): 6143 tokens x (28 x 3584 layer inputs
-        + one layer's 4 h + 2 (a + kv) d_h + 4 i = 98,304) x 2 bytes = 2,440,687,616 bytes, + its
-        KV cache 2 rows x 6144 x 57,344 = 704,643,072 (was 6143 x 28 x 98,304 x 2 = 33.8 GB);
+    """Issues 26 and 34. DeepSeek-R1-Distill-Qwen-7B (28 layers, h 3584, 28 heads, 4 KV heads of
+    128, MLP 18,944; 7,615,616,512 parameters, bf16) at world 8, micro-batch 2, G 8, 6144-token prompts:
+      - one layer saves 225,400 bytes a token unmasked (layer_saved_bytes: norms 57,352 with their
+        outputs, q + output 14,336, log-sum-exp 112, MLP 151,552, k/v 2,048), the root 29,196;
+      - prompt pass under full checkpointing (fast.prefill): 6143 tokens x (28 layer inputs x 3584
+        x 2 + one replayed layer 225,400 + root 29,196), + the KV cache of the 2 rows and of the
+        write-once prompt cache the replay reads: 3 x 6143 x 57,344;
+      - the completions (full checkpointing): 2 x 8192 tokens x (28 x 7168 + 29,196) + one layer
+        replayed under the padding mask against 14,335 positions: k/v on all 28 heads
+        (14,336 bytes a position and row) + the 2-byte mask;
+      - the chunked head's backward: (4 + 2 + 4) x 152,064 x 3584 bytes (5.08 GiB);
       - train.fsdp_reduce_every_micro_batch: no unsharded float32 gradient (was 4 x params);
       - the GRPO reference: its 1/8 FSDP2 shard in bf16 = 2 x the policy's shard elements;
-      - vLLM at 0.5 x 80 GiB = 40 GiB, no HF KV cache, no unsharded weights.
-    The paper preset and both Table 10 blocks fit 80 GiB at world 8."""
+      - vLLM at 0.5 x 80 GiB = 40 GiB, no HF KV cache, no unsharded weights; the cold start and
+        the validation sample through it.
+    The paper preset and both Table 10 blocks fit 80 GiB at world 8 in every stage."""
     paper = os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")
     p = PL.memory_plan(load_config([paper], []), world=8, gpu_bytes=80 * GiB)
     it = p["items"]
-    assert it["prompt pass"] == 6143 * (28 * 3584 + 98304) * 2 + 2 * 6144 * 57344 == 2_440_687_616 + 704_643_072
+    assert it["prompt pass"] == 6143 * (28 * 7168 + 225_400 + 29_196) + 3 * 6143 * 57_344
+    one = 2 * (8192 * (225_400 - 2048) + 14_335 * (14_336 + 2 * 8192))
+    assert it["activations"] == 2 * 8192 * (28 * 7168 + 29_196) + one
+    # > 2 layers' reduce-scatter buffers, (2 + 4) bytes x 233,057,792 parameters each (shape_facts layer_params)
+    assert it["backward transient"] == 10 * 152_064 * 3584 > 2 * 6 * 233_057_792
+    assert list(p["stages"]) == ["setup", "cold start", "cold-start fit", "rollout", "reward", "MetaRM update",
+                                 "MetaRM predict", "update", "validation", "checkpoint"]
+    assert "vLLM engine" in p["stages"]["cold start"]["items"] and "vLLM engine" in p["stages"]["validation"]["items"]
+    assert "AdamW state" not in p["stages"]["cold start"]["items"]  # a cold start is a fresh run's: no AdamW state yet
     assert it["gradient accumulation"] == 0
     assert it["GRPO reference"] == 2 * it["policy weights"] // 4
     assert it["vLLM engine"] == 40 * GiB and "rollout KV cache" not in it and "unsharded weights" not in it
     old = PL.memory_plan(load_config([paper], ["train.fsdp_reduce_every_micro_batch=false"]), world=8, gpu_bytes=80 * GiB)
     assert old["items"]["gradient accumulation"] == 4 * 7_615_616_512
     none = PL.memory_plan(load_config([paper], ["model.gradient_checkpointing=none"]), world=8, gpu_bytes=80 * GiB)
-    assert none["items"]["prompt pass"] == 6143 * 28 * 98304 * 2 + 2 * 6144 * 57344  # not checkpointed: every activation
+    # not checkpointed: every layer's saved set, and only the 2 rows' repeated KV cache
+    assert none["items"]["prompt pass"] == 6143 * (28 * 225_400 + 29_196) + 2 * 6143 * 57_344
     for extra in ([], ["configs/paper/table10/qwen7b.yaml"], ["configs/paper/table10/llama8b.yaml"]):
         q = PL.memory_plan(load_config([paper] + [os.path.join(REPO, e) for e in extra], []), world=8, gpu_bytes=80 * GiB)
         assert q["fits"], (extra, q["peak_stage"], q["peak_bytes"] / GiB)
+        assert all(v["bytes"] <= 80 * GiB for v in q["stages"].values())
     llama = PL.memory_plan(load_config([paper, os.path.join(REPO, "configs/paper/table10/llama8b.yaml")], []), world=8, gpu_bytes=80 * GiB)
     assert llama["params"] == 8_030_261_248  # Llama-3.1-8B's shape (plumbing/model_configs/)
