@@ -87,9 +87,10 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     nl = dict(small_cfg()["nlhf"])
     items = [pair(0), dict(pair(1), response_b="very long " * 300)]
-    n0 = len(reward.grm_prompt_ids(tok, items[0], True, nl))
+    n0 = len(reward.grm_prompt_ids(tok, items[0], True, max_lines=nl["max_critique_lines"], style=nl["grm_prompt"]))
     overhead = len(rollout.build_prompt_ids(tok, "", True))
-    ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
+    ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, max_lines=nl["max_critique_lines"],
+                                                      style=nl["grm_prompt"], text_only=text_only)
     kept, dropped = keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
     assert [it["id"] for it in kept] == ["p0"] and dropped == 1
     assert keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
