@@ -31,6 +31,7 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
                  says only "classification head")
     binary_retrain, classifier: refused with nlhf.gate_on_outcome false or metarm.train_on_do (no
                  class / bit for the targets λ and 1 + λ/2; binary too without the gate: plumbing/config.py)
+metarm.train_on_do adds D_O verdicts with outcome-only labels (reward.do_training_samples).
 
 The functions take the MetaRM model, its tokenizer and numbers (metarm_loss, predict, fit, update);
 online_update and nlhf_reward_step keep its state, a plain dict (plumbing/run.py's load_metarm):
@@ -94,7 +95,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
     if mrm is not None:
         train_items, train_samples = [items[i] for i in dh_idx], dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
-            extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=lam)
+            extra = reward.do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=lam)
             train_items, train_samples = train_items + [items[i] for i in do_idx], train_samples + extra
         metrics.update(online_update(mrm, train_items, train_samples, seed=seed, gated=gate_on_outcome))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
@@ -123,21 +124,6 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
     return {"reward": torch.tensor([s["reward"] if s["reward"] is not None else 0.0 for s in samples]),
             "valid": torch.tensor([s["reward"] is not None for s in samples]),
             "records": records, "metrics": metrics}
-
-
-def do_training_samples(parsed, items, lam):
-    """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
-    Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
-    outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
-    The paper pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read it as right
-    -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method. Returns {"valid",
-    "reward", "critique", "outcome_label"} per verdict (invalid: reward None, not trained on)."""
-    out = []
-    for p, it in zip(parsed, items):
-        right = p["valid"] and p["choice"] == it["winner"]
-        out.append({"valid": p["valid"], "critique": p["critique"],
-                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
-    return out
 
 
 def settings(mrm):

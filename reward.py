@@ -405,6 +405,7 @@ def logp_metric_name(evaluator, question):
 #   parsed   = parse_grm_output(completion)             {critique, choice, valid, why}
 #   D_H:  samples = score_dh(parsed, items, judge, ...)        judge(pairs) F1 -> R (Eq. 4, 5)
 #   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction R_hat -> R' (Eq. 8)
+#   D_O labels for the MetaRM (metarm.train_on_do): do_training_samples(parsed, items, lam)
 #   nlhf_metrics(samples)                               format errors, accuracy, judge fail rate
 #
 # A sample whose judge call failed gets reward None. It must be EXCLUDED from its group's mean/std
@@ -695,6 +696,22 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True,
                     "critique": p["critique"], "r_hat": rh,
                     "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode,
                                         gate_on_outcome=gate_on_outcome, form=form)})
+    return out
+
+
+def do_training_samples(parsed, items, lam):
+    """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
+    Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
+    outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
+    The paper pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read it as right
+    -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method. Returns {"valid",
+    "reward", "critique", "outcome_label"} per verdict (invalid: reward None, not trained on;
+    metarm.examples_from_samples turns them into MetaRM examples)."""
+    out = []
+    for p, it in zip(parsed, items):
+        right = p["valid"] and p["choice"] == it["winner"]
+        out.append({"valid": p["valid"], "critique": p["critique"],
+                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
     return out
 
 

@@ -329,7 +329,7 @@ def test_agreement_with_train_on_do_and_without_the_gate(tiny_model_path, monkey
     monkeypatch.setattr(metarm, "forward", lambda m, tok, texts, **kw: torch.tensor(outs[:len(texts)], requires_grad=True))
     dh = [{"valid": True, "reward": 0.0, "critique": "a"}, {"valid": True, "reward": 1.5, "critique": "b"}]
     parsed = [{"valid": True, "choice": "A", "critique": "c"}, {"valid": True, "choice": "B", "critique": "d"}]
-    do = metarm.do_training_samples(parsed, [item(2, "A"), item(3, "A")], lam=0.5)
+    do = reward.do_training_samples(parsed, [item(2, "A"), item(3, "A")], lam=0.5)
     assert [s["reward"] for s in do] == [1.25, 0.0]
     items = [item(0), item(1), item(2), item(3)]
     m = metarm.online_update(mrm, items, dh + do, seed=0)

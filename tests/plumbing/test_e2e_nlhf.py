@@ -149,7 +149,7 @@ def test_do_training_labels_for_the_w_do_ablation():
     items = [pair(0, "A", None), pair(1, "B", None), pair(2, "A", None)]
     parsed = [reward.parse_grm_output(verdict("A is right.", "A")), reward.parse_grm_output(verdict("A.", "A")),
               reward.parse_grm_output("no tags")]
-    out = metarm.do_training_samples(parsed, items, lam=0.5)
+    out = reward.do_training_samples(parsed, items, lam=0.5)
     assert [s["reward"] for s in out] == [1.25, 0.0, None]
     assert out[0]["critique"] == "A is right." and [s["valid"] for s in out] == [True, True, False]
 
