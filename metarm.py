@@ -31,11 +31,14 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
                  says only "classification head")
     binary_retrain, classifier: refused with nlhf.gate_on_outcome false or metarm.train_on_do (no
                  class / bit for the targets λ and 1 + λ/2; binary too without the gate: plumbing/config.py)
+metarm.train_on_do adds D_O verdicts with outcome-only labels (reward.do_training_samples).
 
-The MetaRM state is a plain dict (plumbing/run.py's load_metarm): {"model", "tokenizer",
-"optimizer" (online AdamW, created on first update), "mode", "lam", "batch_size", "max_length",
-"online_lr", "online_epochs", "weight_decay", "updates", "truncated", "dtype", "shard" ((rank, world),
-world > 1: FSDP2 shards it)}. Its parameters and AdamW state are float32 (trained); `dtype`: autocast's.
+The functions take the MetaRM model, its tokenizer and numbers (metarm_loss, predict, fit, update);
+online_update and nlhf_reward_step keep its state, a plain dict (plumbing/run.py's load_metarm):
+{"model", "tokenizer", "optimizer" (online AdamW, made by the first update that trains), "mode",
+"lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "dtype" (autocast's;
+parameters and AdamW state are float32), "updates", "truncated" (counts), "shard" ((rank, world):
+FSDP2 shards it), "seams" (plumbing/scale.py metarm_seams: where torchrun's ranks meet)}.
 
 Run alone: python -m plumbing.cli metarm --config configs/cpu_rm_nlhf.yaml cold-start (saves to metarm.path, or
 <run.out_dir>/metarm, where train.py picks it up instead of cold-starting itself)."""
@@ -56,7 +59,8 @@ import rollout
 # ==============================================================================================
 
 
-def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do, seed, world, t0):
+def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusive, similarity, gate_on_outcome,
+                     on_failure, max_lines, max_chars, style, form, mode, train_on_do, seed, t0):
     """Rewards of one step's GRM completions, Algorithm 1's steps 2-4 in its order (RM-NLHF App. D.1):
       Step 2  D_H: parse, judge (only valid + right verdicts), R = -1 | 0 | 1 + λ·R_process   (Eq. 4-5)
       Step 3  MetaRM update on those D_H samples (all ranks' samples: online_update)         (Eq. 7)
@@ -64,21 +68,24 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
               and R' = -1 | 0 | 1 + max(0, R̂ - 1), R̂ clipped to [0, 1 + λ]               (Eq. 8; reward.do_reward)
 
     items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated);
-    completions: list[str] (N); judge: a make_judge dict; mrm: the MetaRM dict or None (mode none);
-    nlhf: the `nlhf:` config section; mode, train_on_do: metarm.mode and metarm.train_on_do; seed:
-    this step's MetaRM shuffle seed (train.py: run.seed * 7919 + step); world: number of ranks; t0:
-    time.perf_counter() at the step's start (the "order/*" metrics are seconds since it).
+    completions: list[str] (N); judge: judge(pairs) -> list[dict]; mrm: the MetaRM dict or None (mode
+    none); the numbers are reward.parse_grm_output's (max_lines, max_chars, style), reward.score_dh's
+    (lam, threshold, inclusive, similarity, gate_on_outcome, on_failure), reward.do_reward's (form,
+    mode), train_on_do (metarm.train_on_do; train.py binds them all from the config); seed: this
+    step's MetaRM shuffle seed (train.py: run.seed * 7919 + step); t0: time.perf_counter() at the
+    step's start (the "order/*" metrics are seconds since it).
     Returns dict, the shape of train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the judge
     failed), "valid" BoolTensor [N] (False = judge failure: out of group statistics and the loss),
     "records" list (N) of samples.jsonl fields (pair, verdict, critique, judge F1 or why not, R̂,
     reward), "metrics" dict (MetaRM loss/agreement, order of operations)."""
-    parsed = [reward.parse_grm_completion(c, nlhf) for c in completions]
+    parsed = [reward.parse_grm_output(c, max_lines, max_chars, style=style) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
     samples = [None] * len(items)
     metrics = {}
     # Step 2: D_H rewards from the judge
-    dh = judge_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, nlhf)
+    dh = reward.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, lam=lam, threshold=threshold,
+                         gate_on_outcome=gate_on_outcome, inclusive=inclusive, similarity=similarity, on_failure=on_failure)
     for i, s in zip(dh_idx, dh):
         s["f1_why"] = s["judge_why"] if s["judged"] else ("invalid format" if not s["valid"] else "wrong verdict: judge not called")
         samples[i] = dict(s, r_hat=None)
@@ -88,20 +95,23 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
     if mrm is not None:
         train_items, train_samples = [items[i] for i in dh_idx], dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
-            extra = do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=nlhf["lam"])
+            extra = reward.do_training_samples([parsed[i] for i in do_idx], [items[i] for i in do_idx], lam=lam)
             train_items, train_samples = train_items + [items[i] for i in do_idx], train_samples + extra
-        metrics.update(online_update(mrm, train_items, train_samples, world=world, seed=seed, gated=nlhf["gate_on_outcome"]))
+        metrics.update(online_update(mrm, train_items, train_samples, seed=seed, gated=gate_on_outcome))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts: reward -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
     critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
-    r_hat = predict(mrm, [items[i] for i in do_idx], critiques) if mrm is not None else [None] * len(do_idx)
+    r_hat = [None] * len(do_idx)
     if mrm is not None:  # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
+        r_hat, cut = predict(mrm["model"], mrm["tokenizer"], [items[i] for i in do_idx], critiques, **settings(mrm),
+                             outputs=mrm["seams"]["outputs"])
+        mrm["truncated"] += cut
         metrics["metarm/truncated"] = mrm["truncated"] - truncated_before
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
-    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=nlhf["lam"], mode=mode,
-                         gate_on_outcome=nlhf["gate_on_outcome"], form=nlhf["do_reward"])
+    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=lam, mode=mode,
+                         gate_on_outcome=gate_on_outcome, form=form)
     for i, s in zip(do_idx, do):
         samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None, judged=False, judge_failed=False,
                           judge_attempts=0, judge_why=None, r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
@@ -116,43 +126,32 @@ def nlhf_reward_step(items, completions, *, judge, mrm, nlhf, mode, train_on_do,
             "records": records, "metrics": metrics}
 
 
-def judge_dh(parsed, items, judge, nl):
-    """reward.score_dh (RM-NLHF Eq. 4-5) with the `nlhf` config section's numbers."""
-    return reward.score_dh(parsed, items, judge, lam=nl["lam"], threshold=nl["threshold"],
-                           gate_on_outcome=nl["gate_on_outcome"], inclusive=nl["threshold_rule"] == "inclusive",
-                           similarity=nl["similarity"])
+def settings(mrm):
+    """The MetaRM dict's numbers as keyword arguments of predict, update and fit."""
+    return {k: mrm[k] for k in ("mode", "lam", "batch_size", "max_length", "dtype")}
 
 
-def do_training_samples(parsed, items, lam):
-    """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
-    Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
-    outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
-    The paper pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read it as right
-    -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method. Returns {"valid",
-    "reward", "critique", "outcome_label"} per verdict (invalid: reward None, not trained on)."""
-    out = []
-    for p, it in zip(parsed, items):
-        right = p["valid"] and p["choice"] == it["winner"]
-        out.append({"valid": p["valid"], "critique": p["critique"],
-                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
-    return out
-
-
-def online_update(mrm, items, samples, *, world, seed, gated=True):
-    """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`).
-
-    Under torchrun the (item, sample) pairs are all-gathered and every rank runs `update` on them:
-    a replica (ddp) trains on all, then rank 0's parameters are broadcast (bit-equal weights even
-    where a GPU kernel is not deterministic); FSDP2 shards (mrm["shard"]) train each rank's share
-    of every batch (fit). Rank 0's metrics are broadcast. Returns them plus metarm/updates."""
-    if world > 1:  # every rank's pairs, in rank order
-        dist.all_gather_object(parts := [None] * world, list(zip(items, samples)))
-        items, samples = [p[0] for part in parts for p in part], [p[1] for part in parts for p in part]
-    out = update(mrm, items, samples, seed=seed, gated=gated)
-    if world > 1:  # rank 0's metrics; its weights, unless FSDP2 shards them (broadcast_parameters)
-        dist.broadcast_object_list(box := [out, mrm["updates"]], src=0)
-        out, mrm["updates"] = box
-        broadcast_parameters(mrm["model"])
+def online_update(mrm, items, samples, *, seed, gated=True):
+    """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`) with its persistent AdamW
+    (made by the first update that trains); counts the update and the inputs cut (mrm["updates"], ["truncated"]).
+    Under torchrun mrm["seams"] (plumbing/scale.py metarm_seams) gathers every rank's (item, sample) pairs
+    first; a replica (ddp) trains on all, then takes rank 0's parameters (bit-equal weights even where a GPU
+    kernel is not deterministic); FSDP2 shards train each rank's share of every batch (fit); rank 0's metrics
+    go to every rank. Returns update's metrics plus metarm/updates."""
+    seams = mrm["seams"]
+    if seams["gather"]:  # every rank's pairs, in rank order
+        items, samples = seams["gather"](items, samples)
+    ex = examples_from_samples(mrm["tokenizer"], items, samples, max_length=mrm["max_length"])
+    mrm["truncated"] += sum(e["truncated"] for e in ex)
+    if ex and mrm["optimizer"] is None and mrm["mode"] != "offline":
+        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"], weight_decay=mrm["weight_decay"])
+    out = update(mrm["model"], mrm["tokenizer"], mrm["optimizer"], ex, **settings(mrm), epochs=mrm["online_epochs"],
+                 seed=seed, gated=gated, outputs=seams["all_outputs"], share=seams["share"], mean=seams["mean"])
+    if out["metarm/loss"] is not None:  # it trained
+        mrm["updates"] += 1
+    if seams["sync"]:  # rank 0's metrics; its weights, unless FSDP2 shards them (broadcast: nothing then)
+        out, mrm["updates"] = seams["sync"](out, mrm["updates"])
+        seams["broadcast"](mrm["model"])
     return dict(out, **{"metarm/updates": mrm["updates"]})
 
 
@@ -167,20 +166,20 @@ def metarm_text(context, response_a, response_b, critique):
     return f"{pair}\n\n[Critique]\n{(critique or '').strip()}"
 
 
-def metarm_input(mrm, context, response_a, response_b, critique):
-    """metarm_text within the MetaRM's token budget (metarm.max_length), keeping every part Eq. 6
-    conditions on: when the whole is too long, the MIDDLE of the conversation is cut first, then
-    the middles of both responses (equal shares), and the critique's middle only as a last resort;
-    a cut part keeps its head and tail around " [...] ". (Truncating the joined text from one side
-    would drop the conversation and Response A of every long item.)
-    Returns (text, truncated bool); mrm["truncated"] counts the truncated inputs."""
-    tok = mrm["tokenizer"]
+def metarm_input(tokenizer, context, response_a, response_b, critique, *, max_length):
+    """metarm_text within the MetaRM's token budget `max_length` (metarm.max_length), keeping every
+    part Eq. 6 conditions on: when the whole is too long, the MIDDLE of the conversation is cut first,
+    then the middles of both responses (equal shares), and the critique's middle only as a last
+    resort; a cut part keeps its head and tail around " [...] ". (Truncating the joined text from one
+    side would drop the conversation and Response A of every long item.)
+    Returns (text, truncated bool)."""
+    tok = tokenizer
     parts = [context.strip(), response_a.strip(), response_b.strip(), (critique or "").strip()]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
     # the budget for the four parts: max_length less the labels, BOS/EOS, and a margin for the
     # few tokens that merge differently where parts are joined
     frame = len(tok(metarm_text("", "", "", ""))["input_ids"])
-    over = sum(map(len, ids)) - (mrm["max_length"] - frame - 8)
+    over = sum(map(len, ids)) - (max_length - frame - 8)
     if over <= 0:
         return metarm_text(*parts), False
     over += 4 * (len(tok(" [...] ", add_special_tokens=False)["input_ids"]) + 2)  # the cut markers, seams
@@ -198,7 +197,6 @@ def metarm_input(mrm, context, response_a, response_b, critique):
         if keep[k] < len(ids[k]):
             head, tail = keep[k] // 2, keep[k] - keep[k] // 2
             parts[k] = (tok.decode(ids[k][:head]) + " [...] " + (tok.decode(ids[k][-tail:]) if tail else "")).strip()
-    mrm["truncated"] += 1
     return metarm_text(*parts), True
 
 
@@ -218,35 +216,40 @@ def train_target(r, mode, lam):
     return float(r)
 
 
-def examples_from_samples(mrm, items, samples):
-    """MetaRM training examples {"text", "r", "dh" (False: a do_training_samples outcome label)} from
-    scored samples (reward.score_dh output, with their pairwise items): every valid verdict whose
-    reward is known. Invalid formats (R = -1; D_O never asks the MetaRM about them) and judge
-    failures (reward None) are left out."""
+def examples_from_samples(tokenizer, items, samples, *, max_length):
+    """MetaRM training examples {"text", "r", "dh" (False: a do_training_samples outcome label),
+    "truncated" (metarm_input cut it to max_length)} from scored samples (reward.score_dh output,
+    with their pairwise items): every valid verdict whose reward is known. Invalid formats (R = -1;
+    D_O never asks the MetaRM about them) and judge failures (reward None) are left out."""
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
-            text, _ = metarm_input(mrm, it["context"], it["response_a"], it["response_b"], critique=s["critique"])
-            out.append({"text": text, "r": float(s["reward"]), "dh": not s.get("outcome_label", False)})
+            text, cut = metarm_input(tokenizer, it["context"], it["response_a"], it["response_b"], s["critique"],
+                                     max_length=max_length)
+            out.append({"text": text, "r": float(s["reward"]), "dh": not s.get("outcome_label", False), "truncated": cut})
     return out
 
 
-def metarm_loss(mrm, texts, rewards):
-    """Loss (scalar, with grad) on one batch of texts and their D_H rewards R: MSE(ŷ, R) (RM-NLHF
-    Eq. 7; 'binary_retrain': MSE to 1[R > 1]); 'classifier': cross-entropy over (0, 1, 1 + λ)."""
-    out, targets = _forward(mrm, texts), [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
-    if mrm["mode"] == "classifier":
+def metarm_loss(model, tokenizer, texts, rewards, *, mode, lam, max_length, dtype="float32"):
+    """Loss (scalar, with grad) on one batch of texts (list[str], B) and their D_H rewards R (list[float], B):
+    MSE(ŷ, R) (RM-NLHF Eq. 7; mode 'binary_retrain': MSE to 1[R > 1]); 'classifier': cross-entropy over
+    the classes (0, 1, 1 + λ). max_length, dtype: forward's."""
+    out = forward(model, tokenizer, texts, mode=mode, max_length=max_length, dtype=dtype)
+    targets = [train_target(r, mode, lam) for r in rewards]
+    if mode == "classifier":
         return F.cross_entropy(out, torch.tensor(targets, device=out.device))
     return F.mse_loss(out, torch.tensor(targets, dtype=torch.float32, device=out.device))
 
 
-def _forward(mrm, texts):
-    """Raw outputs [B] (regression) or [B, 3] (classifier) for a list of texts."""
-    tok, model, device = mrm["tokenizer"], mrm["model"], next(mrm["model"].parameters()).device
-    enc = tok(texts, padding=True, truncation=True, max_length=mrm["max_length"], return_tensors="pt").to(device)
-    with rollout.autocast(mrm["dtype"], device.type):  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
+def forward(model, tokenizer, texts, *, mode, max_length, dtype="float32"):
+    """The MetaRM's raw outputs, float32 [B] (regression) or [B, 3] (mode 'classifier'), for B texts: tokenized
+    (right-padded, cut to max_length tokens from the left: load_metarm sets the tokenizer so), the forward in
+    autocast `dtype` (metarm.dtype) over float32 weights; the model: a sequence classifier (its last token's logits)."""
+    device = next(model.parameters()).device
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    with rollout.autocast(dtype, device.type):  # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
         logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.float()
-    return logits if mrm["mode"] == "classifier" else logits[:, 0]
+    return logits if mode == "classifier" else logits[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,23 +257,21 @@ def _forward(mrm, texts):
 
 
 @torch.no_grad()
-def raw_outputs(mrm, texts):
-    """The MetaRM's raw outputs for texts, in batches: floats (regression) or [3] logit lists (classifier).
-    Sharded, every rank runs the most batches of any rank (FSDP2 gathers per forward), dummies dropped."""
-    model, out, bs = mrm["model"], [], mrm["batch_size"]
-    n = torch.tensor(-(-len(texts) // bs), device=next(model.parameters()).device)
-    if mrm["shard"][1] > 1: dist.all_reduce(n, op=dist.ReduceOp.MAX)  # noqa: E701
-    was = model.training
+def raw_outputs(model, tokenizer, texts, *, mode, batch_size, max_length, dtype="float32"):
+    """The MetaRM's raw outputs for texts, in batches of batch_size, in eval mode: floats (regression) or
+    [3] logit lists (classifier). (Sharded, plumbing/scale.py forwards_alike runs every rank's forwards alike.)"""
+    was, out = model.training, []
     model.eval()
-    for i in range(0, int(n) * bs, bs):
-        out += _forward(mrm, texts[i:i + bs] or ["."]).tolist()[:len(texts[i:i + bs])]
+    for i in range(0, len(texts), batch_size):
+        out += forward(model, tokenizer, texts[i:i + batch_size], mode=mode, max_length=max_length, dtype=dtype).tolist()
     model.train(was)
     return out
 
 
-def predict_texts(mrm, texts):
-    """R̂ on the reward scale for a list of MetaRM input texts (see the mode table at the top)."""
-    lam, mode, out = mrm["lam"], mrm["mode"], raw_outputs(mrm, texts)
+def predict_texts(model, tokenizer, texts, *, mode, lam, batch_size, max_length, dtype="float32", outputs=raw_outputs):
+    """R̂ on the reward scale for a list of MetaRM input texts (see the mode table at the top).
+    outputs: raw_outputs (mrm["seams"]["outputs"] under FSDP2)."""
+    out = outputs(model, tokenizer, texts, mode=mode, batch_size=batch_size, max_length=max_length, dtype=dtype)
     if mode == "classifier":  # the expected value Σ p_c · value_c
         return [sum(p * v for p, v in zip(torch.tensor(o).softmax(-1).tolist(), class_values(lam))) for o in out]
     if mode == "binary":  # the regression output, discretised to a process bit
@@ -280,15 +281,17 @@ def predict_texts(mrm, texts):
     return out
 
 
-def predict(mrm, items, critiques):
+def predict(model, tokenizer, items, critiques, *, mode, lam, batch_size, max_length, dtype="float32", outputs=raw_outputs):
     """R̂ for D_O samples (Algorithm 1, step 4; RM-NLHF Eq. 6). items: pairwise dicts; critiques: the GRM critiques
-    (None for an invalid sample gives None: its reward is -1 whatever R̂ says). Returns list[float | None]."""
+    (None for an invalid sample gives None: its reward is -1 whatever R̂ says); the rest: predict_texts'.
+    Returns (list[float | None] R̂, number of inputs metarm_input cut to max_length)."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
-    texts = [metarm_input(mrm, items[i]["context"], response_a=items[i]["response_a"],
-                          response_b=items[i]["response_b"], critique=critiques[i])[0] for i in idx]
-    preds = predict_texts(mrm, texts)  # with no text too: a sharded MetaRM's forwards are collectives
+    inputs = [metarm_input(tokenizer, items[i]["context"], items[i]["response_a"], items[i]["response_b"], critiques[i],
+                           max_length=max_length) for i in idx]
+    preds = predict_texts(model, tokenizer, [text for text, _ in inputs], mode=mode, lam=lam, batch_size=batch_size,
+                          max_length=max_length, dtype=dtype, outputs=outputs)  # with no text too: sharded, a collective
     out = dict(zip(idx, preds))
-    return [out.get(i) for i in range(len(critiques))]
+    return [out.get(i) for i in range(len(critiques))], sum(cut for _, cut in inputs)
 
 
 def agreement(outputs, rewards, lam, mode="online", gated=True):
@@ -310,60 +313,56 @@ def agreement(outputs, rewards, lam, mode="online", gated=True):
     return sum(abs(g - t) < 1e-9 for g, t in zip(guess, targets)) / len(targets)
 
 
-def update(mrm, items, samples, seed=0, gated=True):
-    """Online MetaRM update on this step's D_H samples (Algorithm 1, step 3): fit with the
-    persistent AdamW at `online_lr` (constant), `online_epochs` passes (1 by default; the paper's
-    "Aggressive" ablation takes 2 at lr 1e-5, App. H.1). Agreement with the judge is measured on
-    the samples BEFORE training on them (an honest held-out number). items, samples: the D_H
-    samples' pairwise dicts and reward.score_dh output. Returns metrics metarm/n, metarm/loss (mean
-    over all passes; None when nothing is trained), metarm/agreement; mode 'offline' trains nothing.
-    """
-    ex = examples_from_samples(mrm, items, samples)
-    metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
-    if not ex:
+def update(model, tokenizer, optimizer, examples, *, mode, lam, batch_size, max_length, dtype="float32", epochs=1,
+           seed=0, gated=True, outputs=raw_outputs, share=None, mean=None):
+    """One online MetaRM update (Algorithm 1, step 3) on examples_from_samples of this step's D_H samples: fit
+    with `optimizer` (None for mode 'offline', which trains nothing), `epochs` passes (metarm.online_epochs;
+    the paper's "Aggressive" ablation takes 2 at lr 1e-5, App. H.1). Agreement with the judge is measured
+    BEFORE training on them (an honest held-out number), outputs: raw_outputs (FSDP2: metarm_seams'
+    all_outputs); share, mean: fit's. Returns metrics metarm/n, metarm/loss (mean over all passes; None when
+    nothing is trained), metarm/agreement."""
+    metrics = {"metarm/n": len(examples), "metarm/loss": None, "metarm/agreement": None}
+    if not examples:
         return metrics
-    judged, (r, w) = [e for e in ex if e["dh"]], mrm["shard"]  # D_O outcome labels (train_on_do) are not the judge's
-    out = raw_outputs(mrm, [e["text"] for e in judged[r::w]])  # sharded: each rank its share, then all of them
-    if w > 1:
-        dist.all_gather_object(parts := [None] * w, out)
-        out = [parts[i % w][i // w] for i in range(len(judged))]
-    metrics["metarm/agreement"] = agreement(out, [e["r"] for e in judged], mrm["lam"], mode=mrm["mode"], gated=gated)
-    if mrm["mode"] == "offline":
+    judged = [e for e in examples if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
+    out = outputs(model, tokenizer, [e["text"] for e in judged], mode=mode, batch_size=batch_size,
+                  max_length=max_length, dtype=dtype)
+    metrics["metarm/agreement"] = agreement(out, [e["r"] for e in judged], lam, mode=mode, gated=gated)
+    if mode == "offline":
         return metrics
-    if mrm["optimizer"] is None:
-        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"], weight_decay=mrm["weight_decay"])
-    steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
-    mrm["updates"] += 1
-    metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / (len(ex) * mrm["online_epochs"])
+    steps = fit(model, tokenizer, examples, optimizer, mode=mode, lam=lam, batch_size=batch_size, max_length=max_length,
+                dtype=dtype, epochs=epochs, seed=seed, share=share, mean=mean)
+    metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / (len(examples) * epochs)
     return metrics
 
 
-def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None, log=None):
-    """The MetaRM's one training loop (RM-NLHF Eq. 7), for the online update and the cold start:
-    `epochs` passes over `examples` ({"text", "r"}: examples_from_samples), pass e in batches of
-    mrm["batch_size"] shuffled by seed + e; per batch metarm_loss, backward, the gradient norm
-    clipped to 1.0, an `optimizer` step, and with `lr_at` (the lr multiplier at optimizer step t,
-    0-based) a LambdaLR step. log: None or a callable taking one progress line per step. FSDP2 (mrm["shard"]
-    (r, w)): rank r runs batch[r::w] (empty: a dummy, weight 0), its mean loss x its share x w, so the w ranks'
-    gradient mean is the batch's (Eq. 7), as in one process. Returns [(batch mean loss, batch size)] a step."""
-    model, (r, w) = mrm["model"], mrm["shard"]
+def fit(model, tokenizer, examples, optimizer, *, mode, lam, batch_size, max_length, dtype="float32", epochs, seed,
+        lr_at=None, log=None, share=None, mean=None):
+    """The MetaRM's one training loop (RM-NLHF Eq. 7), for the online update and the cold start: `epochs` passes
+    over `examples` ({"text", "r"}: examples_from_samples), pass e in batches of batch_size shuffled by seed + e;
+    per batch metarm_loss, backward, the gradient norm clipped to 1.0, an `optimizer` step, and with `lr_at` (the
+    lr multiplier at optimizer step t, 0-based) a LambdaLR step. log: None or a callable taking a progress line.
+    share, mean: None in one process; under FSDP2 a rank trains its share of each batch, share(texts, rewards)
+    -> (texts, rewards, weight), and logs mean(loss) -> the batch's mean loss (plumbing/scale.py batch_share,
+    mean_over_ranks). Returns [(batch mean loss, batch size)] a step."""
     model.train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
-    total = epochs * math.ceil(len(examples) / mrm["batch_size"])
+    total = epochs * math.ceil(len(examples) / batch_size)
     steps = []
     for epoch in range(epochs):
-        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
-            mine = b[r::w]  # this rank's share (one process / ddp: all of b, weight 1.0)
-            loss = metarm_loss(mrm, [examples[i]["text"] for i in mine] or ["."], [examples[i]["r"] for i in mine] or [0.0])
-            loss = loss * (len(mine) * w / len(b))  # 1.0 in one process / ddp
+        for b in _batches(len(examples), batch_size, seed + epoch):
+            texts, rewards, weight = [examples[i]["text"] for i in b], [examples[i]["r"] for i in b], 1.0
+            if share:  # FSDP2: this rank's part of the batch, weighted so the ranks' gradient mean is the batch's
+                texts, rewards, weight = share(texts, rewards)
+            loss = metarm_loss(model, tokenizer, texts, rewards, mode=mode, lam=lam, max_length=max_length, dtype=dtype)
+            loss = loss * weight  # 1.0 in one process
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if sched is not None:
                 sched.step()
-            if w > 1: dist.all_reduce(loss := loss.detach().clone()); loss /= w  # noqa: E701,E702
-            steps.append((loss.item(), len(b)))
+            steps.append((mean(loss) if mean else loss.item(), len(b)))
             if log:
                 log(f"metarm: epoch {epoch + 1}/{epochs} step {len(steps)}/{total} loss {steps[-1][0]:.4f}")
     return steps
@@ -375,24 +374,18 @@ def _batches(n, batch_size, seed):
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def broadcast_parameters(model, src=0):
-    """Copy rank `src`'s parameters and buffers into every rank's model (in place); FSDP2 shards: nothing."""
-    for t in [] if rollout.is_fsdp(model) else list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(t.data, src)
-
-
 # ----------------------------------------------------------------------------------------------
 # Cold start (Algorithm 1, lines 2-10): N rollouts per D_H prompt from the base GRM, judge, train
 
 
 def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
                epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, micro_batch_size=None, log=print,
-               compute_dtype="float32", generate=rollout.generate, rank=0, world=1):
+               compute_dtype="float32", generate=rollout.generate, rank=0, world=1, on_failure="mask"):
     """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
 
     grm: (model, tokenizer) of the base GRM (train.py's policy at step 0); dh_items: pairwise dicts
-    with human critiques; judge: a judge dict (reward.judge_scores); chat: the GRM's prompt format
-    (plumbing/prompts.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
+    with human critiques; judge: judge(pairs) -> list[dict] (reward.score_dh, with on_failure:
+    judge.on_failure); chat: the GRM's prompt format (plumbing/prompts.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
     sampling; generate: rollout.generate or fast.generate; the rest: sampling and train_metarm.
     rank, world: each rank samples and judges its contiguous block of dh_items (seed + 1_000_003
     rank), the examples are all-gathered in item order and every rank runs the same train_metarm
@@ -403,16 +396,20 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
     t0 = time.time()
     grm, tok = grm
     mine = dh_items[rank * len(dh_items) // world:(rank + 1) * len(dh_items) // world]
-    prompts = [reward.grm_prompt_ids(tok, it, chat, nlhf) for it in mine]
+    prompts = [reward.grm_prompt_ids(tok, it, chat, max_lines=nlhf["max_critique_lines"], style=nlhf["grm_prompt"]) for it in mine]
     device = next(grm.parameters()).device
     with rollout.autocast(compute_dtype, device.type):  # a rank with no items (world > len(dh_items)) samples none
         out = generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                        seed=seed + 1_000_003 * rank, micro_batch_size=micro_batch_size) if prompts else {"completions": []}
     del grm
     items = [it for it in mine for _ in range(rollouts_per_prompt)]
-    parsed = [reward.parse_grm_completion(c, nlhf) for c in out["completions"]]
-    samples = judge_dh(parsed, items, judge, nlhf)
-    ex = examples_from_samples(mrm, items, samples)
+    parsed = [reward.parse_grm_output(c, nlhf["max_critique_lines"], nlhf["max_critique_chars"], style=nlhf["grm_prompt"])
+              for c in out["completions"]]
+    samples = reward.score_dh(parsed, items, judge, lam=nlhf["lam"], threshold=nlhf["threshold"],
+                              gate_on_outcome=nlhf["gate_on_outcome"], inclusive=nlhf["threshold_rule"] == "inclusive",
+                              similarity=nlhf["similarity"], on_failure=on_failure)
+    ex = examples_from_samples(mrm["tokenizer"], items, samples, max_length=mrm["max_length"])
+    mrm["truncated"] += sum(e["truncated"] for e in ex)
     n = {"rollouts": len(samples), "truncated": mrm["truncated"], "invalid": sum(not s["valid"] for s in samples),
          "judge_failures": sum(s["judge_failed"] for s in samples)}
     if world > 1:  # every rank's examples and counts, in rank order
@@ -422,7 +419,7 @@ def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, 
     log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
         f"{stats['judge_failures']} judge failures, {stats['examples']} training examples")
     losses = train_metarm(mrm, ex, epochs=epochs, lr=lr, warmup_frac=warmup_frac, weight_decay=weight_decay, seed=seed)
-    if world > 1: broadcast_parameters(mrm["model"])  # noqa: E701
+    if world > 1: mrm["seams"]["broadcast"](mrm["model"])  # noqa: E701
     stats.update(loss_first=(losses or [None])[0], loss_last=(losses or [None])[-1], seconds=time.time() - t0)
     return stats
 
@@ -442,7 +439,9 @@ def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_deca
         return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
     opt = torch.optim.AdamW(mrm["model"].parameters(), lr=lr, weight_decay=weight_decay)
-    return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at, log=log)]
+    steps = fit(mrm["model"], mrm["tokenizer"], examples, opt, **settings(mrm), epochs=epochs, seed=seed, lr_at=lr_at,
+                log=log, share=mrm["seams"]["share"], mean=mrm["seams"]["mean"])
+    return [loss for loss, _ in steps]
 
 
 if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (metarm_main)

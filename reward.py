@@ -16,7 +16,6 @@ Plain strings, lists and tensors throughout, so any logged reward can be recompu
 samples.jsonl. Run alone: python -m plumbing.cli reward --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
 import collections
-import concurrent.futures
 import math
 import re
 import string
@@ -404,13 +403,15 @@ def logp_metric_name(evaluator, question):
 #   items    = load_pairwise(...)                       plain dicts, A/B already shuffled (PLUMBING)
 #   prompt   = build_grm_prompt(context, a, b)          the user message; rollout.py adds the template
 #   parsed   = parse_grm_output(completion)             {critique, choice, valid, why}
-#   D_H:  samples = score_dh(parsed, items, judge, ...)        judge F1 -> R (Eq. 4, 5)
+#   D_H:  samples = score_dh(parsed, items, judge, ...)        judge(pairs) F1 -> R (Eq. 4, 5)
 #   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction R_hat -> R' (Eq. 8)
+#   D_O labels for the MetaRM (metarm.train_on_do): do_training_samples(parsed, items, lam)
 #   nlhf_metrics(samples)                               format errors, accuracy, judge fail rate
 #
 # A sample whose judge call failed gets reward None. It must be EXCLUDED from its group's mean/std
 # and from the loss (advantage 0, loss mask 0, not counted in the token-mean denominator); it is
-# counted in judge/fail_rate. We never substitute 0 (it would look like a real "no match" score).
+# counted in judge/fail_rate. We never substitute 0 (it would look like a real "no match" score),
+# unless judge.on_failure says "zero" (the authors' released code; score_dh's on_failure).
 
 
 # ---- GRM prompt and parsing (docs/method.md §5.2) ------------------------------------------
@@ -482,12 +483,12 @@ def nlhf_step_items(dh, do, step, *, prompts_per_step, dh_per_step, seed, rank, 
     return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
 
 
-def grm_prompt_ids(tokenizer, item, chat, nl, text_only=False):
-    """Token ids of the GRM prompt for one pairwise item (build_grm_prompt in the style
-    nl["grm_prompt"], in the chat template when `chat`; nl: the `nlhf` config section); its text
-    (the user message) with text_only=True."""
-    text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], nl["max_critique_lines"],
-                            style=nl["grm_prompt"], turns=item.get("meta", {}).get("turns"))
+def grm_prompt_ids(tokenizer, item, chat, *, max_lines, style, text_only=False):
+    """Token ids of the GRM prompt for one pairwise item: build_grm_prompt in `style` ("ours" |
+    "authors", nlhf.grm_prompt) with the critique limit `max_lines` (nlhf.max_critique_lines), in
+    the chat template when `chat`; its text (the user message) with text_only=True."""
+    text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], max_lines,
+                            style=style, turns=item.get("meta", {}).get("turns"))
     return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
 
 
@@ -561,11 +562,6 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     elif len(critique) > max_chars:
         why = "too_long"
     return {"critique": critique, "choice": choice, "valid": why == "", "why": why}
-
-
-def parse_grm_completion(text, nl):
-    """parse_grm_output with the `nlhf` config section's format limits and prompt style."""
-    return parse_grm_output(text, nl["max_critique_lines"], nl["max_critique_chars"], style=nl["grm_prompt"])
 
 
 # ---- rewards (RM-NLHF Eq. 4, 5, 8; docs/method.md §5.3-5.4) ----------------------------------
@@ -645,18 +641,20 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
 
 
 def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False,
-             similarity="f1"):
+             similarity="f1", on_failure="mask"):
     """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
 
     parsed: parse_grm_output dicts, one per completion; items: their pairwise dicts (an item
-    repeated G times for a group); judge: a judge dict (judge_scores), whose "on_failure" is "mask"
-    (ours: a failed call gives reward None, the sample is left out) or "zero" (the authors'
-    released code: S = 0, so R_process = 0); similarity: which judge number is S(h, c) in Eq. 4,
-    "f1" (the paper's), "precision" or "recall" (RM-NLHF §2.3 compares them).
+    repeated G times for a group); judge: a callable judge(pairs) -> list[dict], pairs a list of
+    (human critique, GRM critique, item) tuples, each result {"f1", "precision", "recall", "why",
+    "attempts"} with f1 None on a failure (plumbing/services.py make_judge: the LLM judge or the
+    offline proxy; the item is what judge.variant meta_judge reads); on_failure (judge.on_failure):
+    what a failed call gives, "mask" (ours: reward None, the sample is left out) or "zero" (the
+    authors' released code: S = 0, so R_process = 0); similarity: which judge number is S(h, c)
+    in Eq. 4, "f1" (the paper's), "precision" or "recall" (RM-NLHF §2.3 compares them).
     Returns sample dicts: choice, valid, why, correct, critique, human_critique, f1, precision,
     recall, judge_why, judge_attempts, judged, judge_failed, r_process, reward (float or None).
-    ValueError (a caller bug, before any judge call): lengths differ or an item has no critique;
-    judge failures never raise.
+    ValueError (a caller bug, before any judge call): lengths differ or an item has no critique.
     """
     if len(parsed) != len(items):
         raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
@@ -673,10 +671,10 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         # λ = 0 the process term is zero whatever S says, so the judge is never called
         if lam > 0 and p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
-    results = judge_scores(judge, [(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need])
+    results = judge([(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need]) if need else []
     for i, r in zip(need, results):
         failed = r["f1"] is None
-        if failed and judge["on_failure"] == "zero":  # the released code's rule: a failure scores 0
+        if failed and on_failure == "zero":  # the released code's rule: a failure scores 0
             r = dict(r, f1=0.0, precision=0.0, recall=0.0)
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
                           judge_attempts=r["attempts"], judged=True, judge_failed=failed)
@@ -698,6 +696,22 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True,
                     "critique": p["critique"], "r_hat": rh,
                     "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode,
                                         gate_on_outcome=gate_on_outcome, form=form)})
+    return out
+
+
+def do_training_samples(parsed, items, lam):
+    """MetaRM training labels for D_O samples, the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3,
+    Table 3; config metarm.train_on_do): no human critique, so a valid verdict is labelled by its
+    outcome alone, 1 + λ/2 when right (halfway: the process term is unknown) and 0 when wrong.
+    The paper pairs "correct and incorrect" with "0 and 1 + λ/2" in that order; we read it as right
+    -> 1 + λ/2, since a wrong verdict earns 0 everywhere else in the method. Returns {"valid",
+    "reward", "critique", "outcome_label"} per verdict (invalid: reward None, not trained on;
+    metarm.examples_from_samples turns them into MetaRM examples)."""
+    out = []
+    for p, it in zip(parsed, items):
+        right = p["valid"] and p["choice"] == it["winner"]
+        out.append({"valid": p["valid"], "critique": p["critique"],
+                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
     return out
 
 
@@ -742,9 +756,10 @@ def nlhf_step_metrics(records, step_metrics):
 # docs/method.md §5.3)
 #
 # S(h, c) = F1 of core arguments between the human critique h and the GRM critique c, decided by
-# an LLM behind any OpenAI-compatible server. Its client (plumbing/services.py's make_judge)
-# retries failures with backoff; after the last retry the result is f1=None with the reason in
-# `why`. Nothing in here raises into the training loop.
+# an LLM behind any OpenAI-compatible server. score_dh calls it as a plain callable judge(pairs) ->
+# list[dict]; plumbing/services.py's make_judge builds it (the prompts and parsers below, requests
+# judge.concurrency at a time, retries with backoff; after the last retry the result is f1=None
+# with the reason in `why`, never an exception into the training loop).
 
 # The judge's prompts, one per process-reward design of RM-NLHF §2.3 / App. E (judge.variant).
 # "core" (the paper's choice, "Similarity w/ Core HC") and "all" ("Similarity w/ All HC") extract
@@ -845,25 +860,6 @@ def parse_judge_output(text):
             return dict(out, why=f"<{tag}> outside [0, 1]: {s}")
         vals[tag] = v
     return dict(vals, why="")
-
-
-def judge_scores(judge, pairs):
-    """Critique similarity S(h, c) for many (human, GRM critique[, pair item]) pairs (RM-NLHF §2.3,
-    App. E; docs/method.md §5.3), judge["concurrency"] calls at a time. judge: {"similarity":
-    callable(human, critique, item) -> dict(f1, precision, recall, why, attempts), "concurrency",
-    "on_failure", ...} (plumbing/services.py's make_judge: the LLM judge or the offline proxy); the
-    item is what judge.variant meta_judge reads. Returns those dicts in order, f1 None = failure;
-    never raises: every failure comes back with its reason."""
-    def one(pair):
-        try:
-            return judge["similarity"](pair[0], pair[1], pair[2] if len(pair) > 2 else None)
-        except Exception as e:  # belt and braces: a judge bug must not kill a training run
-            return {"precision": None, "recall": None, "f1": None, "why": f"{type(e).__name__}: {e}", "attempts": 0}
-
-    if not pairs:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(judge["concurrency"]))) as pool:
-        return list(pool.map(one, pairs))
 
 
 # load_evaluator, remote_evaluator, trl_reward_function and verl_compute_score (they load models and

@@ -59,6 +59,13 @@ def train(cfg):
     # the config, read once: each stage gets numbers and callables
     reward_step = functools.partial(rlme_reward_step, **reward_settings(cfg), evaluators=state["evaluators"],
                                     context=context, world=world)
+    nl = cfg["nlhf"]  # RM-NLHF's numbers: the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM's mode
+    nlhf_step = functools.partial(metarm.nlhf_reward_step, judge=state.get("judge"), mrm=state["mrm"], lam=nl["lam"],
+                                  threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+                                  similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+                                  on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
+                                  max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
+                                  mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"])
     update = functools.partial(update_policy, **update_settings(cfg, passes, state["device"]), world=world,
                                pad_id=state["tokenizer"].pad_token_id, ref_model=state["ref_model"],
                                scaler=state["scaler"])
@@ -73,10 +80,7 @@ def train(cfg):
 
         # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ------------------
         if cfg["task"] == "rm_nlhf":  # judge D_H, MetaRM update, MetaRM predicts D_O (RM-NLHF Alg. 1)
-            rew = metarm.nlhf_reward_step(samples, ro_out["completions"], judge=state["judge"], mrm=state["mrm"],
-                                          nlhf=cfg["nlhf"], mode=cfg["metarm"]["mode"],
-                                          train_on_do=cfg["metarm"]["train_on_do"],
-                                          seed=seed * 7_919 + step, world=world, t0=t0)
+            rew = nlhf_step(samples, ro_out["completions"], seed=seed * 7_919 + step, t0=t0)
         else:  # the evaluators' log p(target) to the meta-questions (RLME Eq. 2-3)
             rew = reward_step(samples, ro_out["completions"])
         t2 = time.perf_counter()
@@ -168,7 +172,8 @@ def step_prompts(state, cfg, step):
     if cfg["task"] == "rm_nlhf":
         items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, prompts_per_step=cfg["rollout"]["prompts_per_step"],
                                   dh_per_step=cfg["nlhf"]["dh_per_step"], seed=cfg["run"]["seed"], rank=rank, world=world)
-        return items, [R.grm_prompt_ids(tok, it, chat, cfg["nlhf"]) for it in items]
+        fmt = dict(max_lines=cfg["nlhf"]["max_critique_lines"], style=cfg["nlhf"]["grm_prompt"])  # nlhf.*: the GRM prompt's
+        return items, [R.grm_prompt_ids(tok, it, chat, **fmt) for it in items]
     items = rollout.step_items(state["items"], step, cfg["rollout"]["prompts_per_step"], seed=cfg["run"]["seed"],
                                rank=rank, world=world)
     return items, [rollout.policy_prompt_ids(tok, it, chat, cfg["data"]["prompt_template"]) for it in items]

@@ -612,10 +612,11 @@ def cmd_judge_check(a):
     for key in ("backend", "variant", "base_url", "model", "api_key_env", "max_tokens", "max_retries"):
         if getattr(a, key) is not None:  # a flag given on the command line wins over the config
             settings[key] = getattr(a, key)
-    judge = make_judge(settings)  # backend openai: one probe request first (one line naming the judge.* key)
-    results = reward.judge_scores(judge, [(it["human_critique"], it["critique"], it) for it in items])
+    messages = {}  # {reason: the server's first message}, filled by the judge as calls fail
+    judge = make_judge(settings, failures=messages)  # openai: one probe request first (one line naming the judge.* key)
+    results = judge([(it["human_critique"], it["critique"], it) for it in items])
     rows = [dict(id=it["id"], label=it["label"], **res) for it, res in zip(items, results)]
-    failures = judge_check_failures(rows, judge.get("failures", {}))
+    failures = judge_check_failures(rows, messages)
     summary = dict(judge_check_summary(rows, a.threshold), data=a.data, threshold=a.threshold,
                    backend=settings["backend"], variant=settings["variant"], model=settings["model"],
                    failures=failures)
@@ -634,7 +635,7 @@ def judge_check_failures(rows, messages):
     """The failed rows counted by reason, most frequent first: [{"why", "n", "first_message"}].
     why: the row's short reason ("HTTP 400", "connection error: ConnectError", "parse failure:
     missing <f1> tag"); first_message: the server's message of its first occurrence (make_judge's
-    judge["failures"], failure_text), or why itself where there is nothing more to say."""
+    `failures` dict, failure_text), or why itself where there is nothing more to say."""
     counts = {}
     for r in rows:
         if r["f1"] is None:

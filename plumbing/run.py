@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from metarm import broadcast_parameters, cold_start
+from metarm import cold_start, raw_outputs
 import reward
 import rollout
 
@@ -43,8 +43,8 @@ from plumbing.items import load_train_items, load_val_items
 from plumbing.models import load_model, resolve_model_path
 from plumbing.pairwise import load_nlhf_items, load_nlhf_val_items
 from plumbing.prompts import keep_short, policy_chat, prompt_token_limit
-from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
-                            save_merged, setup_distributed, shard_frozen, wrap_policy)
+from plumbing.scale import (BaseModelView, apply_lora, broadcast_parameters, check_checkpoint_kind, make_rollout_engine,
+                            metarm_seams, push_weights, save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R
@@ -145,7 +145,8 @@ def start_run(cfg, passes, rank, world, device):
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
         section, names = "nlhf", ("dh_items", "do_items", "val_items")
-        ids = functools.partial(reward.grm_prompt_ids, tokenizer, chat=chat, nl=cfg["nlhf"])
+        ids = functools.partial(reward.grm_prompt_ids, tokenizer, chat=chat, max_lines=cfg["nlhf"]["max_critique_lines"],
+                                style=cfg["nlhf"]["grm_prompt"])
     else:
         section, names = "data", ("items", "val_items")
         ids = functools.partial(rollout.policy_prompt_ids, tokenizer, chat=chat, template=cfg["data"]["prompt_template"])
@@ -823,7 +824,7 @@ def cold_start_settings(cfg, tokenizer):
     return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
                 temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
                 weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat=policy_chat(tokenizer, cfg["model"]),
-                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"])
+                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"], on_failure=cfg["judge"]["on_failure"])
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
@@ -844,8 +845,9 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
             float32, float32 master shards) and mrm["shard"] = (rank, world): metarm.py's fit trains
             each rank on its share of every batch, its forwards run alike on every rank. Else a
             replica, mrm["shard"] = (0, 1). An optimizer is built on the parameters after this.
+            mrm["seams"]: plumbing/scale.py metarm_seams for these ranks and this placement.
     Returns:
-        the mrm dict (see the top of this file).
+        the mrm dict (see the top of metarm.py).
     Raises:
         SystemExit with one line when the path cannot be loaded or mode is unknown.
     """
@@ -875,6 +877,7 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
         # forward (D_O, agreement) leaves gathered tensors registered, not the shards AdamW steps
         model.set_reshard_after_forward(True, recurse=False)
     return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None,
+            "seams": metarm_seams(raw_outputs, rank, world, sharded),  # where the ranks meet (metarm.online_update)
             "mode": mode, "lam": float(lam), "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
             "online_epochs": int(online_epochs), "truncated": 0,
             "weight_decay": float(weight_decay), "updates": 0, "dtype": dtype}

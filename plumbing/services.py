@@ -3,6 +3,7 @@ OpenAI-compatible servers, as reward.local_evaluator's dict), the critique judge
 client with retries and backoff, the offline proxy judge), and the RLME reward as a TRL reward
 function or a verl compute_score (trl_reward_function, verl_compute_score).
 """
+import concurrent.futures
 import datetime
 import email.utils
 import math
@@ -397,8 +398,8 @@ MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")  # judge.max_tokens_
 PROBE_MAX_TOKENS = 8  # the probe's answer length: "OK" needs one token, a CPU server makes ~3/s
 
 
-def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
-    """Build the judge from the `judge:` config section (start-up checks happen here).
+def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True, failures=None):
+    """Build the critique judge S(h, c) from the `judge:` config section (start-up checks happen here).
 
     Args:
         cfg: config.yaml's `judge:` section, every key of JUDGE_KEYS (config.load_config fills
@@ -407,13 +408,17 @@ def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
         probe: backend 'openai': send one short chat request now (probe_judge), so an unreachable
             server, a wrong model name, a refused parameter or API key stop the run before any
             model loads, not as masked samples after it. False only for tests without a server.
+        failures: None or a dict that the judge fills as calls fail, {reason: the server's message
+            of its first occurrence} (evaluate.py judge-check prints it).
     Returns:
-        dict with the settings and "similarity" (reward.judge_scores calls it): for backend
-        'openai' reward.judge_prompt's request with retries and a strict parse (_judge_call),
-        plus 'client' (an openai.OpenAI with its own retries off: we retry ourselves; the API
-        key lives only inside it) and 'failures' ({reason: the server's message of its first
-        occurrence}, filled as calls fail; evaluate.py judge-check prints it); for 'proxy' the
-        lexical proxy_f1, whatever the variant.
+        judge(pairs) -> list[dict], the plain callable reward.score_dh takes: pairs a list of
+        (human critique, GRM critique, item) tuples (the item, read by judge.variant meta_judge,
+        may be left out), each result {"f1", "precision", "recall", "why", "attempts"} in order,
+        f1 None on a failure; judge.concurrency calls at a time (a thread pool); it never raises.
+        Backend 'openai': reward.judge_prompt's request with retries and a strict parse
+        (_judge_call) through an openai.OpenAI client with its own retries off (we retry
+        ourselves; the API key lives only inside it); 'proxy': the lexical proxy_f1, whatever the
+        variant. judge.on_failure is checked here but applied by the reward (score_dh's on_failure).
     Raises:
         SystemExit (one line): unknown or missing key, unknown backend, no model name, api_key_env names an
         environment variable that is unset (a hosted judge would fail every call otherwise), or
@@ -431,20 +436,37 @@ def make_judge(cfg, sleep=time.sleep, rand=random.random, probe=True):
     if j["max_tokens_field"] not in MAX_TOKENS_FIELDS:
         raise SystemExit(f"judge.max_tokens_field: {j['max_tokens_field']!r} unknown; allowed: {', '.join(MAX_TOKENS_FIELDS)}")
     if j["backend"] == "proxy":
-        j["similarity"] = lambda human, critique, item=None: dict(proxy_f1(human, critique), attempts=1)
-        return j
+        return judge_pool(lambda human, critique, item: dict(proxy_f1(human, critique), attempts=1), j["concurrency"])
     if j["backend"] != "openai":
         raise SystemExit(f"judge.backend: {j['backend']!r} unknown; allowed: openai, proxy")
     if not j["model"]:
         raise SystemExit("judge.model: required for backend 'openai' (the model name the server serves)")
     j["client"] = openai_client(j["base_url"], j["api_key_env"], j["timeout_s"], where="judge.api_key_env",
                                 needed_for=f"the judge at {j['base_url']}")
-    j["failures"] = {}
+    j["failures"] = {} if failures is None else failures
     if probe:
         probe_judge(j, sleep=sleep, rand=rand)
-    j["similarity"] = lambda human, critique, item=None: _judge_call(
-        j, reward.judge_prompt(j["variant"], human, critique, item), sleep=sleep, rand=rand)
-    return j
+    return judge_pool(lambda human, critique, item: _judge_call(
+        j, reward.judge_prompt(j["variant"], human, critique, item), sleep=sleep, rand=rand), j["concurrency"])
+
+
+def judge_pool(similarity, concurrency):
+    """The judge callable judge(pairs) -> list[dict] over a one-pair `similarity(human, critique,
+    item) -> dict(f1, precision, recall, why, attempts)`, `concurrency` calls at a time; results in
+    order. A similarity that raises gives that pair f1=None with the reason (belt and braces: a
+    judge bug must not kill a training run)."""
+    def one(pair):
+        try:
+            return similarity(pair[0], pair[1], pair[2] if len(pair) > 2 else None)
+        except Exception as e:
+            return {"precision": None, "recall": None, "f1": None, "why": f"{type(e).__name__}: {e}", "attempts": 0}
+
+    def judge(pairs):
+        if not pairs:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
+            return list(pool.map(one, pairs))
+    return judge
 
 
 def judge_request_names(judge):

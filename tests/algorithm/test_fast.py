@@ -47,7 +47,7 @@ def _grm_batch(tok):
     g = torch.Generator().manual_seed(1)
     items = [{"context": "What is 2+3?", "response_a": "5", "response_b": "6"},
              {"context": "Name a prime number larger than ten.", "response_a": "12", "response_b": "13"}]
-    prompts = [R.grm_prompt_ids(tok, it, True, {"max_critique_lines": 4, "grm_prompt": "ours"}) for it in items for _ in range(2)]
+    prompts = [R.grm_prompt_ids(tok, it, True, max_lines=4, style="ours") for it in items for _ in range(2)]
     comp = torch.randint(3, 200, (4, 6), generator=g)
     mask = torch.tensor([[1.0] * 6, [1.0] * 3 + [0.0] * 3, [1.0] * 4 + [0.0] * 2, [1.0] * 6])
     return {"prompt_ids": prompts, "completion_ids": comp, "completion_mask": mask,

@@ -1,5 +1,8 @@
 """metarm.py (docs/method.md §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
 cold start (with the real rollout code on a tiny model) and the command line."""
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,6 +35,24 @@ def fresh(path, **kw):
     return load_metarm(path, **dict({"batch_size": 4, "max_length": 128}, **kw))
 
 
+def loss_of(mrm, texts, rewards):
+    """metarm_loss with the MetaRM dict's model, tokenizer and numbers."""
+    return metarm.metarm_loss(mrm["model"], mrm["tokenizer"], texts, rewards, mode=mrm["mode"], lam=mrm["lam"],
+                              max_length=mrm["max_length"], dtype=mrm["dtype"])
+
+
+def predict_texts(mrm, texts):
+    return metarm.predict_texts(mrm["model"], mrm["tokenizer"], texts, **metarm.settings(mrm))
+
+
+def outputs(mrm, texts):
+    return metarm.forward(mrm["model"], mrm["tokenizer"], texts, mode=mrm["mode"], max_length=mrm["max_length"])
+
+
+def examples(mrm, items, samples):
+    return metarm.examples_from_samples(mrm["tokenizer"], items, samples, max_length=mrm["max_length"])
+
+
 def test_text_and_targets():
     t = metarm.metarm_text(" Q ", "a", "b", "Response B errs.")
     assert t == "[Conversation]\nQ\n\n[Response A]\na\n\n[Response B]\nb\n\n[Critique]\nResponse B errs."
@@ -47,8 +68,8 @@ def test_text_and_targets():
 def test_examples_skip_invalid_and_judge_failures(tiny_mrm):
     samples = [{"valid": True, "reward": 1.5, "critique": "c0"}, {"valid": False, "reward": -1.0, "critique": None},
                {"valid": True, "reward": None, "critique": "c2"}, {"valid": True, "reward": 0.0, "critique": "c3"}]
-    ex = metarm.examples_from_samples(tiny_mrm, [item(i) for i in range(4)], samples)
-    assert [e["r"] for e in ex] == [1.5, 0.0]
+    ex = examples(tiny_mrm, [item(i) for i in range(4)], samples)
+    assert [e["r"] for e in ex] == [1.5, 0.0] and [e["truncated"] for e in ex] == [False, False]
     assert ex[1]["text"].endswith("[Critique]\nc3") and "What is 3+3?" in ex[1]["text"]
 
 
@@ -61,29 +82,35 @@ def test_input_budget_cuts_middles_and_keeps_every_part(tiny_model_path):
     tok = mrm["tokenizer"]
     conv = "START " + " ".join(f"word{i}" for i in range(300)) + " END"
     a, b, critique = "Alpha answer here.", "Beta answer here.", "Response B is wrong because of X."
-    text, cut = metarm.metarm_input(mrm, conv, a, b, critique)
-    assert cut and mrm["truncated"] == 1
+    text, cut = metarm.metarm_input(tok, conv, a, b, critique, max_length=160)
+    assert cut
     assert len(tok(text)["input_ids"]) <= 160
     assert "[Conversation]\nSTART" in text and "END\n\n[Response A]\nAlpha answer here." in text and " [...] " in text
     assert "[Response B]\nBeta answer here." in text and text.endswith("[Critique]\n" + critique)
     # long responses too: the conversation keeps 32 tokens, then each response gives an equal share
     long_a, long_b = "A0 " + "alpha " * 200 + "A9", "B0 " + "beta " * 200 + "B9"
-    text, cut = metarm.metarm_input(mrm, conv, long_a, long_b, critique)
+    text, cut = metarm.metarm_input(tok, conv, long_a, long_b, critique, max_length=160)
     assert cut and len(tok(text)["input_ids"]) <= 160 and text.endswith(critique)
     for head, tail in [("START", "END"), ("A0", "A9"), ("B0", "B9")]:
         assert head in text and tail in text
     assert text.count(" [...] ") == 3
     # short inputs are untouched
-    assert metarm.metarm_input(mrm, "Q", "a", "b", "c") == (metarm.metarm_text("Q", "a", "b", "c"), False)
-    assert mrm["truncated"] == 2
+    assert metarm.metarm_input(tok, "Q", "a", "b", "c", max_length=160) == (metarm.metarm_text("Q", "a", "b", "c"), False)
+    # counted where the MetaRM dict is kept: 2 of 3 D_O inputs cut (predict), 1 of 2 examples (online_update)
+    r_hat, n_cut = metarm.predict(mrm["model"], tok, [dict(item(0), context=conv)] * 2 + [item(1)], ["c", "c", "c"],
+                                  **metarm.settings(mrm))
+    assert n_cut == 2 and len(r_hat) == 3
+    samples = [{"valid": True, "reward": 1.0, "critique": "c"}] * 2
+    metarm.online_update(mrm, [dict(item(0), context=conv), item(1)], samples, seed=0)
+    assert mrm["truncated"] == 1
 
 
 def test_pad_id_set_and_padding_does_not_change_predictions(tiny_mrm):
     assert tiny_mrm["model"].config.pad_token_id == tiny_mrm["tokenizer"].pad_token_id
     assert tiny_mrm["model"].config.num_labels == 1
     short, long = "short text", "a much longer text " * 10
-    alone = metarm.predict_texts(tiny_mrm, [short])[0]
-    batched = metarm.predict_texts(tiny_mrm, [long, short])[1]  # short one padded on the right
+    alone = predict_texts(tiny_mrm, [short])[0]
+    batched = predict_texts(tiny_mrm, [long, short])[1]  # short one padded on the right
     assert batched == pytest.approx(alone, abs=1e-5)
 
 
@@ -91,31 +118,67 @@ def test_mse_is_the_mean_square_and_a_step_lowers_it(tiny_model_path):
     mrm = fresh(tiny_model_path, online_lr=1e-3)
     items = [item(i) for i in range(4)]
     samples = [{"valid": True, "reward": r, "critique": f"critique {i}"} for i, r in enumerate([0.0, 1.0, 1.5, 1.0])]
-    ex = metarm.examples_from_samples(mrm, items, samples)
+    ex = examples(mrm, items, samples)
     texts, rs = [e["text"] for e in ex], [e["r"] for e in ex]
     with torch.no_grad():
-        preds = metarm._forward(mrm, texts)
+        preds = outputs(mrm, texts)
         manual = ((preds - torch.tensor(rs)) ** 2).mean()
-        before = metarm.metarm_loss(mrm, texts, rs)
+        before = loss_of(mrm, texts, rs)
     assert before.item() == pytest.approx(manual.item(), rel=1e-6)
-    m = metarm.update(mrm, items, samples)
+    m = metarm.online_update(mrm, items, samples, seed=0)
     with torch.no_grad():
-        after = metarm.metarm_loss(mrm, texts, rs)
+        after = loss_of(mrm, texts, rs)
     assert m["metarm/n"] == 4 and m["metarm/loss"] == pytest.approx(before.item(), rel=1e-5)  # one batch of 4
     assert 0.0 <= m["metarm/agreement"] <= 1.0
     assert after.item() < before.item()
     assert mrm["updates"] == 1 and mrm["optimizer"] is not None
 
 
+class FixedOutputs(torch.nn.Module):
+    """A stand-in sequence classifier whose logits for row i are the parameter row out[i] (whatever the text)."""
+    def __init__(self, out):
+        super().__init__()
+        self.out = torch.nn.Parameter(torch.tensor(out))
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.out[:len(input_ids)].reshape(len(input_ids), -1))
+
+
+def test_metarm_loss_with_plain_numbers_hand_computed(tiny_model_path):
+    """metarm_loss (RM-NLHF Eq. 7) takes the model, its tokenizer and numbers, no MetaRM dict. Outputs
+    ŷ = (0.5, 1, 2), rewards R = (0, 1, 1.5), λ = 0.5: MSE = (0.25 + 0 + 0.25) / 3 = 1/6, its gradient
+    2 (ŷ - R) / 3 = (1/3, 0, 1/3); binary_retrain regresses 1[R > 1] = (0, 0, 1): (0.25 + 1 + 1) / 3 = 0.75;
+    classifier, logits (ln 1, ln 1, ln 2) for class 2 (R = 1 + λ): -log(2 / 4) = ln 2."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model, texts = FixedOutputs([[0.5], [1.0], [2.0]]), ["a", "b c", "d"]
+    loss = metarm.metarm_loss(model, tok, texts, [0.0, 1.0, 1.5], mode="online", lam=0.5, max_length=16)
+    assert loss.item() == pytest.approx(1 / 6, rel=1e-6)
+    loss.backward()
+    assert model.out.grad.flatten().tolist() == pytest.approx([1 / 3, 0.0, 1 / 3], rel=1e-6)
+    assert metarm.metarm_loss(model, tok, texts, [0.0, 1.0, 1.5], mode="binary_retrain", lam=0.5,
+                              max_length=16).item() == pytest.approx(0.75, rel=1e-6)
+    clf = FixedOutputs([[0.0, 0.0, math.log(2.0)]])
+    assert metarm.metarm_loss(clf, tok, ["t"], [1.5], mode="classifier", lam=0.5,
+                              max_length=16).item() == pytest.approx(math.log(2.0), rel=1e-6)
+    # predict on the same stand-in: R̂ = ŷ for a regressor; classifier Σ p_c value_c = (0 + 1 + 2 · 1.5) / 4 = 1
+    r_hat, cut = metarm.predict(model, tok, [item(0), item(1), item(2)], ["c", None, "c"], mode="online", lam=0.5,
+                                batch_size=2, max_length=4096)
+    assert r_hat == pytest.approx([0.5, None, 1.0]) and cut == 0  # the 2 valid critiques: one batch, rows 0 and 1
+    assert metarm.predict(clf, tok, [item(0)], ["c"], mode="classifier", lam=0.5, batch_size=1,
+                          max_length=4096)[0] == pytest.approx([1.0], rel=1e-6)
+
+
 def test_cold_start_training_lowers_loss(tiny_model_path):
     mrm = fresh(tiny_model_path)
     ex = [{"text": f"example {i}", "r": [0.0, 1.0, 1.5][i % 3]} for i in range(6)]
     with torch.no_grad():
-        before = metarm.metarm_loss(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
+        before = loss_of(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
     losses = metarm.train_metarm(mrm, ex, epochs=3, lr=1e-3, warmup_frac=0.01)
     assert len(losses) == 3 * 2  # 6 examples / batch 4 -> 2 steps per epoch
     with torch.no_grad():
-        after = metarm.metarm_loss(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
+        after = loss_of(mrm, [e["text"] for e in ex], [e["r"] for e in ex]).item()
     assert after < before
     assert metarm.train_metarm(mrm, [], epochs=3) == []
 
@@ -123,9 +186,9 @@ def test_cold_start_training_lowers_loss(tiny_model_path):
 def test_offline_mode_does_not_train(tiny_model_path):
     mrm = fresh(tiny_model_path, mode="offline", online_lr=1e-3)
     w = mrm["model"].score.weight.clone()
-    m = metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
+    m = metarm.online_update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}], seed=0)
     assert m["metarm/loss"] is None and m["metarm/n"] == 1 and m["metarm/agreement"] in (0.0, 1.0)
-    assert torch.equal(w, mrm["model"].score.weight) and mrm["updates"] == 0
+    assert torch.equal(w, mrm["model"].score.weight) and mrm["updates"] == 0 and mrm["optimizer"] is None
 
 
 def test_classifier_and_binary_predictions(tiny_model_path):
@@ -133,15 +196,15 @@ def test_classifier_and_binary_predictions(tiny_model_path):
     assert clf["model"].config.num_labels == 3
     text = ["some text"]
     with torch.no_grad():
-        p = metarm._forward(clf, text).softmax(-1)[0]
+        p = outputs(clf, text).softmax(-1)[0]
     expected = p[1].item() * 1.0 + p[2].item() * 1.5  # Σ p_c value_c over (0, 1, 1.5)
-    assert metarm.predict_texts(clf, text)[0] == pytest.approx(expected, rel=1e-6)
-    loss = metarm.metarm_loss(clf, ["t"], [1.5])  # class 2
+    assert predict_texts(clf, text)[0] == pytest.approx(expected, rel=1e-6)
+    loss = loss_of(clf, ["t"], [1.5])  # class 2
     with torch.no_grad():
-        logits = metarm._forward(clf, ["t"])[0]
+        logits = outputs(clf, ["t"])[0]
     assert loss.item() == pytest.approx(-torch.log_softmax(logits, -1)[2].item(), rel=1e-5)
     binary = fresh(tiny_model_path, mode="binary")
-    for pred in metarm.predict_texts(binary, ["x", "y z"]):
+    for pred in predict_texts(binary, ["x", "y z"]):
         assert pred in (1.0, 1.5)
 
 
@@ -152,16 +215,17 @@ def test_binary_discretises_the_regression_output(tiny_model_path, monkeypatch):
     raw = {"binary": [1.24, 1.26, 0.3, 1.9], "binary_retrain": [0.49, 0.5]}
     for mode, want in [("binary", [1.0, 1.5, 1.0, 1.5]), ("binary_retrain", [1.0, 1.5])]:
         mrm = fresh(tiny_model_path, mode=mode, lam=0.5)
-        monkeypatch.setattr(metarm, "_forward", lambda m, texts, mode=mode: torch.tensor(raw[mode][:len(texts)]))
-        assert metarm.predict_texts(mrm, ["t"] * len(want)) == want
+        monkeypatch.setattr(metarm, "forward", lambda m, tok, texts, mode, **kw: torch.tensor(raw[mode][:len(texts)]))
+        assert predict_texts(mrm, ["t"] * len(want)) == want
     # the D_O reward of a right verdict is then 1 or 1 + λ (RM-NLHF Eq. 8)
     assert [reward.do_reward(True, True, r, lam=0.5, mode="binary") for r in (1.0, 1.5)] == [1.0, 1.5]
 
 
 def test_predict_skips_invalid_samples(tiny_mrm):
-    preds = metarm.predict(tiny_mrm, [item(0), item(1)], [None, "Response A is right."])
-    assert preds[0] is None and isinstance(preds[1], float)
-    assert metarm.predict(tiny_mrm, [item(0)], [None]) == [None]
+    m, tok, kw = tiny_mrm["model"], tiny_mrm["tokenizer"], metarm.settings(tiny_mrm)
+    preds, cut = metarm.predict(m, tok, [item(0), item(1)], [None, "Response A is right."], **kw)
+    assert preds[0] is None and isinstance(preds[1], float) and cut == 0
+    assert metarm.predict(m, tok, [item(0)], [None], **kw) == ([None], 0)
 
 
 def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
@@ -218,9 +282,9 @@ def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path)
     torch.manual_seed(0)
     one = fresh(tiny_model_path, batch_size=2, online_lr=1e-3)
     fresh_params = [p.detach().clone() for p in two["model"].parameters()]
-    m2 = metarm.update(two, items, samples, seed=3)
-    a = metarm.update(one, items, samples, seed=3)
-    b = metarm.update(one, items, samples, seed=4)
+    m2 = metarm.online_update(two, items, samples, seed=3)
+    a = metarm.online_update(one, items, samples, seed=3)
+    b = metarm.online_update(one, items, samples, seed=4)
     assert two["updates"] == 1 and one["updates"] == 2
     moved = False
     for p, q, r in zip(two["model"].parameters(), one["model"].parameters(), fresh_params):
@@ -251,9 +315,9 @@ def test_agreement_decodes_each_modes_own_target():
 def test_a_perfect_metarm_agrees_fully_in_every_mode(tiny_model_path, monkeypatch, mode, raw):
     """D_H rewards R = (0, 1, 1.5) and the mode's perfect raw outputs: metarm/agreement is 1."""
     mrm = fresh(tiny_model_path, mode=mode, lam=0.5, online_lr=0.0)
-    monkeypatch.setattr(metarm, "_forward", lambda m, texts: torch.tensor(raw[:len(texts)], requires_grad=True))
+    monkeypatch.setattr(metarm, "forward", lambda m, tok, texts, **kw: torch.tensor(raw[:len(texts)], requires_grad=True))
     samples = [{"valid": True, "reward": r, "critique": f"c{i}"} for i, r in enumerate([0.0, 1.0, 1.5])]
-    assert metarm.update(mrm, [item(i) for i in range(3)], samples)["metarm/agreement"] == 1.0
+    assert metarm.online_update(mrm, [item(i) for i in range(3)], samples, seed=0)["metarm/agreement"] == 1.0
 
 
 def test_agreement_with_train_on_do_and_without_the_gate(tiny_model_path, monkeypatch):
@@ -263,17 +327,17 @@ def test_agreement_with_train_on_do_and_without_the_gate(tiny_model_path, monkey
     false), a wrong verdict whose critique matched has R = λ = 0.5: its perfect output scores 1."""
     mrm = fresh(tiny_model_path, mode="online", lam=0.5, online_lr=0.0)
     outs = [0.0, 1.5, 1.25, 0.0]
-    monkeypatch.setattr(metarm, "_forward", lambda m, texts: torch.tensor(outs[:len(texts)], requires_grad=True))
+    monkeypatch.setattr(metarm, "forward", lambda m, tok, texts, **kw: torch.tensor(outs[:len(texts)], requires_grad=True))
     dh = [{"valid": True, "reward": 0.0, "critique": "a"}, {"valid": True, "reward": 1.5, "critique": "b"}]
     parsed = [{"valid": True, "choice": "A", "critique": "c"}, {"valid": True, "choice": "B", "critique": "d"}]
-    do = metarm.do_training_samples(parsed, [item(2, "A"), item(3, "A")], lam=0.5)
+    do = reward.do_training_samples(parsed, [item(2, "A"), item(3, "A")], lam=0.5)
     assert [s["reward"] for s in do] == [1.25, 0.0]
     items = [item(0), item(1), item(2), item(3)]
-    m = metarm.update(mrm, items, dh + do)
+    m = metarm.online_update(mrm, items, dh + do, seed=0)
     assert m["metarm/n"] == 4 and m["metarm/agreement"] == 1.0
     outs[:] = [0.5, 1.0]
     ungated = [{"valid": True, "reward": 0.5, "critique": "a"}, {"valid": True, "reward": 1.0, "critique": "b"}]
-    assert metarm.update(mrm, items[:2], ungated, gated=False)["metarm/agreement"] == 1.0
+    assert metarm.online_update(mrm, items[:2], ungated, seed=0, gated=False)["metarm/agreement"] == 1.0
 
 
 @pytest.mark.parametrize("overrides,msg", [

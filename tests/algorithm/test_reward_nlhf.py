@@ -216,7 +216,7 @@ def test_proxy_f1_hand_numbers():
     assert proxy_f1("", "anything")["f1"] is None
     assert proxy_f1(human, "")["f1"] == 0.0
     judge = make_judge({"backend": "proxy"})
-    assert reward.judge_scores(judge, [(human, model)])[0]["f1"] == 1.0
+    assert judge([(human, model)])[0]["f1"] == 1.0 and judge([]) == []
 
 
 # ---- integration: a real OpenAI-compatible server (transformers serve + SmolLM2) ---------------
@@ -229,6 +229,49 @@ def test_score_dh_rejects_items_without_critique():
         reward.score_dh(p, [{"winner": "A", "critique": None}], judge)
     with pytest.raises(ValueError, match="1 parse results for 2 items"):
         reward.score_dh(p, [{"winner": "A", "critique": "c"}] * 2, judge)
+
+
+def test_score_dh_takes_a_plain_judge_callable():
+    """The judge is any judge(pairs) -> list[dict] (before: a dict, and a plain callable raised
+    TypeError). Only the valid right verdicts reach it (2 of 4), in order, with their items; F1
+    0.75 > 0.5 -> R = 1 + 0.5 = 1.5; the failed call -> None ("mask") or S = 0 -> R = 1 ("zero")."""
+    calls = []
+
+    def judge(pairs):
+        calls.append(pairs)
+        return [{"f1": 0.75, "precision": 1.0, "recall": 0.6, "why": "", "attempts": 1},
+                {"f1": None, "precision": None, "recall": None, "why": "down", "attempts": 3}][:len(pairs)]
+
+    item = {"winner": "A", "critique": "B is wrong."}
+    outs = ["<critics>B errs.</critics><choice>[[A]]</choice>", "<critics>A errs.</critics><choice>[[B]]</choice>",
+            "no format", "<critics>B fails.</critics><choice>[[A]]</choice>"]
+    parsed = [reward.parse_grm_output(o) for o in outs]
+    s = reward.score_dh(parsed, [item] * 4, judge, lam=0.5)
+    assert [x["reward"] for x in s] == [1.5, 0.0, -1.0, None] and [x["r_process"] for x in s] == [1.0, None, None, None]
+    assert calls == [[("B is wrong.", "B errs.", item), ("B is wrong.", "B fails.", item)]]
+    z = reward.score_dh(parsed, [item] * 4, judge, lam=0.5, on_failure="zero")
+    assert [x["reward"] for x in z] == [1.5, 0.0, -1.0, 1.0] and z[3]["judge_failed"] and z[3]["f1"] == 0.0
+    calls.clear()  # nothing needs the judge (a wrong verdict, an invalid one): it is not called at all
+    assert [x["reward"] for x in reward.score_dh(parsed[1:3], [item] * 2, judge)] == [0.0, -1.0] and calls == []
+
+
+def test_judge_pool_keeps_order_and_turns_exceptions_into_failures():
+    """plumbing/services.py judge_pool (make_judge's thread pool): results in the pairs' order at
+    any concurrency; a similarity that raises fails that pair only, with the reason."""
+    import time
+    from plumbing.services import judge_pool
+
+    def similarity(human, critique, item):
+        if critique == "boom":
+            raise RuntimeError("bad")
+        time.sleep(0.01 * (5 - int(critique)))  # later pairs finish first
+        return {"f1": int(critique) / 10, "precision": None, "recall": None, "why": "", "attempts": 1}
+
+    judge = judge_pool(similarity, concurrency=4)
+    out = judge([("h", str(k)) for k in range(5)] + [("h", "boom", {"x": 1})])
+    assert [o["f1"] for o in out] == [0.0, 0.1, 0.2, 0.3, 0.4, None]
+    assert out[5] == {"precision": None, "recall": None, "f1": None, "why": "RuntimeError: bad", "attempts": 0}
+    assert judge([]) == []
 
 
 # ---- judge variants (RM-NLHF §2.3, App. E) --------------------------------------------------------
@@ -279,7 +322,7 @@ def test_authors_grm_prompt_renders_turns_like_the_release():
         reward.build_grm_prompt("Q?", "a", "b", style="theirs")
     # grm_prompt_ids reads the item's kept turns (HelpSteer3 / rm_nlhf rows)
     item = {"context": "User: Hi?", "response_a": "x", "response_b": "y", "meta": {"turns": turns}}
-    text = reward.grm_prompt_ids(None, item, False, {"max_critique_lines": 4, "grm_prompt": "authors"}, text_only=True)
+    text = reward.grm_prompt_ids(None, item, False, max_lines=4, style="authors", text_only=True)
     assert "user:\nHi?\nassistant:\nHello.\n" in text
 
 
@@ -302,8 +345,6 @@ def test_authors_parser_differs_from_ours_where_the_release_does():
     five = "<critics>1\n\n2\n\n3</critics><choice>A</choice>"
     assert P(five)["why"] == "too_many_lines" and reward.parse_grm_output(five.replace("<choice>A", "<choice>[[A]]"))["valid"]
     assert P("<critics>" + "x" * 1501 + "</critics><choice>A</choice>")["why"] == "too_long"
-    nl = {"max_critique_lines": 4, "max_critique_chars": 1500, "grm_prompt": "authors"}
-    assert reward.parse_grm_completion("<critics>x</critics><choice>B</choice>", nl)["valid"]
 
 
 def test_do_reward_released_form_is_unclipped():

@@ -81,8 +81,9 @@ def test_options_reach_every_template_call_hand_rendered(qwen3_style):
     # the GRM prompt (RM-NLHF) goes through the same builder
     nl = config.load_config([])["nlhf"]
     item = {"context": "Hi", "response_a": "A", "response_b": "B"}
-    text = R.grm_prompt_ids(tok, item, chat, nl, text_only=True)
-    assert tok.decode(R.grm_prompt_ids(tok, item, chat, nl)) == expected.replace("\nQ<", f"\n{text}<")
+    fmt = dict(max_lines=nl["max_critique_lines"], style=nl["grm_prompt"])
+    text = R.grm_prompt_ids(tok, item, chat, **fmt, text_only=True)
+    assert tok.decode(R.grm_prompt_ids(tok, item, chat, **fmt)) == expected.replace("\nQ<", f"\n{text}<")
     # without options: no system block, no think block
     assert render_prompt(tok, "Q", True) == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 

@@ -88,9 +88,10 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     nl = dict(small_cfg()["nlhf"])
     items = [pair(0), dict(pair(1), response_b="very long " * 300)]
-    n0 = len(reward.grm_prompt_ids(tok, items[0], True, nl))
+    n0 = len(reward.grm_prompt_ids(tok, items[0], True, max_lines=nl["max_critique_lines"], style=nl["grm_prompt"]))
     overhead = len(rollout.build_prompt_ids(tok, "", True))
-    ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, nl, text_only=text_only)
+    ids = lambda it, text_only: reward.grm_prompt_ids(tok, it, True, max_lines=nl["max_critique_lines"],
+                                                      style=nl["grm_prompt"], text_only=text_only)
     kept, dropped = keep_short(items, ids, n0, "nlhf.max_prompt_tokens", overhead)
     assert [it["id"] for it in kept] == ["p0"] and dropped == 1
     assert keep_short(items, ids, 10 ** 6, "k", overhead)[1] == 0
@@ -112,10 +113,20 @@ def test_keep_short_drops_long_prompts(tiny_model_path):
 
 
 def reward_step(items, comps, *, mrm, cfg, step):
-    """metarm.nlhf_reward_step with the proxy judge and the config's values, as train.py passes them."""
-    return metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, nlhf=cfg["nlhf"],
+    """metarm.nlhf_reward_step with the proxy judge and the config's values, as train.py binds them."""
+    nl = cfg["nlhf"]
+    return metarm.nlhf_reward_step(items, comps, judge=make_judge({"backend": "proxy"}), mrm=mrm, lam=nl["lam"],
+                                   threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+                                   similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+                                   on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
+                                   max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
                                    mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"],
-                                   seed=cfg["run"]["seed"] * 7_919 + step, world=1, t0=0.0)
+                                   seed=cfg["run"]["seed"] * 7_919 + step, t0=0.0)
+
+
+def predicted(mrm, items, critiques):
+    """metarm.predict with the MetaRM dict's model, tokenizer and numbers: R̂ per sample."""
+    return metarm.predict(mrm["model"], mrm["tokenizer"], items, critiques, **metarm.settings(mrm))[0]
 
 
 def test_rewards_without_metarm_hand_numbers():
@@ -139,7 +150,7 @@ def test_do_training_labels_for_the_w_do_ablation():
     items = [pair(0, "A", None), pair(1, "B", None), pair(2, "A", None)]
     parsed = [reward.parse_grm_output(verdict("A is right.", "A")), reward.parse_grm_output(verdict("A.", "A")),
               reward.parse_grm_output("no tags")]
-    out = metarm.do_training_samples(parsed, items, lam=0.5)
+    out = reward.do_training_samples(parsed, items, lam=0.5)
     assert [s["reward"] for s in out] == [1.25, 0.0, None]
     assert out[0]["critique"] == "A is right." and [s["valid"] for s in out] == [True, True, False]
 
@@ -169,8 +180,8 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
     comps = [verdict(h, "A"), verdict("Response A is wrong.", "B"), verdict("Response B is right.", "B"), "none"]
     out = reward_step(items, comps, mrm=mrm, cfg=cfg, step=4)
     r_hat = out["records"][2]["r_hat"]
-    assert r_hat == pytest.approx(metarm.predict(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)
-    assert abs(r_hat - metarm.predict(before, [items[2]], ["Response B is right."])[0]) > 1e-4
+    assert r_hat == pytest.approx(predicted(mrm, [items[2]], ["Response B is right."])[0], abs=1e-6)
+    assert abs(r_hat - predicted(before, [items[2]], ["Response B is right."])[0]) > 1e-4
     assert out["reward"].tolist()[:2] == [1.5, 0.0] and out["reward"][3] == -1.0
     assert out["reward"][2].item() == pytest.approx(1.0 + min(max(r_hat - 1.0, 0.0), 0.5), abs=1e-6)
     m = out["metrics"]
@@ -290,10 +301,10 @@ def test_smollm2_two_grpo_steps_with_resume(tmp_path, monkeypatch, capsys):
     s2 = next(s for s in samples if s["step"] == 2 and s["set"] == "do" and s["valid"])
     after = load_saved_metarm(os.path.join(out, "checkpoints", "step_000002", "metarm"))
     item = by_id[s2["item"]]
-    assert metarm.predict(after, [item], [s2["critique"]])[0] == pytest.approx(s2["r_hat"], abs=1e-4)
+    assert predicted(after, [item], [s2["critique"]])[0] == pytest.approx(s2["r_hat"], abs=1e-4)
     # the step-1 checkpoint was deleted by keep_checkpoints=2? no: 2 kept; compare with it
     earlier = load_saved_metarm(os.path.join(out, "checkpoints", "step_000001", "metarm"))
-    assert abs(metarm.predict(earlier, [item], [s2["critique"]])[0] - s2["r_hat"]) > 1e-4
+    assert abs(predicted(earlier, [item], [s2["critique"]])[0] - s2["r_hat"]) > 1e-4
     cfg_text = open(os.path.join(out, "config.yaml")).read()
     assert "task: rm_nlhf" in cfg_text
 
@@ -406,10 +417,10 @@ def _metarm_rank(rank, world, model_path, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same fresh head on both ranks (setup_metarm loads one saved folder)
-    mrm = load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
+    mrm = load_metarm(model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2, rank=rank, world=world)
     items, samples = _rank_samples(rank)
-    m = metarm.online_update(mrm, items, samples, world=world, seed=5)
-    pred = metarm.predict(mrm, [pair(9)], ["Response B is wrong."])[0]
+    m = metarm.online_update(mrm, items, samples, seed=5)
+    pred = predicted(mrm, [pair(9)], ["Response B is wrong."])[0]
     from plumbing.run import save_metarm
     save_metarm(mrm, os.path.join(out_dir, "saved"), rank=rank, world=world)  # the AdamW state: every rank writes
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -439,8 +450,8 @@ def test_metarm_update_over_two_ranks_equals_one_process(tiny_model_path, tmp_pa
     torch.manual_seed(0)
     ref = load_metarm(tiny_model_path, "online", 0.5, batch_size=4, max_length=64, online_lr=1e-2)
     (i0, s0), (i1, s1) = _rank_samples(0), _rank_samples(1)
-    m = metarm.update(ref, i0 + i1, s0 + s1, seed=5)
-    want = metarm.predict(ref, [pair(9)], ["Response B is wrong."])[0]
+    m = metarm.online_update(ref, i0 + i1, s0 + s1, seed=5)
+    want = predicted(ref, [pair(9)], ["Response B is wrong."])[0]
     for rank in (0, 1):
         got = json.load(open(tmp_path / f"rank{rank}.json"))
         assert got["updates"] == 1 and got["pred"] == pytest.approx(want, abs=1e-5)

@@ -80,8 +80,9 @@ def test_probe_against_transformers_serve(tiny_judge_server, tmp_path, capsys):
     in the judge's format); another model name stops with judge.model, a base_url without /v1
     with judge.base_url; judge-check then prints why its calls failed, by reason."""
     url, model = tiny_judge_server["base_url"], tiny_judge_server["model"]
-    judge = make_judge({"base_url": url, "model": model, "max_retries": 0}, probe=True)
-    assert judge["failures"] == {}
+    failures = {}
+    judge = make_judge({"base_url": url, "model": model, "max_retries": 0}, probe=True, failures=failures)
+    assert callable(judge) and failures == {}
     with pytest.raises(SystemExit) as e:  # transformers serve: HTTP 400 "Server is pinned to ...; requested 'x'"
         make_judge({"base_url": url, "model": "no-such-model", "max_retries": 0}, probe=True)
     assert str(e.value).startswith("judge.model: the server does not serve model 'no-such-model'")
@@ -143,13 +144,13 @@ def test_request_carries_exactly_the_configured_fields(stub):
     paper = config.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])["judge"]
     assert (paper["temperature"], paper["max_tokens"]) == (None, None)
     judge = make_judge(dict(paper, base_url=stub["url"], model="gpt-5-mini", max_retries=0), probe=True)
-    assert reward.judge_scores(judge, [("Response B is wrong.", "Response B errs.")])[0]["f1"] == 0.6667
+    assert judge([("Response B is wrong.", "Response B errs.")])[0]["f1"] == 0.6667
     assert [sorted(r["body"]) for r in stub["requests"]] == [["messages", "model"]] * 2
     assert stub["requests"][0]["body"]["messages"] == [{"role": "user", "content": "Reply with the word OK."}]
     stub["requests"].clear()
     judge = make_judge({"base_url": stub["url"], "model": "gpt-5-mini", "temperature": 1.0, "max_tokens": 300,
                         "max_tokens_field": "max_completion_tokens", "max_retries": 0}, probe=True)
-    assert reward.judge_scores(judge, [("h", "c")])[0]["f1"] == 0.6667
+    assert judge([("h", "c")])[0]["f1"] == 0.6667
     assert [{k: v for k, v in r["body"].items() if k != "messages"} for r in stub["requests"]] == [
         {"model": "gpt-5-mini", "temperature": 1.0, "max_completion_tokens": 8},
         {"model": "gpt-5-mini", "temperature": 1.0, "max_completion_tokens": 300}]
@@ -191,7 +192,7 @@ def test_bad_key_wrong_model_and_html(stub, monkeypatch):
     monkeypatch.setenv("NLHF_PROBE_KEY", "sk-right")
     with pytest.raises(SystemExit, match=r"^judge\.model: the server does not serve model 'gpt-jugde'"):
         make_judge(dict(settings, model="gpt-jugde"), probe=True)
-    assert make_judge(settings, probe=True)["model"] == "gpt-judge"
+    assert callable(make_judge(settings, probe=True))  # the served name passes the probe
     # a 200 that is no chat completion (a login page): judge.base_url, after the retries
     stub["answer"] = lambda body, headers: (200, {"Content-Type": "text/html"}, "<html>Sign in</html>")
     with pytest.raises(SystemExit, match=r"^judge\.base_url: is judge\.base_url .* 2 tries: not a chat completion"):
@@ -225,7 +226,7 @@ def test_retry_after_seconds_is_honoured(stub):
     sleeps = []
     judge = make_judge({"base_url": stub["url"], "model": "m", "backoff_base_s": 1.0, "backoff_max_s": 30.0},
                        sleep=sleeps.append, rand=lambda: 0.5)
-    out = reward.judge_scores(judge, [("h", "c")])
+    out = judge([("h", "c")])
     assert out[0]["f1"] == 1.0 and out[0]["attempts"] == 4
     assert sleeps == [7.0, 1.5, 30.0]
 
@@ -236,7 +237,7 @@ def test_retry_after_http_date_and_ms(stub):
                    (429, {"Retry-After": "soon"}, RATE), OK])
     sleeps = []
     judge = make_judge({"base_url": stub["url"], "model": "m"}, sleep=sleeps.append, rand=lambda: 0.0)
-    assert reward.judge_scores(judge, [("h", "c")])[0]["f1"] == 1.0
+    assert judge([("h", "c")])[0]["f1"] == 1.0
     assert 10.0 <= sleeps[0] <= 12.0  # the date is to the second
     assert sleeps[1:] == [2.5, 2.0]  # retry-after-ms wins (OpenAI's); unreadable -> the backoff, d/2 at u = 0
 

@@ -36,6 +36,12 @@ def _do(ks):
     return [pair(k) for k in ks], [f"Response B is wrong {k}." for k in ks]
 
 
+def _predict(mrm, items, critiques):
+    """metarm.predict as nlhf_reward_step calls it: the MetaRM dict's numbers and its seams' outputs."""
+    return metarm.predict(mrm["model"], mrm["tokenizer"], items, critiques, **metarm.settings(mrm),
+                          outputs=mrm["seams"]["outputs"])[0]
+
+
 def _flat(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
@@ -56,15 +62,15 @@ def _worker(rank, world, port, model_path, out):
     mrm = load_metarm(model_path, **KW, parallel="fsdp2", rank=rank, world=world)
     from torch.distributed.tensor import DTensor
     assert mrm["shard"] == (rank, world) and all(isinstance(p, DTensor) for p in mrm["model"].parameters())
-    m1 = metarm.online_update(mrm, *_samples(FIRST[rank]), world=world, seed=5)
-    pred = metarm.predict(mrm, *_do(DO[rank]))
+    m1 = metarm.online_update(mrm, *_samples(FIRST[rank]), seed=5)
+    pred = _predict(mrm, *_do(DO[rank]))
     flat, real = _flat(mrm["model"]), _real_bytes(mrm)
     save_metarm(mrm, os.path.join(out, "saved"), rank=rank, world=world)
     back = load_saved_metarm(os.path.join(out, "saved"), gradient_checkpointing=True, parallel="fsdp2", rank=rank,
                              world=world)
     assert back["updates"] == 1 and back["shard"] == (rank, world)
-    m2 = metarm.online_update(back, *_samples(SECOND[rank]), world=world, seed=6)
-    pred2 = metarm.predict(back, *_do(DO[rank]))
+    m2 = metarm.online_update(back, *_samples(SECOND[rank]), seed=6)
+    pred2 = _predict(back, *_do(DO[rank]))
     save_metarm(back, os.path.join(out, "saved2"), rank=rank, world=world)
     torch.save({"m1": m1, "m2": m2, "pred": pred, "pred2": pred2, "flat": flat, "real": real}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -94,7 +100,7 @@ def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_m
     torch.manual_seed(0)
     ref = load_metarm(tiny_model_path, **KW)
     assert ref["shard"] == (0, 1)
-    m1 = metarm.update(ref, *_samples(_all(FIRST)), seed=5)
+    m1 = metarm.online_update(ref, *_samples(_all(FIRST)), seed=5)
     assert m1["metarm/n"] == 5
     want_flat = _plain_flat(ref["model"])
     for g in got:
@@ -107,7 +113,7 @@ def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_m
     assert (_plain_flat(load_metarm(tiny_model_path, **KW)["model"]) - want_flat).abs().max().item() > 1e-3
     # D_O predictions: each rank's own texts, as one process predicts them
     for r in range(2):
-        want = metarm.predict(ref, *_do(DO[r]))
+        want = _predict(ref, *_do(DO[r]))
         assert len(got[r]["pred"]) == len(DO[r]) and got[r]["pred"] == pytest.approx(want, abs=1e-5)
     # the 2-rank save is a plain HF folder with the full weights, and its AdamW state loads in one process
     assert set(json.load(open(tmp_path / "saved" / "metarm.json"))) >= {"mode", "updates"}
@@ -117,12 +123,12 @@ def test_fsdp2_metarm_update_predictions_and_round_trip_equal_one_process(tiny_m
         for k in ("exp_avg", "exp_avg_sq"):
             assert (a[k] - b[k]).abs().max().item() < 1e-6
     # step 2: the reference, the 1-process reload and the 2-rank reload continue alike
-    m2 = metarm.update(ref, *_samples(_all(SECOND)), seed=6)
-    metarm.update(one, *_samples(_all(SECOND)), seed=6)
+    m2 = metarm.online_update(ref, *_samples(_all(SECOND)), seed=6)
+    metarm.online_update(one, *_samples(_all(SECOND)), seed=6)
     assert (_plain_flat(one["model"]) - _plain_flat(ref["model"])).abs().max().item() < 1e-5
     for r, g in enumerate(got):
         assert g["m2"]["metarm/loss"] == pytest.approx(m2["metarm/loss"], abs=1e-5)
-        assert g["pred2"] == pytest.approx(metarm.predict(ref, *_do(DO[r])), abs=1e-5)
+        assert g["pred2"] == pytest.approx(_predict(ref, *_do(DO[r])), abs=1e-5)
     # the 2-rank save after step 2, loaded in one process: step 2's weights (1 -> 2 -> 1 ranks)
     two = load_saved_metarm(str(tmp_path / "saved2"))
     assert two["updates"] == 2 and (_plain_flat(two["model"]) - _plain_flat(ref["model"])).abs().max().item() < 1e-5
@@ -142,7 +148,7 @@ def test_plan_counts_the_metarm_as_placed(tiny_model_path, fsdp_run):
     cfg = lambda par: load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")], over + [f"train.parallel={par}"])
     torch.manual_seed(0)
     one = load_metarm(tiny_model_path, **KW)
-    metarm.update(one, *_samples(_all(FIRST)), seed=5)
+    metarm.online_update(one, *_samples(_all(FIRST)), seed=5)
     full = _real_bytes(one)
     n = sum(p.numel() for p in one["model"].parameters())
     assert full["MetaRM weights"] == 4 * n

@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO, SMOLLM2, data_path
 import metarm
-from test_metarm import fresh, item
+from test_metarm import fresh, item, loss_of, predict_texts
 
 from plumbing.cli import metarm_main
 from plumbing.run import load_metarm, load_saved_metarm, save_metarm
@@ -17,7 +17,7 @@ from plumbing.run import load_metarm, load_saved_metarm, save_metarm
 
 def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     mrm = fresh(tiny_model_path, online_lr=1e-3)
-    metarm.update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}])
+    metarm.online_update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}], seed=0)
     out = str(tmp_path / "metarm")
     save_metarm(mrm, out)
     save_metarm(mrm, out)  # overwriting an existing save goes through <out>.old and leaves nothing behind
@@ -26,7 +26,7 @@ def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     assert back["updates"] == 1 and back["mode"] == "online" and back["online_lr"] == 1e-3
     assert back["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id
     texts = ["abc", "longer text here"]
-    assert metarm.predict_texts(back, texts) == pytest.approx(metarm.predict_texts(mrm, texts), abs=1e-6)
+    assert predict_texts(back, texts) == pytest.approx(predict_texts(mrm, texts), abs=1e-6)
     a, b = mrm["optimizer"].state_dict()["state"], back["optimizer"].state_dict()["state"]
     assert torch.equal(a[0]["exp_avg"], b[0]["exp_avg"])
     os.replace(out, out + ".old")  # as if a crash hit between the two renames
@@ -82,9 +82,10 @@ def test_smollm2_as_sequence_classifier():
     assert mrm["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id == 2
     samples = [{"valid": True, "reward": 1.5, "critique": "Response B adds wrongly."},
                {"valid": True, "reward": 0.0, "critique": "Response A is wrong."}]
-    preds = metarm.predict(mrm, [item(1), item(2)], [s["critique"] for s in samples])
+    preds, _ = metarm.predict(mrm["model"], mrm["tokenizer"], [item(1), item(2)], [s["critique"] for s in samples],
+                              **metarm.settings(mrm))
     assert all(isinstance(p, float) and p == p for p in preds)
-    m = metarm.update(mrm, [item(1), item(2)], samples)
+    m = metarm.online_update(mrm, [item(1), item(2)], samples, seed=0)
     assert m["metarm/n"] == 2 and m["metarm/loss"] >= 0.0
 
 
@@ -96,7 +97,7 @@ def _metarm_step(model_path, checkpointing):
     mrm["model"].train()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-        loss = metarm.metarm_loss(mrm, ["a long critique " * 20, "short"], [1.5, 0.0])
+        loss = loss_of(mrm, ["a long critique " * 20, "short"], [1.5, 0.0])
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in mrm["model"].named_parameters()}, sum(saved)
 

@@ -168,7 +168,7 @@ def test_retry_429_429_200(stub_server):
     sleeps = []
     judge = make_judge({"base_url": stub_server["url"], "model": "judge-m", "concurrency": 1,
                         "backoff_base_s": 1.0, "max_retries": 4}, sleep=sleeps.append, rand=lambda: 0.5)
-    out = reward.judge_scores(judge, [("human says A", "model says A")])
+    out = judge([("human says A", "model says A")])
     assert out == [{"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": "", "attempts": 3}]
     assert sleeps == [0.75, 1.5]  # (1/2 + 0.5/2)*1, (1/2 + 0.5/2)*2
     assert len(stub_server["requests"]) == 3
@@ -182,7 +182,7 @@ def test_parse_failures_are_retried_then_none(stub_server):
     sleeps = []
     judge = make_judge({"base_url": stub_server["url"], "model": "m", "max_retries": 2}, sleep=sleeps.append,
                        rand=lambda: 0.0)
-    out = reward.judge_scores(judge, [("h", "c")])
+    out = judge([("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 3
     assert out[0]["why"] == "parse failure: missing <precision> tag"
     assert sleeps == [0.5, 1.0] and len(stub_server["requests"]) == 3
@@ -191,10 +191,10 @@ def test_parse_failures_are_retried_then_none(stub_server):
 def test_html_answer_and_404_are_counted_failures(stub_server):
     stub_server["plan"] = [(200, {"Content-Type": "text/html"}, "<html><body>login</body></html>")] * 2
     judge = make_judge({"base_url": stub_server["url"], "model": "m", "max_retries": 1}, sleep=lambda s: None)
-    out = reward.judge_scores(judge, [("h", "c")])
+    out = judge([("h", "c")])
     assert out[0]["f1"] is None and out[0]["attempts"] == 2 and "HTML" in out[0]["why"]
     stub_server["plan"] = [(404, {"Content-Type": "text/html"}, "<html>not found</html>")]
-    out = reward.judge_scores(judge, [("h", "c")])
+    out = judge([("h", "c")])
     assert out[0] == {"precision": None, "recall": None, "f1": None, "why": "HTTP 404", "attempts": 1}  # no retry
 
 
@@ -206,7 +206,7 @@ def test_refused_connection_is_a_counted_failure():
     sleeps = []
     judge = make_judge({"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 2},
                        sleep=sleeps.append, rand=lambda: 1.0)
-    out = reward.judge_scores(judge, [("h", "c"), ("h2", "c2")])
+    out = judge([("h", "c"), ("h2", "c2")])
     assert [o["f1"] for o in out] == [None, None]
     assert all(o["why"].startswith("connection error") and o["attempts"] == 3 for o in out)
     assert sorted(sleeps) == [1.0, 1.0, 2.0, 2.0]
@@ -281,13 +281,14 @@ def test_meta_judge_over_http(stub_server):
 
 
 def test_judge_failure_masks_by_default_and_scores_zero_as_the_release_does():
-    """judge.on_failure: a right verdict whose judge call fails is masked (reward None, ours) or
-    gets S = 0, so R = 1 + λ·0 = 1 (the release); either way it counts as a failed call."""
+    """judge.on_failure (score_dh's on_failure): a right verdict whose judge call fails is masked
+    (reward None, ours) or gets S = 0, so R = 1 + λ·0 = 1 (the release); either way it counts as a
+    failed call. The judge callable is the same for both: the rule is the reward's, not the judge's."""
     item = {"winner": "A", "critique": "A is right."}
     parsed = [reward.parse_grm_output("<critics>A is right.</critics><choice>[[A]]</choice>")]
+    dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0})
     for policy, want in (("mask", None), ("zero", 1.0)):
-        dead = make_judge({"base_url": "http://127.0.0.1:1/v1", "model": "m", "max_retries": 0, "on_failure": policy})
-        s = reward.score_dh(parsed, [item], dead, lam=0.5)
+        s = reward.score_dh(parsed, [item], dead, lam=0.5, on_failure=policy)
         assert s[0]["reward"] == want and s[0]["judge_failed"] and s[0]["judged"]
         m = reward.nlhf_metrics(s)
         assert m["judge/fail_rate"] == 1.0 and "judge/f1_mean" not in m
