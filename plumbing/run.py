@@ -760,10 +760,12 @@ def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world
                 os.path.join(ckpt, "metarm"), None)
     if os.path.isfile(os.path.join(path, "metarm.json")):
         return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"], **placed), path, None
-    mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device=device,
-                      batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
-                      weight_decay=m["weight_decay"], online_epochs=m["online_epochs"],
-                      gradient_checkpointing=m["gradient_checkpointing"], **placed)
+    with torch.random.fork_rng(devices=[]):  # the fresh head drawn from run.seed: a rerun cold-starts the same MetaRM
+        torch.manual_seed(cfg["run"]["seed"])
+        mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device=device,
+                          batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
+                          weight_decay=m["weight_decay"], online_epochs=m["online_epochs"],
+                          gradient_checkpointing=m["gradient_checkpointing"], **placed)
     stats = None
     if world > 1:  # a fresh head is random: rank 0's on every rank (FSDP2: load_metarm did, before sharding)
         broadcast_parameters(mrm["model"])
