@@ -1077,9 +1077,9 @@ def nlhf_validation_step(state, cfg, step):
                                     seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
                                     max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
     records = []
-    if mine:
-        with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"],
-                                                        state["policy"].device):
+    # every rank, also one with no pair (nlhf.val_size < world): under FSDP2 the gather is a collective
+    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], state["policy"].device):
+        if mine:
             _, records = evaluate.pairwise_accuracy(mine, judge)
     n = all_sum(len(mine), world)
     right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
