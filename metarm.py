@@ -14,8 +14,8 @@ One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does step
     Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
             then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
     Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
-The cold start (Algorithm 1, lines 2-10: cold_start_batch per batch of D_H prompts, then fit_cold_start ->
-train_metarm -> fit) trains with the same loop; plumbing/cold_start.py runs it over ranks, resumably.
+The cold start (Algorithm 1, lines 2-10: cold_start_sample and cold_start_examples per batch of D_H prompts,
+then fit_cold_start -> train_metarm -> fit) trains with the same loop; plumbing/cold_start.py runs it.
 
 Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H):
     none         no MetaRM: D_O reward is the outcome only (-1 / 0 / 1); cold start is skipped
@@ -389,25 +389,26 @@ def broadcast_parameters(model, src=0):
 COLD_START_COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
 
 
-def cold_start_batch(mrm, items, *, sample, judge, prompt, nlhf, rollouts_per_prompt, max_new_tokens, temperature=1.0,
-                     seed=0):
-    """Algorithm 1, lines 4-7, on one batch of D_H items: N rollouts per prompt from the base GRM,
-    their rewards R from the judge (Eq. 4-5: judge_dh), the MetaRM examples (Eq. 6's input, R the
-    Eq. 7 target: examples_from_samples).
-
+def cold_start_sample(items, *, sample, prompt, rollouts_per_prompt, max_new_tokens, temperature=1.0, seed=0):
+    """Algorithm 1, line 4, on one batch of D_H items: N rollouts per prompt from the base GRM.
     items: list (B) of D_H pairwise dicts, B >= 0; sample: the rollout backend, sample(prompt_ids,
     *, group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (rollout.py's),
-    called once, with no prompt too (B = 0): HF decode of an FSDP2 policy gathers its weights, a
-    collective every rank must join; judge: judge(pairs) -> list[dict] (plumbing/services.py
-    make_judge), handed to judge_dh; prompt: item -> GRM prompt ids (reward.grm_prompt_ids bound to
-    the GRM's tokenizer); nlhf: the `nlhf:` config section; seed: the batch's sampling seed.
+    called with no prompt too (B = 0: HF decode of an FSDP2 policy gathers its weights, a collective
+    every rank joins); prompt: item -> GRM prompt ids (reward.grm_prompt_ids bound to the GRM's
+    tokenizer); seed: the batch's. Returns the completions, list[str] (B x N, a prompt's adjacent)."""
+    return sample([prompt(it) for it in items], group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
+                  temperature=temperature, seed=seed)["completions"]
+
+
+def cold_start_examples(mrm, items, completions, *, judge, nlhf, rollouts_per_prompt):
+    """Algorithm 1, lines 5-7, on one batch: the rollouts' rewards R from the judge (Eq. 4-5:
+    judge_dh; judge: judge(pairs) -> list[dict], plumbing/services.py make_judge), the MetaRM
+    examples (Eq. 6's input, R the Eq. 7 target: examples_from_samples). items, completions:
+    cold_start_sample's; nlhf: the `nlhf:` config section.
     Returns (examples list of {"text", "r", "dh"}, counts {name: int for COLD_START_COUNTS}):
     "truncated" = inputs cut to metarm.max_length; judge failures and invalid formats give no example."""
-    truncated = mrm["truncated"]
-    out = sample([prompt(it) for it in items], group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
-                 temperature=temperature, seed=seed)
-    rows = [it for it in items for _ in range(rollouts_per_prompt)]
-    samples = judge_dh([reward.parse_grm_completion(c, nlhf) for c in out["completions"]], rows, judge, nlhf)
+    truncated, rows = mrm["truncated"], [it for it in items for _ in range(rollouts_per_prompt)]
+    samples = judge_dh([reward.parse_grm_completion(c, nlhf) for c in completions], rows, judge, nlhf)
     ex = examples_from_samples(mrm, rows, samples)
     return ex, {"rollouts": len(samples), "invalid": sum(not s["valid"] for s in samples),
                 "judge_failures": sum(s["judge_failed"] for s in samples), "examples": len(ex),
@@ -416,7 +417,7 @@ def cold_start_batch(mrm, items, *, sample, judge, prompt, nlhf, rollouts_per_pr
 
 def fit_cold_start(mrm, examples, counts, *, epochs, lr, warmup_frac, weight_decay, seed):
     """Algorithm 1, line 9: train_metarm on the cold-start examples (Eq. 7). counts: the batches'
-    cold_start_batch counts. Returns dict: their sums, target_mean (None for no example), loss_first,
+    cold_start_examples counts. Returns dict: their sums, target_mean (None for no example), loss_first,
     loss_last (None: nothing trained, the MetaRM keeps its initial head; the numbers say so)."""
     stats = {k: sum(n[k] for n in counts) for k in COLD_START_COUNTS}
     stats.update(examples=len(examples), target_mean=sum(e["r"] for e in examples) / len(examples) if examples else None)

@@ -1,6 +1,7 @@
 """The MetaRM cold start as a stage of its own (RM-NLHF Algorithm 1, lines 2-10): the method is
-metarm.py's cold_start_batch (sample, judge, examples) and fit_cold_start (Eq. 7); this file runs it
-at a preset's scale: in bounded batches, over ranks, resumably, with no rank waiting in a collective.
+metarm.py's cold_start_sample, cold_start_examples (judge, examples) and fit_cold_start (Eq. 7);
+this file runs it at a preset's scale: in bounded batches, over ranks, resumably, with no rank
+waiting in a collective, a batch judged while the next one samples.
 
     run_cold_start            the batches dealt to the ranks, examples to files as they are made,
                               a killed cold start resumed, the exchange through the files, the fit
@@ -15,8 +16,9 @@ memory (HF: rows x (prompt + max_new_tokens) of KV cache) is bounded by the key,
 samples with batch_seed(run.seed, b) whoever runs it: the examples depend on neither the world size
 nor how often the cold start was interrupted.
 
-Ranks. Batch b goes to rank b % world, in rounds: in round k rank r runs batch k * world + r. Every
-rank calls sample() once a round, with no prompt when its batch is past the end or already on disk,
+Ranks. Batch b goes to rank b % world, in rounds: in round k rank r runs batch k * world + r. Its
+judging (the judge's requests, Eq. 4-5, and the examples) runs in a thread while the rank samples
+its next batch: the judge server and the GPU work at once. Every rank calls sample() once a round, with no prompt when its batch is past the end or already on disk,
 because HF decode of an FSDP2 policy (hf_sample) gathers the weights, a collective every rank must
 join; a rank then waits at most one batch of another rank there. Nothing else in the sampling
 is a collective: the examples are exchanged through the files (wait_for_batches), where a rank
@@ -26,12 +28,13 @@ Files: <run.out_dir>/cold_start/examples.rank<r>.jsonl, one per rank that ever r
 that rank only, append-only. Line 1: {"settings": ...} (what makes an example: settings() below; a
 file with other settings stops the run with one line naming the keys). Then for each batch
 {"batch": b, "start": true}, its examples {"batch": b, "text", "r", "dh"} in order, and
-{"batch": b, "done": counts} (metarm.cold_start_batch's counts), written in one piece, flushed and
+{"batch": b, "done": counts} (metarm.cold_start_examples' counts), written in one piece, flushed and
 fsync'd. A batch exists once its "done" line is on disk; a kill mid-batch leaves lines without it,
 ignored (a redo starts the batch again with "start"), and a torn last line is ended with a newline
 before the rank appends again. The folder stays after the cold start: the record of what the MetaRM
 was first trained on (with cold_start.json).
 """
+import concurrent.futures
 import functools
 import glob
 import hashlib
@@ -92,8 +95,9 @@ def batch_seed(seed, batch):
 def run_cold_start(mrm, dh_items, *, sample, judge, prompt, nlhf, folder, identity, batch_size, rollouts_per_prompt,
                    max_new_tokens, temperature, epochs, lr, warmup_frac, weight_decay, seed, rank=0, world=1,
                    timeout_s=1800.0, log=None, poll_s=1.0):
-    """The MetaRM cold start over `world` ranks (the module docstring says how): every rank runs
-    its batches (metarm.cold_start_batch), appending each to its file in `folder`, then reads every
+    """The MetaRM cold start over `world` ranks (the module docstring says how): every rank samples
+    (metarm.cold_start_sample) and judges (metarm.cold_start_examples, in a thread while the next
+    batch samples) its batches, appending each to its file in `folder`, then reads every
     rank's file until all batches are there and trains on all the examples in batch order
     (metarm.fit_cold_start: every rank the same fit; FSDP2 shards, mrm["shard"], each their
     share); replicas then take rank 0's weights. A cold start killed and run again skips the
@@ -101,7 +105,7 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, nlhf, folder, identi
 
     Args:
         mrm: the fresh MetaRM (equal on every rank). dh_items: the D_H items, the same list on every rank.
-        sample, judge, prompt, nlhf: metarm.cold_start_batch's. folder: where the files go.
+        sample, judge, prompt, nlhf: metarm.cold_start_sample's and cold_start_examples'. folder: where the files go.
         identity: dict of the settings, besides the numbers here, that make an example (the model,
             judge and nlhf keys: cold_start_settings); a file written with others stops the run.
         batch_size: metarm.cold_start_batch_size; the rest: metarm.* (sampling, train_metarm), run.seed.
@@ -123,20 +127,28 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, nlhf, folder, identi
     resumed = len(view["done"])
     if log and resumed:
         log(f"metarm cold start: {resumed} of {n_batches} batches already in {folder}, resuming")
-    with open_rank_file(folder, rank, header) as f:
-        rounds = math.ceil(n_batches / world)
+    with open_rank_file(folder, rank, header) as f, concurrent.futures.ThreadPoolExecutor(1) as judging:
+        rounds, judged = math.ceil(n_batches / world), None
+
+        def judge_and_write(b, items, completions):
+            ex, counts = metarm.cold_start_examples(mrm, items, completions, judge=judge, nlhf=nlhf,
+                                                    rollouts_per_prompt=rollouts_per_prompt)
+            write_batch(f, b, ex, counts)
+
         for k in range(rounds):
             b = k * world + rank
-            todo = b < n_batches and b not in view["done"]
-            ex, counts = metarm.cold_start_batch(
-                mrm, dh_items[b * batch_size:(b + 1) * batch_size] if todo else [], sample=sample, judge=judge,
-                prompt=prompt, nlhf=nlhf, rollouts_per_prompt=rollouts_per_prompt, max_new_tokens=max_new_tokens,
-                temperature=temperature, seed=batch_seed(seed, b))
-            if todo:
-                write_batch(f, b, ex, counts)
+            items = dh_items[b * batch_size:(b + 1) * batch_size] if b < n_batches and b not in view["done"] else []
+            completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt, rollouts_per_prompt=rollouts_per_prompt,
+                                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                                   seed=batch_seed(seed, b))
+            if judged is not None:  # the previous batch, judged while this one sampled, is on disk first
+                judged.result()
+            judged = judging.submit(judge_and_write, b, items, completions) if items else None
             if log and ((k + 1) % max(1, rounds // 20) == 0 or k + 1 == rounds):  # ~20 lines in all
                 log(f"metarm cold start: round {k + 1}/{rounds} ({world} batches of {batch_size} D_H prompts x "
                     f"{rollouts_per_prompt} rollouts a round), {time.time() - t0:.0f} s")
+        if judged is not None:
+            judged.result()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the decode's KV cache, before the MetaRM trains (and an engine wakes)
     done = wait_for_batches(view, folder, header, n_batches, timeout_s=timeout_s, poll_s=poll_s, rank=rank, world=world)

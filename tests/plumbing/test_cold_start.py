@@ -1,5 +1,5 @@
-"""The MetaRM cold start as a stage (plumbing/cold_start.py over metarm.cold_start_batch and
-fit_cold_start; issue 34 item 1): bounded batches through a `sample` callable, the examples in
+"""The MetaRM cold start as a stage (plumbing/cold_start.py over metarm.cold_start_sample,
+cold_start_examples and fit_cold_start; issue 34 item 1): bounded batches through a `sample` callable, the examples in
 per-rank JSONL files as they are made, a killed cold start resumed to the same set and the same
 MetaRM, the exchange through files with a deadline and one line, a file of other settings refused;
 through train.main: bounded sample calls, no second GRM alive while the MetaRM trains, a run
@@ -8,6 +8,7 @@ import functools
 import gc
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -121,8 +122,28 @@ def test_a_killed_cold_start_resumes_to_the_uninterrupted_set_and_metarm(tiny_mo
     assert torch.equal(flat(mrm_c), flat(mrm_a))
 
 
+def test_a_batch_is_judged_while_the_next_one_samples(tiny_model_path, tmp_path, monkeypatch):
+    """The judge of batch 0 (a server round trip per rollout, RM-NLHF Eq. 4) runs while batch 1
+    samples: batch 0's judging waits for the sampler's second call, which comes only if the two
+    overlap (one after the other, the wait runs out and records False)."""
+    second, overlapped, real = threading.Event(), [], metarm.judge_dh
+
+    def judge_dh(*a, **kw):
+        overlapped.append(second.wait(timeout=20))
+        return real(*a, **kw)
+    monkeypatch.setattr(metarm, "judge_dh", judge_dh)
+    inner, calls = fake_sample()
+
+    def sample(prompt_ids, **kw):
+        if len(calls) == 1:
+            second.set()
+        return inner(prompt_ids, **kw)
+    _, stats = cold(tiny_model_path, str(tmp_path / "e"), [pair(i) for i in range(4)], sample)
+    assert calls == [2, 2] and overlapped == [True, True] and stats["batches"] == 2
+
+
 def test_the_method_computes_the_rewards_by_hand(tiny_model_path):
-    """metarm.cold_start_batch on known completions: the real prompt building of the tiny GRM, the
+    """metarm.cold_start_sample and cold_start_examples on known completions: the real prompt building of the tiny GRM, the
     proxy F1 of a copied human critique line: right + matched -> 1 + λ·1[F1 > 0.5], wrong -> 0,
     no format -> no example (R = -1 is never a MetaRM target); fit_cold_start sums the counts."""
     items = load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
@@ -140,9 +161,11 @@ def test_the_method_computes_the_rewards_by_hand(tiny_model_path):
         return {"completions": texts}
 
     mrm = mrm_of(tiny_model_path)
-    ex, counts = metarm.cold_start_batch(mrm, items, sample=sample, judge=make_judge({"backend": "proxy"}),
-                                         prompt=prompt_ids, nlhf=NLHF, rollouts_per_prompt=3, max_new_tokens=8, seed=11)
+    completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt_ids, rollouts_per_prompt=3,
+                                           max_new_tokens=8, seed=11)
     assert seen["prompts"] == 2 and seen["g"] == 3 and seen["seed"] == 11 and "[Response A]" in seen["first"]
+    ex, counts = metarm.cold_start_examples(mrm, items, completions, judge=make_judge({"backend": "proxy"}), nlhf=NLHF,
+                                            rollouts_per_prompt=3)
     f1 = [proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
     assert [e["r"] for e in ex] == [r for f in f1 for r in (1.0 + 0.5 * (f > 0.5), 0.0)]
     assert counts == {"rollouts": 6, "invalid": 2, "judge_failures": 0, "examples": 4, "truncated": counts["truncated"]}
