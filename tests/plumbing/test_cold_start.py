@@ -270,3 +270,9 @@ def test_a_run_cold_starts_in_bounded_batches_with_one_grm_and_resumes(tiny_mode
     assert torch.equal(*weights)
     a, b = (read_jsonl(rank_file(os.path.join(o, "cold_start"), 0)) for o in (out_a, out_b))
     assert [r for r in a if "text" in r] == [r for r in b if "text" in r]
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_the_batch_size_is_checked_before_any_model_loads(value):
+    with pytest.raises(SystemExit, match=f"config key metarm.cold_start_batch_size: must be >= 1, got {value}"):
+        config.load_config([], [f"metarm.cold_start_batch_size={value}"])  # load_config runs validate_config
