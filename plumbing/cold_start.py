@@ -212,12 +212,7 @@ def scan(view, folder, header):
     with other settings, no header, or a batch whose example count disagrees with its "done" line."""
     for path in sorted(glob.glob(os.path.join(folder, "examples.rank*.jsonl"))):
         st = view["files"].setdefault(path, {"offset": 0, "line": 0, "pending": {}})
-        with open(path, "rb") as f:
-            f.seek(st["offset"])
-            data = f.read()
-        data = data[:data.rfind(b"\n") + 1]
-        st["offset"] += len(data)
-        for raw in data.splitlines():
+        for raw in new_lines(path, st):
             st["line"] += 1
             try:
                 rec = json.loads(raw)
@@ -238,6 +233,20 @@ def scan(view, folder, header):
                 view["done"].setdefault(rec["batch"], (ex, rec["done"]))
             elif rec["batch"] in st["pending"]:
                 st["pending"][rec["batch"]].append({k: rec[k] for k in ("text", "r", "dh")})
+
+
+def new_lines(path, st, chunk=1 << 24):
+    """The complete lines of `path` past st["offset"], read 16 MiB at a time (a file can hold GBs
+    of examples); st["offset"] moves past each one, never into a line still being written."""
+    with open(path, "rb") as f:
+        f.seek(st["offset"])
+        buf = b""
+        while data := f.read(chunk):
+            buf += data
+            end = buf.rfind(b"\n") + 1
+            done, buf = buf[:end], buf[end:]
+            st["offset"] += len(done)
+            yield from done.splitlines()
 
 
 def check_header(path, rec, header):

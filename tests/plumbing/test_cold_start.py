@@ -276,3 +276,16 @@ def test_a_run_cold_starts_in_bounded_batches_with_one_grm_and_resumes(tiny_mode
 def test_the_batch_size_is_checked_before_any_model_loads(value):
     with pytest.raises(SystemExit, match=f"config key metarm.cold_start_batch_size: must be >= 1, got {value}"):
         config.load_config([], [f"metarm.cold_start_batch_size={value}"])  # load_config runs validate_config
+
+
+def test_the_reader_takes_complete_lines_in_chunks(tmp_path):
+    """new_lines over chunks shorter than a line: complete lines only, the offset never inside a
+    line still being written; the rest of that line comes with the next read."""
+    from plumbing.cold_start import new_lines
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"bb": 22}\n{"cc')
+    st = {"offset": 0}
+    assert list(new_lines(str(path), st, chunk=5)) == [b'{"a": 1}', b'{"bb": 22}'] and st["offset"] == 20
+    with open(path, "ab") as f:
+        f.write(b'c": 3}\n')
+    assert list(new_lines(str(path), st, chunk=5)) == [b'{"ccc": 3}'] and st["offset"] == 31
