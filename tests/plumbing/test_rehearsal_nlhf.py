@@ -19,7 +19,7 @@ model's float32 size M (3.2M parameters, 98 % of them the tied embedding: 12.3 M
     x 816 tokens x 1 KiB), then the MetaRM's sharded fit: its root gathered (~1 M), its full-size
     gradient before the reduce-scatter (~1 M), AdamW moments of its shard (0.5 M), the clip and
     step temporaries (~1 M): ~5 M; the rest is first-use cost (autograd, allocator arenas, code
-    imported on first use), measured 115-141 MiB in all on 2026-12-03 (9-11 M);
+    imported on first use), measured 114-141 MiB in all on 2026-12-03 (9-11 M);
   - the run's peak over the resident set at the cold start's start (setup's models, tokenizer and
     data loaded: everything after is what the stages hold) <= 32 M (RUN_M): the steps add the
     policy's gradient and AdamW state (1.5 M), the reference (bf16), the checkpoint's float32 full
