@@ -18,9 +18,10 @@ nor how often the cold start was interrupted.
 
 Ranks. Batch b goes to rank b % world, in rounds: in round k rank r runs batch k * world + r. Its
 judging (the judge's requests, Eq. 4-5, and the examples) runs in a thread while the rank samples
-its next batch: the judge server and the GPU work at once. Every rank calls sample() once a round, with no prompt when its batch is past the end or already on disk,
-because HF decode of an FSDP2 policy (hf_sample) gathers the weights, a collective every rank must
-join; a rank then waits at most one batch of another rank there. Nothing else in the sampling
+its next batch: the judge server and the GPU work at once. Every rank calls sample() once a round,
+with no prompt when its batch is past the end or already on disk, because HF decode of an FSDP2
+policy (hf_sample) gathers the weights, a collective every rank must join; a rank then waits at
+most one batch of another rank there. Nothing else in the sampling
 is a collective: the examples are exchanged through the files (wait_for_batches), where a rank
 waits with a deadline (train.dist_timeout_s without any rank finishing a batch) and one line.
 
@@ -138,8 +139,8 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, nlhf, folder, identi
         for k in range(rounds):
             b = k * world + rank
             items = dh_items[b * batch_size:(b + 1) * batch_size] if b < n_batches and b not in view["done"] else []
-            completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt, rollouts_per_prompt=rollouts_per_prompt,
-                                                   max_new_tokens=max_new_tokens, temperature=temperature,
+            completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt, max_new_tokens=max_new_tokens,
+                                                   rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                                                    seed=batch_seed(seed, b))
             if judged is not None:  # the previous batch, judged while this one sampled, is on disk first
                 judged.result()
