@@ -14,7 +14,8 @@ One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does step
     Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
             then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
     Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
-The cold start (Algorithm 1, lines 2-10: cold_start -> train_metarm -> fit) trains with the same loop.
+The cold start (Algorithm 1, lines 2-10: cold_start_sample and cold_start_examples per batch of D_H prompts,
+then fit_cold_start -> train_metarm -> fit) trains with the same loop; plumbing/cold_start.py runs it.
 
 Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H):
     none         no MetaRM: D_O reward is the outcome only (-1 / 0 / 1); cold start is skipped
@@ -378,50 +379,45 @@ def _batches(n, batch_size, seed):
 # Cold start (Algorithm 1, lines 2-10): N rollouts per D_H prompt from the base GRM, judge, train
 
 
-def cold_start(mrm, grm, dh_items, judge, *, chat, nlhf, rollouts_per_prompt=4, max_new_tokens=256, temperature=1.0,
-               epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, micro_batch_size=None, log=print,
-               compute_dtype="float32", generate=rollout.generate, rank=0, world=1, on_failure="mask"):
-    """Cold start: N rollouts per D_H prompt from the base GRM, judge rewards, then train.
+COLD_START_COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
 
-    grm: (model, tokenizer) of the base GRM (train.py's policy at step 0); dh_items: pairwise dicts
-    with human critiques; judge: judge(pairs) -> list[dict] (reward.score_dh, with on_failure:
-    judge.on_failure); chat: the GRM's prompt format (plumbing/prompts.py's policy_chat); nlhf: the config's `nlhf:`; compute_dtype: autocast while
-    sampling; generate: rollout.generate or fast.generate; the rest: sampling and train_metarm.
-    rank, world: each rank samples and judges its contiguous block of dh_items (seed + 1_000_003
-    rank), the examples are all-gathered in item order and every rank runs the same train_metarm
-    (replicas: rank 0's result broadcast; FSDP2: each its share, fit): no rank works alone.
-    Returns dict (all ranks' counts): rollouts, examples, truncated (inputs cut to metarm.max_length),
-    invalid, judge_failures, target_mean, loss_first, loss_last, seconds. With no usable example
-    nothing is trained and the MetaRM keeps its initial head; the numbers say so."""
-    t0 = time.time()
-    grm, tok = grm
-    mine = dh_items[rank * len(dh_items) // world:(rank + 1) * len(dh_items) // world]
-    prompts = [reward.grm_prompt_ids(tok, it, chat, max_lines=nlhf["max_critique_lines"], style=nlhf["grm_prompt"]) for it in mine]
-    device = next(grm.parameters()).device
-    with rollout.autocast(compute_dtype, device.type):  # a rank with no items (world > len(dh_items)) samples none
-        out = generate(grm, tok, prompts, group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                       seed=seed + 1_000_003 * rank, micro_batch_size=micro_batch_size) if prompts else {"completions": []}
-    del grm
-    items = [it for it in mine for _ in range(rollouts_per_prompt)]
-    parsed = [reward.parse_grm_output(c, nlhf["max_critique_lines"], nlhf["max_critique_chars"], style=nlhf["grm_prompt"])
-              for c in out["completions"]]
-    samples = reward.score_dh(parsed, items, judge, lam=nlhf["lam"], threshold=nlhf["threshold"],
-                              gate_on_outcome=nlhf["gate_on_outcome"], inclusive=nlhf["threshold_rule"] == "inclusive",
-                              similarity=nlhf["similarity"], on_failure=on_failure)
-    ex = examples_from_samples(mrm["tokenizer"], items, samples, max_length=mrm["max_length"])
-    mrm["truncated"] += sum(e["truncated"] for e in ex)
-    n = {"rollouts": len(samples), "truncated": mrm["truncated"], "invalid": sum(not s["valid"] for s in samples),
-         "judge_failures": sum(s["judge_failed"] for s in samples)}
-    if world > 1:  # every rank's examples and counts, in rank order
-        dist.all_gather_object(parts := [None] * world, (ex, n))
-        ex, n = [e for part, _ in parts for e in part], {k: sum(c[k] for _, c in parts) for k in n}
-    stats = dict(n, examples=len(ex), target_mean=sum(e["r"] for e in ex) / len(ex) if ex else None)
-    log(f"metarm cold start: {stats['rollouts']} rollouts, {stats['invalid']} invalid, "
-        f"{stats['judge_failures']} judge failures, {stats['examples']} training examples")
-    losses = train_metarm(mrm, ex, epochs=epochs, lr=lr, warmup_frac=warmup_frac, weight_decay=weight_decay, seed=seed)
-    if world > 1: mrm["seams"]["broadcast"](mrm["model"])  # noqa: E701
-    stats.update(loss_first=(losses or [None])[0], loss_last=(losses or [None])[-1], seconds=time.time() - t0)
-    return stats
+
+def cold_start_sample(items, *, sample, prompt, rollouts_per_prompt, max_new_tokens, temperature=1.0, seed=0):
+    """Algorithm 1, line 4, on one batch of D_H items: N rollouts per prompt from the base GRM.
+    items: list (B) of D_H pairwise dicts, B >= 0; sample: the rollout backend, sample(prompt_ids,
+    *, group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (rollout.py's),
+    called with no prompt too (B = 0: HF decode of an FSDP2 policy gathers its weights, a collective
+    every rank joins); prompt: item -> GRM prompt ids (reward.grm_prompt_ids bound to the GRM's
+    tokenizer); seed: the batch's. Returns the completions, list[str] (B x N, a prompt's adjacent)."""
+    return sample([prompt(it) for it in items], group_size=rollouts_per_prompt, max_new_tokens=max_new_tokens,
+                  temperature=temperature, seed=seed)["completions"]
+
+
+def cold_start_examples(mrm, items, completions, *, judge, parse, score, rollouts_per_prompt):
+    """Algorithm 1, lines 5-7, on one batch: the rollouts' rewards R from the judge (Eq. 4-5; judge:
+    judge(pairs) -> list[dict], plumbing/services.py make_judge), the MetaRM examples (Eq. 6's input,
+    R the Eq. 7 target: examples_from_samples). items, completions: cold_start_sample's; parse:
+    completion -> reward.parse_grm_output dict; score: (parsed, items, judge) -> reward.score_dh
+    samples (both with the run's numbers bound: plumbing/cold_start.py cold_start_settings).
+    Returns (examples list of {"text", "r", "dh", "truncated"}, counts {name: int for COLD_START_COUNTS}):
+    "truncated" = inputs cut to metarm.max_length; judge failures and invalid formats give no example."""
+    rows = [it for it in items for _ in range(rollouts_per_prompt)]
+    samples = score([parse(c) for c in completions], rows, judge)
+    ex = examples_from_samples(mrm["tokenizer"], rows, samples, max_length=mrm["max_length"])
+    cut = sum(e["truncated"] for e in ex)
+    mrm["truncated"] += cut
+    return ex, {"rollouts": len(samples), "invalid": sum(not s["valid"] for s in samples),
+                "judge_failures": sum(s["judge_failed"] for s in samples), "examples": len(ex), "truncated": cut}
+
+
+def fit_cold_start(mrm, examples, counts, *, epochs, lr, warmup_frac, weight_decay, seed):
+    """Algorithm 1, line 9: train_metarm on the cold-start examples (Eq. 7). counts: the batches'
+    cold_start_examples counts. Returns dict: their sums, target_mean (None for no example), loss_first,
+    loss_last (None: nothing trained, the MetaRM keeps its initial head; the numbers say so)."""
+    stats = {k: sum(n[k] for n in counts) for k in COLD_START_COUNTS}
+    stats.update(examples=len(examples), target_mean=sum(e["r"] for e in examples) / len(examples) if examples else None)
+    losses = train_metarm(mrm, examples, epochs=epochs, lr=lr, warmup_frac=warmup_frac, weight_decay=weight_decay, seed=seed)
+    return dict(stats, loss_first=(losses or [None])[0], loss_last=(losses or [None])[-1])
 
 
 def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0, log=None):

@@ -30,7 +30,6 @@ from evaluate import (CANARIES, INJECT_CHOICES, PROMPT_TEMPLATE, QA_PROMPT_TEMPL
                       standard_error, template_fields)
 from evaluate import ema  # also imported from here by scripts/learning_check.py and the tests
 import fast
-from metarm import cold_start
 import reward
 from reward import DEFAULT_EVALUATOR_TEMPLATE, meta_question_dicts, rlme_reward
 import rollout
@@ -43,7 +42,8 @@ from plumbing.jsonl import jsonl_rows, not_utf8, read_jsonl
 from plumbing.models import load_model
 from plumbing.pairwise import load_dh_items
 from plumbing.prompts import parse_json_object, use_chat_template
-from plumbing.run import cold_start_settings, load_metarm, save_metarm
+from plumbing.cold_start import cold_start_settings, hf_sample, run_cold_start
+from plumbing.run import load_metarm, save_metarm
 from plumbing.services import checked_template, load_evaluator, make_judge, remote_evaluator
 from plumbing import config
 
@@ -267,8 +267,12 @@ def metarm_main(argv=None):
                       online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"],
                       weight_decay=m["weight_decay"])
     generate = fast.generate if cfg["train"]["fast_paths"] else rollout.generate  # the one switch, as train.py
-    grm = load_model(cfg["model"]["policy"])
-    stats = cold_start(mrm, grm, items, judge, **cold_start_settings(cfg, grm[1]), generate=generate)
+    grm, tok = load_model(cfg["model"]["policy"])
+    sample = hf_sample(grm, grm, tok, generate=generate, micro_batch_size=cfg["rollout"]["micro_batch_size"],
+                       context=lambda: rollout.autocast(cfg["model"]["dtype"], "cpu"))
+    # examples in <run.out_dir>/cold_start/ as they are made: a killed cold start resumes there
+    stats = run_cold_start(mrm, items, sample=sample, judge=judge, **cold_start_settings(cfg, tok),
+                           folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print)
     save_metarm(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

@@ -406,7 +406,7 @@ def validate_config(cfg, world_size=1):
     if nl["split_dh_fraction"] and nl["do"]:
         raise SystemExit(f"config key nlhf.split_dh_fraction={nl['split_dh_fraction']} splits nlhf.dh into D_H and D_O: "
                          f"set nlhf.do: null (it is {nl['do']})")
-    for key in ("online_epochs", "rollouts_per_prompt", "epochs", "batch_size"):
+    for key in ("online_epochs", "rollouts_per_prompt", "epochs", "batch_size", "cold_start_batch_size"):
         if cfg["metarm"][key] < 1:
             raise SystemExit(f"config key metarm.{key}: must be >= 1, got {cfg['metarm'][key]}")
     if cfg["task"] == "rm_nlhf":

@@ -35,6 +35,7 @@ RESUMABLE = (
     "nlhf.val_temperature", "nlhf.val_max_new_tokens",  # (nlhf.val, val_size: a holdout changes D_H)
     "train.micro_batch_size", "rollout.micro_batch_size", "reward.micro_batch_size",  # memory: one global
     "model.gradient_checkpointing", "metarm.gradient_checkpointing", "train.fast_paths",                               # normaliser, same update
+    "metarm.cold_start_batch_size",  # the cold start is over once a checkpoint exists (its MetaRM is in it)
     "train.parallel", "train.cpu_offload", "train.device", "train.dist_timeout_s",  # the checkpoint is layout-agnostic (docs/scale-out.md)
     "rollout.vllm_gpu_memory_utilization", "rollout.vllm_enforce_eager", "rollout.vllm_sleep_level",
     "judge.base_url", "judge.api_key_env", "judge.concurrency", "judge.timeout_s", "judge.max_retries",

@@ -7,9 +7,9 @@
                               atomic checkpoint folders and the exact resume (docs/method.md §4.7)
     write_early_stop, finished_run, finish
     open_trackers, track_step, close_trackers     tensorboard / trackio / wandb
-    setup_metarm, load_metarm, save_metarm, load_saved_metarm, cold_start_settings
+    setup_metarm, load_metarm, save_metarm, load_saved_metarm
                               the MetaRM of an rm_nlhf run: restored, loaded or cold-started
-    record_cold_start         the cold-start set's size: cold_start.json, a line, first-step metrics
+                              (the cold start itself: plumbing/cold_start.py)
     run_interruptible(train, cfg)  Ctrl-C / SIGTERM: one line with the step reached and the checkpoint
                               the same command resumes from, exit 130 (here, not in guards.py: it
                               needs latest_checkpoint, and run.py imports guards.py)
@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from metarm import cold_start, raw_outputs
+from metarm import raw_outputs
 import reward
 import rollout
 
+from plumbing.cold_start import cold_start_settings, hf_sample, record_cold_start, run_cold_start
 from plumbing.config import check_evaluator_paths, check_scale_config, check_single_pass, validate_config
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
@@ -201,9 +202,10 @@ def start_run(cfg, passes, rank, world, device):
         apply_optim_settings(state["optimizer"], state["scheduler"], o)  # the config's lr / betas, not the saved ones
     state["mrm"], mrm_source, cold = None, None, None
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
-        state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, policy, tokenizer, dh=state["dh_items"],
-                                                          judge=state["judge"], device=device, rank=rank,
-                                                          world=world, generate=passes["generate"])
+        sample = hf_sample(model, policy, tokenizer, generate=passes["generate"], micro_batch_size=ro["micro_batch_size"],
+                           context=functools.partial(compute_context, cfg["model"]["dtype"], tc["parallel"], device))
+        state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, tokenizer, sample=sample, dh=state["dh_items"],
+                                                      judge=state["judge"], device=device, rank=rank, world=world)
 
     # free space for the checkpoints still to come, before the first step (every rank stops alike)
     state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
@@ -247,27 +249,6 @@ def start_run(cfg, passes, rank, world, device):
             state["val_history"] = [{"step": m["step"], "accuracy": held_out_accuracy(m), "train_reward": None}
                                     for m in map(json.loads, f) if held_out_accuracy(m) is not None]
     return state
-
-
-def record_cold_start(out_dir, stats, rollouts_per_prompt):
-    """The MetaRM cold start's set (RM-NLHF §3.2.2: N rollouts per D_H prompt, judged, then
-    trained on), so that an empty or tiny one cannot pass unnoticed: <out_dir>/cold_start.json
-    (metarm.cold_start's stats), one printed line, and the metarm/cold_start_* metrics returned
-    for metrics.jsonl's first step (emit adds them).
-
-    Args: stats: metarm.cold_start's dict (rollouts, invalid, judge_failures, examples, ...).
-        rollouts_per_prompt: metarm.rollouts_per_prompt (prompts = rollouts / it).
-    Returns: {"metarm/cold_start_<name>": int} for prompts, rollouts, invalid, judge_failures, examples.
-    """
-    counts = dict(prompts=stats["rollouts"] // rollouts_per_prompt,
-                  **{k: stats[k] for k in ("rollouts", "invalid", "judge_failures", "examples")})
-    with open(os.path.join(out_dir, "cold_start.json"), "w") as f:
-        json.dump(dict(stats, prompts=counts["prompts"]), f, indent=1)
-    print(f"[train] MetaRM cold-start set: {counts['prompts']} D_H prompts x {rollouts_per_prompt} = "
-          f"{counts['rollouts']} rollouts, {counts['invalid']} unparseable, {counts['judge_failures']} judge "
-          f"failures -> {counts['examples']} training examples ({out_dir}/cold_start.json; metrics.jsonl's first "
-          f"step: metarm/cold_start_*)", flush=True)
-    return {f"metarm/cold_start_{k}": v for k, v in counts.items()}
 
 
 def free_space_problem(cfg, state):
@@ -755,20 +736,23 @@ def check_wandb_credentials():
                          "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally")
 
 
-def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world, generate=rollout.generate):
+def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world):
     """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
     (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
     (default <out_dir>/metarm, e.g. written by `python -m plumbing.cli metarm cold-start`); (3) a cold start
     from the base GRM (= the policy at step 0) on metarm.cold_start_items D_H items, saved to
     metarm.path; (4) a fresh regression head on metarm.model (metarm.cold_start: false).
-    (3) runs on every rank, each sampling and judging its share (metarm.cold_start); rank 0's
-    weights are broadcast, so all ranks start equal; rank 0 saves the weights. Under train.parallel
-    fsdp2 with world > 1 the MetaRM is sharded like the policy (load_metarm; docs/scale-out.md).
+    (3) is plumbing/cold_start.py's run_cold_start on every rank: batches of
+    metarm.cold_start_batch_size prompts through `sample`, examples in <out_dir>/cold_start/ (a
+    killed cold start resumes there), every rank trains on all of them; rank 0 saves the weights.
+    Under train.parallel fsdp2 with world > 1 the MetaRM is sharded like the policy (load_metarm;
+    docs/scale-out.md).
 
     Args:
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
-        policy, tokenizer: the GRM (train.py's policy, float32). dh: D_H items. judge: make_judge dict.
-        generate: the cold start's sampler (cold_start).
+        tokenizer: the GRM's (its prompts). sample: the rollout backend, sample(prompt_ids, *,
+        group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (hf_sample, or
+        the vLLM engine's). dh: D_H items. judge: the judge (make_judge).
     Returns:
         (mrm dict or None, source str, cold-start stats dict or None).
     Raises:
@@ -786,27 +770,21 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
                 os.path.join(ckpt, "metarm"), None)
     if os.path.isfile(os.path.join(path, "metarm.json")):
         return load_saved_metarm(path, device, m["dtype"], m["gradient_checkpointing"], **placed), path, None
-    base = m["model"] or cfg["model"]["policy"]
-
-    def fresh():
-        return load_metarm(base, m["mode"], nl["lam"], dtype=m["dtype"], device=device, batch_size=m["batch_size"],
-                           max_length=m["max_length"], online_lr=m["online_lr"], weight_decay=m["weight_decay"],
-                           online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"], **placed)
-
-    mrm, stats = fresh(), None
+    with torch.random.fork_rng(devices=[]):  # the fresh head drawn from run.seed: a rerun cold-starts the same MetaRM
+        torch.manual_seed(cfg["run"]["seed"])
+        mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device=device,
+                          batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
+                          weight_decay=m["weight_decay"], online_epochs=m["online_epochs"],
+                          gradient_checkpointing=m["gradient_checkpointing"], **placed)
+    stats = None
     if world > 1:  # a fresh head is random: rank 0's on every rank (FSDP2: load_metarm did, before sharding)
         broadcast_parameters(mrm["model"])
     if m["cold_start"]:
         items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
-        # every rank samples and judges its share of the items, then all fit the same MetaRM
-        # (metarm.cold_start): from the policy itself, unless FSDP2 sharded it (then from a plain
-        # copy of the same base weights, freed after the cold start)
-        grm = (policy, tokenizer) if cfg["train"]["parallel"] == "ddp" else \
-            load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
-        stats = cold_start(mrm, grm, items, judge, **cold_start_settings(cfg, grm[1]), generate=generate,
-                           micro_batch_size=cfg["rollout"]["micro_batch_size"] or None, rank=rank, world=world,
-                           log=lambda s: print(f"[train] {s}", flush=True) if rank == 0 else None)
-        del grm
+        stats = run_cold_start(mrm, items, sample=sample, judge=judge, **cold_start_settings(cfg, tokenizer),
+                               folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), rank=rank, world=world,
+                               timeout_s=cfg["train"]["dist_timeout_s"],
+                               log=lambda s: print(f"[train] {s}", flush=True) if rank == 0 else None)
         if not stats["examples"] and rank == 0:  # a MetaRM trained on nothing: its D_O bonus is a random head's
             print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
                   f"{stats['invalid']} unparseable, {stats['judge_failures']} judge failures): its D_O predictions "
@@ -814,17 +792,6 @@ def setup_metarm(cfg, ckpt, policy, tokenizer, *, dh, judge, device, rank, world
                   flush=True)
         save_metarm(mrm, path, rank=rank, world=world)
     return mrm, "cold_start" if m["cold_start"] else "fresh", stats
-
-
-def cold_start_settings(cfg, tokenizer):
-    """metarm.cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.* with the
-    GRM's `tokenizer` for its chat format, run.seed): one place, for train.py's cold start and
-    the CLI's."""
-    m = cfg["metarm"]
-    return dict(rollouts_per_prompt=m["rollouts_per_prompt"], max_new_tokens=m["max_new_tokens"],
-                temperature=m["temperature"], epochs=m["epochs"], lr=m["lr"], warmup_frac=m["warmup_frac"],
-                weight_decay=m["weight_decay"], nlhf=cfg["nlhf"], chat=policy_chat(tokenizer, cfg["model"]),
-                seed=cfg["run"]["seed"], compute_dtype=cfg["model"]["dtype"], on_failure=cfg["judge"]["on_failure"])
 
 
 def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", batch_size=8, max_length=1024,
@@ -1122,9 +1089,9 @@ def nlhf_validation_step(state, cfg, step):
                                     seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
                                     max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
     records = []
-    if mine:
-        with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"],
-                                                        state["policy"].device):
+    # every rank, also one with no pair (nlhf.val_size < world): under FSDP2 the gather is a collective
+    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], state["policy"].device):
+        if mine:
             _, records = evaluate.pairwise_accuracy(mine, judge)
     n = all_sum(len(mine), world)
     right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
@@ -1200,9 +1167,11 @@ def run_interruptible(train, cfg):
         if int(os.environ.get("RANK", "0")) == 0:
             ckpt = latest_checkpoint(out_dir)
             reached = last_logged_step(os.path.join(out_dir, "metrics.jsonl"))
+            cold = os.path.join(out_dir, "cold_start")  # plumbing/cold_start.py: its batches on disk are kept
             print(f"\n[train] interrupted after step {reached} of {cfg['run']['total_steps']}; the same command "
                   + (f"resumes from {os.path.basename(ckpt)} ({ckpt})" if ckpt else
-                     "starts afresh: no checkpoint yet (run.save_every)"), file=sys.stderr, flush=True)
+                     "starts afresh: no checkpoint yet (run.save_every)"
+                     + (f"; the MetaRM cold start continues from the batches in {cold}" if os.path.isdir(cold) else "")), file=sys.stderr, flush=True)
         raise SystemExit(130)
     finally:
         signal.signal(signal.SIGTERM, old)

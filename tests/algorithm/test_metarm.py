@@ -1,19 +1,16 @@
 """metarm.py (docs/method.md §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
-cold start (with the real rollout code on a tiny model) and the command line."""
+cold-start training and the command line (the cold start's batches, files and resume:
+tests/plumbing/test_cold_start.py)."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import data_path, make_judge
 import metarm
 import reward
 
-from plumbing.models import load_model
-from plumbing.pairwise import load_pairwise
 from plumbing.run import load_metarm
-from plumbing.services import proxy_f1
 from plumbing import config
 
 
@@ -226,49 +223,6 @@ def test_predict_skips_invalid_samples(tiny_mrm):
     preds, cut = metarm.predict(m, tok, [item(0), item(1)], [None, "Response A is right."], **kw)
     assert preds[0] is None and isinstance(preds[1], float) and cut == 0
     assert metarm.predict(m, tok, [item(0)], [None], **kw) == ([None], 0)
-
-
-def test_cold_start_with_fixed_generations(tiny_model_path, monkeypatch):
-    """cold_start's plumbing with known completions: the real prompt building and tiny GRM load,
-    generation replaced so the rewards are known: proxy F1 of a copied human critique is 1."""
-    items = load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
-    seen = {}
-
-    def fake_generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature=1.0, **kw):
-        seen.update(prompts=len(prompt_ids), g=group_size, first=tok.decode(prompt_ids[0]))
-        texts = []
-        for it in items:
-            first_line = it["critique"].splitlines()[0]
-            wrong = "B" if it["winner"] == "A" else "A"
-            texts += [f"<critics>{first_line}</critics><choice>[[{it['winner']}]]</choice>",  # right, matched -> 1.5
-                      f"<critics>{first_line}</critics><choice>[[{wrong}]]</choice>",         # wrong -> 0
-                      "no format at all"]                                                      # invalid, skipped
-        return {"completions": texts}
-
-    mrm = fresh(tiny_model_path)
-    judge = make_judge({"backend": "proxy"})
-    stats = metarm.cold_start(mrm, load_model(tiny_model_path), items, judge, chat=False, nlhf=NLHF,
-                              rollouts_per_prompt=3, epochs=1, lr=1e-4, log=lambda s: None, generate=fake_generate)
-    assert seen["prompts"] == 2 and seen["g"] == 3 and "[Response A]" in seen["first"] and "<critics>" in seen["first"]
-    # first-line critique vs the full human critique: recall is low, so R depends on the proxy F1;
-    # recompute the expected targets with the same public functions
-    f1 = [proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
-    targets = [r for f in f1 for r in (1.0 + 0.5 * (f > 0.5), 0.0)]
-    assert stats["rollouts"] == 6 and stats["invalid"] == 2 and stats["examples"] == 4
-    assert stats["judge_failures"] == 0
-    assert stats["target_mean"] == pytest.approx(sum(targets) / 4)
-    assert stats["loss_first"] is not None
-
-
-def test_cold_start_real_generation_tiny(tiny_model_path):
-    """Real rollout.generate on the tiny random GRM: garbage output, every rollout invalid, nothing
-    to train on; cold_start must say so instead of failing."""
-    items = [item(0), item(1)]
-    mrm = fresh(tiny_model_path)
-    stats = metarm.cold_start(mrm, load_model(tiny_model_path), items, make_judge({"backend": "proxy"}), chat=False,
-                              nlhf=NLHF, rollouts_per_prompt=2, max_new_tokens=4, log=lambda s: None)
-    assert stats["rollouts"] == 4 and stats["invalid"] == 4 and stats["examples"] == 0
-    assert stats["loss_first"] is None and stats["target_mean"] is None
 
 
 def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path):
