@@ -22,11 +22,18 @@ import train
 
 from plumbing import config
 from plumbing.cold_start import rank_file, run_cold_start
-from plumbing.data import load_model, load_pairwise
+from plumbing.models import load_model
+from plumbing.pairwise import load_pairwise
 from plumbing.run import load_metarm
 from plumbing.services import proxy_f1
 
 NLHF = config.load_config([])["nlhf"]
+# config.yaml's numbers bound, as plumbing/cold_start.py's cold_start_settings binds them
+PARSE = functools.partial(reward.parse_grm_output, max_lines=NLHF["max_critique_lines"],
+                          max_chars=NLHF["max_critique_chars"], style=NLHF["grm_prompt"])
+SCORE = functools.partial(reward.score_dh, lam=NLHF["lam"], threshold=NLHF["threshold"],
+                          gate_on_outcome=NLHF["gate_on_outcome"], inclusive=NLHF["threshold_rule"] == "inclusive",
+                          similarity=NLHF["similarity"])
 IDENTITY = {"model.policy": "tiny"}
 N_ROLLOUTS = 2
 
@@ -60,9 +67,9 @@ def mrm_of(model_path):
 
 
 def cold(model_path, folder, items, sample, **kw):
-    mrm = mrm_of(model_path)
-    stats = run_cold_start(mrm, items, sample=sample, judge=make_judge({"backend": "proxy"}), prompt=prompt, nlhf=NLHF,
-                           folder=folder, identity=kw.pop("identity", IDENTITY), batch_size=kw.pop("batch_size", 2),
+    mrm = kw.pop("mrm", None) or mrm_of(model_path)
+    stats = run_cold_start(mrm, items, sample=sample, judge=make_judge({"backend": "proxy"}), prompt=prompt, parse=PARSE,
+                           score=kw.pop("score", SCORE),                           folder=folder, identity=kw.pop("identity", IDENTITY), batch_size=kw.pop("batch_size", 2),
                            rollouts_per_prompt=N_ROLLOUTS, max_new_tokens=8, temperature=1.0, epochs=1, lr=1e-4,
                            warmup_frac=0.01, weight_decay=0.01, seed=3, poll_s=0.01, **kw)
     return mrm, stats
@@ -126,19 +133,18 @@ def test_a_batch_is_judged_while_the_next_one_samples(tiny_model_path, tmp_path,
     """The judge of batch 0 (a server round trip per rollout, RM-NLHF Eq. 4) runs while batch 1
     samples: batch 0's judging waits for the sampler's second call, which comes only if the two
     overlap (one after the other, the wait runs out and records False)."""
-    second, overlapped, real = threading.Event(), [], metarm.judge_dh
+    second, overlapped = threading.Event(), []
 
-    def judge_dh(*a, **kw):
+    def score(*a, **kw):
         overlapped.append(second.wait(timeout=20))
-        return real(*a, **kw)
-    monkeypatch.setattr(metarm, "judge_dh", judge_dh)
+        return SCORE(*a, **kw)
     inner, calls = fake_sample()
 
     def sample(prompt_ids, **kw):
         if len(calls) == 1:
             second.set()
         return inner(prompt_ids, **kw)
-    _, stats = cold(tiny_model_path, str(tmp_path / "e"), [pair(i) for i in range(4)], sample)
+    _, stats = cold(tiny_model_path, str(tmp_path / "e"), [pair(i) for i in range(4)], sample, score=score)
     assert calls == [2, 2] and overlapped == [True, True] and stats["batches"] == 2
 
 
@@ -148,7 +154,8 @@ def test_the_method_computes_the_rewards_by_hand(tiny_model_path):
     no format -> no example (R = -1 is never a MetaRM target); fit_cold_start sums the counts."""
     items = load_pairwise(data_path("mr_ben_math", "math.jsonl"))[:2]
     grm, tok = load_model(tiny_model_path)
-    prompt_ids = functools.partial(reward.grm_prompt_ids, tok, chat=False, nl=NLHF)
+    prompt_ids = functools.partial(reward.grm_prompt_ids, tok, chat=False, max_lines=NLHF["max_critique_lines"],
+                                   style=NLHF["grm_prompt"])
     seen = {}
 
     def sample(ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
@@ -164,8 +171,8 @@ def test_the_method_computes_the_rewards_by_hand(tiny_model_path):
     completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt_ids, rollouts_per_prompt=3,
                                            max_new_tokens=8, seed=11)
     assert seen["prompts"] == 2 and seen["g"] == 3 and seen["seed"] == 11 and "[Response A]" in seen["first"]
-    ex, counts = metarm.cold_start_examples(mrm, items, completions, judge=make_judge({"backend": "proxy"}), nlhf=NLHF,
-                                            rollouts_per_prompt=3)
+    ex, counts = metarm.cold_start_examples(mrm, items, completions, judge=make_judge({"backend": "proxy"}), parse=PARSE,
+                                            score=SCORE, rollouts_per_prompt=3)
     f1 = [proxy_f1(it["critique"], it["critique"].splitlines()[0])["f1"] for it in items]
     assert [e["r"] for e in ex] == [r for f in f1 for r in (1.0 + 0.5 * (f > 0.5), 0.0)]
     assert counts == {"rollouts": 6, "invalid": 2, "judge_failures": 0, "examples": 4, "truncated": counts["truncated"]}
@@ -192,9 +199,10 @@ def test_a_rank_waits_for_the_others_files_with_a_deadline(tiny_model_path, tmp_
     assert "batches 1, 3 of 4 (ranks [1] of 2)" in msg and "train.dist_timeout_s" in msg and "resumes" in msg
     # rank 1's file arrives (a rerun of that rank): it finds all four batches and trains (with no
     # process group here, rank 0's weights are not broadcast)
-    monkeypatch.setattr(metarm, "broadcast_parameters", lambda model: None)
+    mrm = mrm_of(tiny_model_path)
+    mrm["seams"] = dict(mrm["seams"], broadcast=lambda model: None)
     sample1, calls1 = fake_sample()
-    cold(tiny_model_path, str(tmp_path / "c"), items, sample1, rank=1, world=2, timeout_s=5)
+    cold(tiny_model_path, str(tmp_path / "c"), items, sample1, rank=1, world=2, timeout_s=5, mrm=mrm)
     assert calls1 == [2, 2]
 
 
