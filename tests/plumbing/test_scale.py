@@ -782,3 +782,60 @@ def test_fsdp2_reduce_every_micro_batch_and_sharded_reference_on_2_gloo_ranks(ti
         assert not ref["requires_grad"] and ref["local"] <= ref["n_full"] // 2 + 64 * 64  # dim-0 chunks: about half
         for a, b in zip(ref["full"], ref["sharded"]):
             assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-6, rtol=0), (a, b)
+
+
+# --- issue 34.5: the policy's FSDP2 root resharded after a no-grad forward ------------------------
+
+def _root_reshard_worker(rank, world, port, model_path, out):
+    from torch.distributed.tensor import DTensor
+    from conftest import frozen_logprobs
+    _init(rank, world, port)
+    policy, tok = load_model(model_path)
+    plain = load_model(model_path)[0].eval()
+    model = wrap_policy(policy, "fsdp2", world, CPU)
+
+    def gathered():  # parameters registered as full tensors, not as this rank's shards
+        return sorted(n for n, p in policy.named_parameters() if not isinstance(p, DTensor))
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    seen = {}
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    seen["no_grad"] = gathered()
+    batch = _shard(_layout_batch(), rank, world)
+    lp = frozen_logprobs(model, batch, tok.pad_token_id, _layout_cfg(2, "seq_sum", parallel="fsdp2"), CPU)
+    seen["frozen_logprobs"] = gathered()  # the behaviour pass (train.frozen_logprobs)
+    with unsharded(model):  # generation: everything stays gathered across forwards, no all-gather per step
+        with torch.no_grad():
+            model(input_ids=ids)
+            model(input_ids=ids)
+        seen["unsharded"] = gathered()
+    seen["after_unsharded"] = gathered()
+    loss = model(input_ids=ids, labels=ids).loss  # training: FSDP2 keeps the root gathered for backward
+    seen["grad_forward"] = gathered()
+    loss.backward()
+    seen["backward"] = gathered()
+    with torch.no_grad():
+        plain_logits = plain(input_ids=ids).logits
+    seen["same_logits"] = torch.equal(logits, plain_logits)
+    seen["all"] = sorted(n for n, _ in policy.named_parameters())
+    seen["lp"] = [x.abs().sum().item() for x in lp]
+    torch.save(seen, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_root_is_resharded_after_a_no_grad_forward(tiny_model_path, tmp_path):
+    """Issue 34.5: FSDP2 keeps the root's parameters (embedding, final norm, LM head: 2.03 GiB at
+    7B in bf16) gathered after its forward, for the backward that follows a training forward. A
+    no-grad forward (the behaviour pass, evaluators, a validation) has no backward, so they stayed
+    gathered until the next training step; wrap_policy's hook reshards them. Inside unsharded() they
+    stay gathered (generation's forwards do not all-gather); a training forward still keeps them
+    for its backward, which reshards them."""
+    out = str(tmp_path / "root")
+    _spawn(_root_reshard_worker, 2, tiny_model_path, out)
+    for rank in (0, 1):
+        seen = torch.load(f"{out}.{rank}")
+        root = ["model.embed_tokens.weight", "model.norm.weight"]  # lm_head is tied to the embedding
+        assert seen["no_grad"] == [] and seen["frozen_logprobs"] == [] and all(seen["lp"])
+        assert seen["unsharded"] == seen["all"] and seen["after_unsharded"] == []
+        assert seen["grad_forward"] == root and seen["backward"] == []
+        assert seen["same_logits"]
