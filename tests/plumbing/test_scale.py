@@ -4,6 +4,7 @@ checkpoints both ways, per-rank seeds, config errors, and the pure parts of the 
 marked `gpu` and skipped without CUDA (and without vllm)."""
 import contextlib
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -839,3 +840,167 @@ def test_fsdp2_root_is_resharded_after_a_no_grad_forward(tiny_model_path, tmp_pa
         assert seen["unsharded"] == seen["all"] and seen["after_unsharded"] == []
         assert seen["grad_forward"] == root and seen["backward"] == []
         assert seen["same_logits"]
+
+
+# --- issue 34.4: models built on the meta device, sharded, then rank 0's weights ------------------
+
+def _record_reads(reads):
+    """Every from_pretrained of a model (any Auto class ends there) appends (class, path) to `reads`."""
+    from transformers import PreTrainedModel
+    real = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        reads.append((cls.__name__, str(path)))
+        return real(cls, path, *args, **kwargs)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _vm(field):
+    """This process's VmRSS / VmHWM (peak) in bytes, from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _full_copy(model):
+    """(state dict, buffers) of `model` as full CPU tensors (a collective under FSDP2; rank 0 gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rollout.is_fsdp(model)))
+    return sd, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _sharded_load_worker(rank, world, port, model_path, big_path, out):
+    import functools
+    from plumbing.run import load_metarm
+    from plumbing.scale import shard_frozen
+    from plumbing.sharded_load import load_sharded_model
+    from torch.distributed.tensor import DTensor
+    _init(rank, world, port)
+    reads, seen = [], {}
+    _record_reads(reads)
+    wrap = functools.partial(wrap_policy, parallel="fsdp2", world=world, device=CPU)
+    policy, tok = load_sharded_model(lambda: load_model(model_path, "float32", "cpu"), wrap, device=CPU,
+                                     rank=rank, world=world)
+    ref, _ = load_sharded_model(lambda: load_model(model_path, "bfloat16", "cpu"),
+                                lambda m: shard_frozen(m.eval(), world, CPU), device=CPU, rank=rank, world=world)
+    torch.manual_seed(0)  # the MetaRM's fresh head is random: rank 0 draws it
+    mrm = load_metarm(model_path, parallel="fsdp2", rank=rank, world=world)
+    seen["reads"] = list(reads)
+    seen["sharded"] = all(isinstance(p, DTensor) for m in (policy, ref, mrm["model"]) for p in m.parameters())
+    seen["ref_frozen"] = not any(p.requires_grad for p in ref.parameters())
+    seen["local"] = sum(p.to_local().numel() for p in policy.parameters())
+    seen["tok"] = (tok.pad_token_id, tok.padding_side, mrm["tokenizer"].padding_side, mrm["tokenizer"].truncation_side)
+    seen["modes"] = (policy.training, ref.training, mrm["model"].training)
+    copies = {"policy": _full_copy(policy), "ref": _full_copy(ref), "metarm": _full_copy(mrm["model"])}
+    seen["config"] = {"policy": policy.config.to_dict(), "generation": policy.generation_config.to_dict(),
+                      "metarm": mrm["model"].config.to_dict()}
+    # a path rank 0 cannot read stops every rank with one line, none waits in a collective
+    try:
+        load_sharded_model(lambda: load_model(str(big_path) + "-missing"), wrap, device=CPU, rank=rank, world=world)
+    except SystemExit as e:
+        seen["bad_path"] = e.code
+    # peak host memory of a load (VmHWM reset first), on a model 25x the largest of its tensors
+    del policy, ref, mrm
+    import gc
+    gc.collect()
+    dist.barrier()
+    start = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: VmHWM (the peak RSS) := the current RSS
+    big, _ = load_sharded_model(lambda: load_model(big_path, "float32", "cpu"), wrap, device=CPU, rank=rank, world=world)
+    seen["peak"] = _vm("VmHWM") - start
+    seen["big_local_bytes"] = sum(p.to_local().numel() * 4 for p in big.parameters())
+    torch.save({"seen": seen, "copies": copies if rank == 0 else None}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _write_big_model(path, tokenizer_from):
+    """A random Llama of 8 layers, hidden 512, vocabulary 1024 (27M float32 parameters, 108 MB; its
+    largest tensor 3 MB) with the tiny model's tokenizer files; returns (path, its bytes)."""
+    import shutil
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    for name in os.listdir(tokenizer_from):
+        if "token" in name or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(tokenizer_from, name), path)
+    return str(path), sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_models_load_into_shards_from_rank_0(tiny_model_path, tmp_path):
+    """Issue 34.4 (plumbing/sharded_load.py): under FSDP2 the policy (float32), the GRPO reference
+    (bf16, shard_frozen) and the MetaRM (load_metarm) are built on the meta device, sharded, then
+    filled from rank 0: only rank 0 reads a checkpoint, the weights, buffers and configs equal a
+    one-process load exactly (the MetaRM's random head: rank 0's), and the peak host memory of a
+    load on rank 1 is its shards plus one tensor in flight, well under the model, while rank 0's
+    is the model."""
+    big_path, big_bytes = _write_big_model(tmp_path / "big", tiny_model_path)
+    out = str(tmp_path / "load")
+    _spawn(_sharded_load_worker, 2, tiny_model_path, big_path, out)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
+    s0, s1 = r0["seen"], r1["seen"]
+    names = ["LlamaForCausalLM", "LlamaForCausalLM", "LlamaForSequenceClassification"]
+    assert [c for c, _ in s0["reads"]] == names and s1["reads"] == []  # rank 1 read no model
+    for s in (s0, s1):
+        assert s["sharded"] and s["ref_frozen"] and s["bad_path"] is not None
+        assert s["tok"] == (2, "left", "right", "left") and s["modes"] == (False, False, False)
+    assert s0["bad_path"] != 1 and "does not exist" in str(s0["bad_path"]) and s1["bad_path"] == 1
+    # exactly the one-process loads
+    plain, _ = load_model(tiny_model_path)
+    plain_ref, _ = load_model(tiny_model_path, "bfloat16")
+    torch.manual_seed(0)
+    from plumbing.run import load_metarm
+    plain_mrm = load_metarm(tiny_model_path)["model"]
+    for name, model in (("policy", plain), ("ref", plain_ref), ("metarm", plain_mrm)):
+        sd, bufs = r0["copies"][name]
+        want_sd, want_bufs = _full_copy(model)
+        assert sd.keys() == want_sd.keys() and bufs.keys() == want_bufs.keys() and bufs, name
+        for k in want_sd:
+            assert sd[k].dtype == want_sd[k].dtype and torch.equal(sd[k], want_sd[k]), (name, k)
+        for k in want_bufs:
+            assert torch.equal(bufs[k], want_bufs[k]), (name, k)
+    assert s0["config"]["policy"] == plain.config.to_dict()
+    assert s0["config"]["generation"] == plain.generation_config.to_dict()
+    assert s0["config"]["metarm"] == plain_mrm.config.to_dict()
+    assert s1["config"] == s0["config"]
+    # host memory: rank 1 never holds the model, rank 0 does (the measure sees a full copy)
+    n_full = sum(p.numel() for p in plain.parameters())
+    assert s1["local"] <= n_full // 2 + 64 * 64
+    assert s1["big_local_bytes"] <= 0.55 * big_bytes
+    assert s1["peak"] < 0.75 * big_bytes, (s1["peak"], big_bytes)
+    assert s0["peak"] > big_bytes, (s0["peak"], big_bytes)
+    print(f"peak host memory of the load over its start: rank 0 {s0['peak'] / 2**20:.0f} MiB, rank 1 "
+          f"{s1['peak'] / 2**20:.0f} MiB; the model {big_bytes / 2**20:.0f} MiB, a shard {s1['big_local_bytes'] / 2**20:.0f} MiB")
+
+
+def _setup_worker(rank, world, port, args, out):
+    import plumbing.run as run
+    from torch.distributed.tensor import DTensor
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    reads = []
+    _record_reads(reads)
+    state = run.setup(T.load_config(args[:2], args[2:]), T.fast_or_plain(True))
+    sharded = all(isinstance(p, DTensor) for m in (state["policy"], state["ref_model"]) for p in m.parameters())
+    torch.save({"reads": reads, "sharded": sharded, "same": state["model"] is state["policy"]}, f"{out}.{rank}")
+    if state.get("lock"):
+        state["lock"].close()
+    dist.destroy_process_group()
+
+
+def test_setup_under_fsdp2_reads_the_models_on_rank_0_only(tiny_model_path, tmp_path):
+    """plumbing.run.setup under train.parallel fsdp2 (GRPO with its KL reference): rank 1 reads no
+    model; the policy and the reference come out sharded (plumbing/sharded_load.py). Before: every
+    rank read both in full, then sharded them."""
+    from conftest import data_path
+    args = ["--config", os.path.join(REPO, "configs", "cpu.yaml"), f"model.policy={tiny_model_path}",
+            f"run.out_dir={tmp_path / 'run'}", f"data.train={data_path('gsm8k', 'train.jsonl')}", "train.parallel=fsdp2",
+            "algo.loss=grpo", "algo.kl_coef=0.01", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+    out = str(tmp_path / "setup")
+    _spawn(_setup_worker, 2, args, out)
+    r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
+    assert [c for c, _ in r0["reads"]] == ["LlamaForCausalLM", "LlamaForCausalLM"] and r1["reads"] == []
+    assert r0["sharded"] and r1["sharded"] and r0["same"]
