@@ -983,7 +983,7 @@ def _setup_worker(rank, world, port, args, out):
     torch.set_num_threads(1)
     reads = []
     _record_reads(reads)
-    state = run.setup(T.load_config(args[:2], args[2:]), T.fast_or_plain(True))
+    state = run.setup(T.load_config(args[:1], args[1:]), T.fast_or_plain(True))
     sharded = all(isinstance(p, DTensor) for m in (state["policy"], state["ref_model"]) for p in m.parameters())
     torch.save({"reads": reads, "sharded": sharded, "same": state["model"] is state["policy"]}, f"{out}.{rank}")
     if state.get("lock"):
@@ -996,7 +996,7 @@ def test_setup_under_fsdp2_reads_the_models_on_rank_0_only(tiny_model_path, tmp_
     model; the policy and the reference come out sharded (plumbing/sharded_load.py). Before: every
     rank read both in full, then sharded them."""
     from conftest import data_path
-    args = ["--config", os.path.join(REPO, "configs", "cpu.yaml"), f"model.policy={tiny_model_path}",
+    args = [os.path.join(REPO, "configs", "cpu.yaml"), f"model.policy={tiny_model_path}",
             f"run.out_dir={tmp_path / 'run'}", f"data.train={data_path('gsm8k', 'train.jsonl')}", "train.parallel=fsdp2",
             "algo.loss=grpo", "algo.kl_coef=0.01", "rollout.prompts_per_step=2", "rollout.group_size=2"]
     out = str(tmp_path / "setup")
