@@ -481,6 +481,12 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     adapter_model.safetensors, no base weights) and the optimizer state of the adapters; with
     `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged).
 
+    Host memory: rank 0 holds one model's float32 weights at a time (the policy's are written and
+    dropped before `extra` gathers the MetaRM's: 30.5 GB, not 30.5 + 28.3 GB, at 7B). Durability:
+    every file and folder of step_NNNNNN.tmp is fsync'd (fsync_tree) before the marker is written,
+    the marker itself, then the parent folder after the rename. The write is synchronous: every
+    rank waits for it (its cost: docs/scale-out.md "Checkpoints").
+
     Args:
         model: the unwrapped policy (plain, peft, or FSDP2-sharded; never the DDP wrapper).
     """
@@ -488,7 +494,6 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optim_sd = get_optimizer_state_dict(model, optimizer)  # this rank's shard (FSDP2) or the whole (replicated)
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
@@ -504,8 +509,10 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         try:
             with no_progress_bars():
                 save_sharded(optim_sd, os.path.join(tmp, "optimizer"))
-                if extra is not None:
-                    extra(tmp)
+                # one model in host RAM at a time: the policy gathered on rank 0 (under FSDP2 a
+                # collective; a float32 copy, 30.5 GB at 7B), written and dropped, THEN the
+                # MetaRM's (extra: save_metarm gathers its own, 28.3 GB)
+                model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if rank == 0:
                     model.save_pretrained(tmp, state_dict=model_sd)
                     tokenizer.save_pretrained(tmp)
@@ -514,6 +521,11 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
                                os.path.join(tmp, "trainer_state.pt"))
                     if merged:
                         save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+                del model_sd
+                if extra is not None:
+                    extra(tmp)
+                if rank == 0:  # on disk, not in the page cache, before the marker says "complete"
+                    fsync_tree(tmp)
         except (OSError, RuntimeError, CheckpointException) as e:  # disk full / file-size limit: one line
             cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
             problem = write_failure(cause, final, checkpoint_bytes(model, lora=hasattr(model, "peft_config"),
@@ -531,11 +543,38 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         if rank == 0:
             with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
                 json.dump({"step": step, "world_size": world, "optimizer": "torch.distributed.checkpoint"}, f)
+                f.flush()
+                os.fsync(f.fileno())
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            fsync_dir(root)  # the rename itself survives a crash
             done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
             for d in done[:-keep] if keep > 0 else []:
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def fsync_tree(folder):
+    """fsync every file under `folder`, then each directory after its contents (their entries):
+    after a node crash a folder marked complete holds whole files, not what the page cache had
+    not yet written (save_pretrained, tokenizer and torch.save do not fsync; torch.distributed.
+    checkpoint's writer fsyncs its own files, and each rank's, on that rank)."""
+    for path, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(path)
+
+
+def fsync_dir(path):
+    """fsync a directory: its entries (a file created or renamed in it) reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -905,7 +944,8 @@ def save_metarm(mrm, path, rank=0, world=1):
     (settings), rank 0; optimizer/ (online AdamW state, torch.distributed.checkpoint: every rank
     holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded).
     FSDP2-sharded (load_metarm): every rank gathers the full float32 state dict to the CPU (a
-    collective), rank 0 writes it as the same HF folder; the optimizer/ shards stay sharded."""
+    collective), rank 0 writes it as the same HF folder and drops it; the optimizer/ shards stay
+    sharded. Every file and folder is fsync'd before the rename (fsync_tree), the parent after it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
@@ -917,15 +957,18 @@ def save_metarm(mrm, path, rank=0, world=1):
         mrm["tokenizer"].save_pretrained(tmp)
         with open(os.path.join(tmp, "metarm.json"), "w") as f:
             json.dump({k: mrm[k] for k in _META}, f, indent=1)
+    del full
     if world > 1:
         dist.barrier()  # the folder exists before the shards go in
     if mrm["optimizer"] is not None:  # a collective: every rank has it or none does (online_update)
         save_sharded(get_optimizer_state_dict(mrm["model"], mrm["optimizer"]), os.path.join(tmp, "optimizer"))
     if rank == 0:
+        fsync_tree(tmp)  # the ranks' optimizer shards: fsync'd by their writers inside save_sharded
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.replace(path, old)
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
     if world > 1:
         dist.barrier()  # no rank reads `path` before the rename

@@ -1004,3 +1004,72 @@ def test_setup_under_fsdp2_reads_the_models_on_rank_0_only(tiny_model_path, tmp_
     r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
     assert [c for c, _ in r0["reads"]] == ["LlamaForCausalLM", "LlamaForCausalLM"] and r1["reads"] == []
     assert r0["sharded"] and r1["sharded"] and r0["same"]
+
+
+# --- issue 34.6: checkpoints fsync'd before their marker; one model in host RAM at a time ---------
+
+def test_a_checkpoint_is_fsynced_before_its_marker(tiny_model_path, tmp_path, monkeypatch):
+    """Every file and folder of a checkpoint (the policy's save_pretrained files, the tokenizer,
+    trainer_state.pt, optimizer/, the MetaRM in metarm/) is fsync'd before complete.json exists,
+    the marker itself too, and checkpoints/ after the rename: after a node crash a folder with its
+    marker holds whole files. Before: save_pretrained's files were never fsync'd."""
+    from plumbing.run import CHECKPOINT_MARKER, load_metarm, save_metarm
+    policy, tok = load_model(tiny_model_path)
+    opt, sched = _make_opt(policy)
+    _adam_step(policy, policy, opt, _layout_batch(), 1, tok.pad_token_id)
+    mrm = load_metarm(tiny_model_path)
+    out = str(tmp_path / "run")
+    tmp = os.path.join(out, "checkpoints", "step_000001.tmp")
+    synced = []  # (path, whether the marker existed then)
+    real = os.fsync
+
+    def fsync(fd):
+        real(fd)
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), os.path.exists(os.path.join(tmp, CHECKPOINT_MARKER))))
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_checkpoint(out, 1, policy, tok, opt, sched, keep=2, extra=lambda d: save_metarm(mrm, os.path.join(d, "metarm")))
+    final = latest_checkpoint(out)
+    before = {p.replace(tmp, final, 1) for p, marked in synced if not marked}
+    paths = [final] + [os.path.join(d, n) for d, dirs, files in os.walk(final) for n in dirs + files]
+    paths = [p for p in paths if not p.endswith(CHECKPOINT_MARKER)]
+    assert {"model.safetensors", "config.json", "trainer_state.pt", "metarm", "optimizer"} <= set(os.listdir(final))
+    assert len(paths) > 10 and [p for p in paths if p not in before] == []
+    assert os.path.join(tmp, CHECKPOINT_MARKER) in [p for p, _ in synced]
+    assert synced[-1][0] == os.path.join(out, "checkpoints")  # the rename, last
+
+
+def _save_memory_worker(rank, world, port, big_path, out):
+    import gc
+    from plumbing.run import load_metarm, save_metarm
+    _init(rank, world, port)
+    policy, tok = load_model(big_path)
+    wrap_policy(policy, "fsdp2", world, CPU)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)  # no optimizer state: the weights alone are measured
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    mrm = load_metarm(big_path, parallel="fsdp2", rank=rank, world=world)
+    gc.collect()
+    dist.barrier()
+    start = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: VmHWM (the peak RSS) := the current RSS
+    save_checkpoint(out, 1, policy, tok, opt, sched, keep=2, rank=rank,
+                    extra=lambda d: save_metarm(mrm, os.path.join(d, "metarm"), rank=rank, world=world))
+    peak = _vm("VmHWM") - start
+    sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in (policy, mrm["model"])]  # this rank's shards
+    torch.save({"peak": peak, "shards": sizes}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_the_checkpoint_of_two_models_holds_one_in_host_ram_at_a_time(tiny_model_path, tmp_path):
+    """RM-NLHF under FSDP2: save_checkpoint gathers the policy on rank 0 (float32), writes it and
+    drops it before save_metarm gathers the MetaRM: rank 0's peak host memory over the save is one
+    model (108 MB here), not both (about 2 x 108 MB before)."""
+    big_path, big_bytes = _write_big_model(tmp_path / "big", tiny_model_path)
+    out = str(tmp_path / "run")
+    _spawn(_save_memory_worker, 2, big_path, out)
+    r0 = torch.load(f"{out}.0")
+    assert latest_checkpoint(out).endswith("step_000001")
+    resumed, _ = load_model(latest_checkpoint(out))
+    assert sum(p.numel() for p in resumed.parameters()) * 4 == big_bytes
+    assert 0.8 * big_bytes < r0["peak"] < 1.4 * big_bytes, (r0["peak"], big_bytes)
+    print(f"rank 0's peak host memory over the save: {r0['peak'] / 2**20:.0f} MiB; one model {big_bytes / 2**20:.0f} MiB")
