@@ -556,8 +556,8 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
 def fsync_tree(folder):
     """fsync every file under `folder`, then each directory after its contents (their entries):
     after a node crash a folder marked complete holds whole files, not what the page cache had
-    not yet written (save_pretrained, tokenizer and torch.save do not fsync; torch.distributed.
-    checkpoint's writer fsyncs its own files, and each rank's, on that rank)."""
+    not yet written. save_pretrained, the tokenizer and torch.save do not fsync;
+    torch.distributed.checkpoint's writer fsyncs the files each rank writes, on that rank."""
     for path, _, files in os.walk(folder, topdown=False):
         for name in files:
             fd = os.open(os.path.join(path, name), os.O_RDONLY)
