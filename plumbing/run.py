@@ -47,6 +47,7 @@ from plumbing.prompts import keep_short, policy_chat, prompt_token_limit
 from plumbing.scale import (BaseModelView, apply_lora, broadcast_parameters, check_checkpoint_kind, make_rollout_engine,
                             metarm_seams, push_weights, save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
+from plumbing.sharded_load import load_sharded_model
 import evaluate
 import reward as R
 from plumbing.plan import check_memory_plan
@@ -139,7 +140,15 @@ def start_run(cfg, passes, rank, world, device):
     # (model.lora) the base always comes from model.policy and the adapters from the checkpoint.
     lora = cfg["model"]["lora"]
     check_checkpoint_kind(ckpt, lora)
-    policy, tokenizer = load_model(ckpt if ckpt and not lora else cfg["model"]["policy"], "float32", device)
+    source = ckpt if ckpt and not lora else cfg["model"]["policy"]
+    wrap = functools.partial(wrap_policy, parallel=tc["parallel"], world=world, device=device, dtype=cfg["model"]["dtype"],
+                             cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
+                             reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
+    if tc["parallel"] == "fsdp2":  # built on the meta device and sharded, then rank 0's weights (no LoRA here)
+        policy, tokenizer = load_sharded_model(lambda: load_model(source, "float32", "cpu"), wrap, device=device,
+                                               rank=rank, world=world)
+    else:
+        policy, tokenizer = load_model(source, "float32", device)
     if lora:
         policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
     chat = policy_chat(tokenizer, cfg["model"])
@@ -165,9 +174,7 @@ def start_run(cfg, passes, rank, world, device):
         state["val_items"], state["dh_items"] = load_nlhf_val_items(cfg, state["dh_items"])
 
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
-    model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
-                        cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
-                        reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
+    model = policy if tc["parallel"] == "fsdp2" else wrap(policy)  # fsdp2: sharded as it loaded
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
     if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
@@ -177,11 +184,14 @@ def start_run(cfg, passes, rank, world, device):
     state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and lora and tc["fast_paths"]:
         state["ref_model"] = BaseModelView(policy)  # pi_ref = the initial policy = the policy with adapters off
+    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0 and tc["parallel"] == "fsdp2":
+        # frozen, in model.dtype, 1/world of it a rank as the policy (plumbing/scale.py shard_frozen)
+        state["ref_model"], _ = load_sharded_model(lambda: load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu"),
+                                                   lambda m: shard_frozen(m.eval(), world, device), device=device,
+                                                   rank=rank, world=world)
     elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         state["ref_model"], _ = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         state["ref_model"].eval().requires_grad_(False)
-        if tc["parallel"] == "fsdp2":  # 1/world of it a rank, as the policy (plumbing/scale.py shard_frozen)
-            state["ref_model"] = shard_frozen(state["ref_model"], world, device)
 
     # optimizer, schedule, loss scaling; the resume point
     o = cfg["optim"]
@@ -460,6 +470,12 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     adapter_model.safetensors, no base weights) and the optimizer state of the adapters; with
     `merged` also merged/, a plain save_pretrained folder of the merged model (save_merged).
 
+    Host memory: rank 0 holds one model's float32 weights at a time (the policy's are written and
+    dropped before `extra` gathers the MetaRM's: 30.5 GB, not 30.5 + 28.3 GB, at 7B). Durability:
+    every file and folder of step_NNNNNN.tmp is fsync'd (fsync_tree) before the marker is written,
+    the marker itself, then the parent folder after the rename. The write is synchronous: every
+    rank waits for it (its cost: docs/scale-out.md "Checkpoints").
+
     Args:
         model: the unwrapped policy (plain, peft, or FSDP2-sharded; never the DDP wrapper).
     """
@@ -467,7 +483,6 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optim_sd = get_optimizer_state_dict(model, optimizer)  # this rank's shard (FSDP2) or the whole (replicated)
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
@@ -483,8 +498,10 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         try:
             with no_progress_bars():
                 save_sharded(optim_sd, os.path.join(tmp, "optimizer"))
-                if extra is not None:
-                    extra(tmp)
+                # one model in host RAM at a time: the policy gathered on rank 0 (under FSDP2 a
+                # collective; a float32 copy, 30.5 GB at 7B), written and dropped, THEN the
+                # MetaRM's (extra: save_metarm gathers its own, 28.3 GB)
+                model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if rank == 0:
                     model.save_pretrained(tmp, state_dict=model_sd)
                     tokenizer.save_pretrained(tmp)
@@ -493,6 +510,11 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
                                os.path.join(tmp, "trainer_state.pt"))
                     if merged:
                         save_merged(model, tokenizer, os.path.join(tmp, "merged"))
+                del model_sd
+                if extra is not None:
+                    extra(tmp)
+                if rank == 0:  # on disk, not in the page cache, before the marker says "complete"
+                    fsync_tree(tmp)
         except (OSError, RuntimeError, CheckpointException) as e:  # disk full / file-size limit: one line
             cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
             problem = write_failure(cause, final, checkpoint_bytes(model, lora=hasattr(model, "peft_config"),
@@ -510,11 +532,38 @@ def save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, keep,
         if rank == 0:
             with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:
                 json.dump({"step": step, "world_size": world, "optimizer": "torch.distributed.checkpoint"}, f)
+                f.flush()
+                os.fsync(f.fileno())
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            fsync_dir(root)  # the rename itself survives a crash
             done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
             for d in done[:-keep] if keep > 0 else []:
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def fsync_tree(folder):
+    """fsync every file under `folder`, then each directory after its contents (their entries):
+    after a node crash a folder marked complete holds whole files, not what the page cache had
+    not yet written. save_pretrained, the tokenizer and torch.save do not fsync;
+    torch.distributed.checkpoint's writer fsyncs the files each rank writes, on that rank."""
+    for path, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(path)
+
+
+def fsync_dir(path):
+    """fsync a directory: its entries (a file created or renamed in it) reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -806,10 +855,11 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
             an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
         gradient_checkpointing: metarm.gradient_checkpointing: its decoder layers keep only their
             inputs and are replayed in backward (non-reentrant, as wrap_policy's "full").
-        parallel, rank, world: train.parallel and the ranks. fsdp2 with world > 1: rank 0's weights
-            are broadcast (a fresh head is random), then wrap_policy shards it like the policy
-            (fully_shard per decoder layer + root; on GPU compute in `dtype`, gradients reduced in
-            float32, float32 master shards) and mrm["shard"] = (rank, world): metarm.py's fit trains
+        parallel, rank, world: train.parallel and the ranks. fsdp2 with world > 1: built on the
+            meta device, sharded by wrap_policy like the policy (fully_shard per decoder layer +
+            root; on GPU compute in `dtype`, gradients reduced in float32, float32 master shards),
+            then filled with rank 0's weights, its random head included (plumbing/sharded_load.py:
+            no other rank reads or holds the full model), and mrm["shard"] = (rank, world): metarm.py's fit trains
             each rank on its share of every batch, its forwards run alike on every rank. Else a
             replica, mrm["shard"] = (0, 1). An optimizer is built on the parameters after this.
             mrm["seams"]: plumbing/scale.py metarm_seams for these ranks and this placement.
@@ -821,28 +871,41 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     if mode not in reward.METARM_MODES or mode == "none":
         raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
-    resolved = resolve_model_path(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(resolved)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    # the sequence classifier pools the last non-pad token and needs the pad id in its config
-    model.config.pad_token_id = tok.pad_token_id
-    if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    tok.padding_side = "right"
-    tok.truncation_side = "left"  # keep the critique, which comes last
-    sharded = parallel == "fsdp2" and world > 1
-    if sharded:  # 16 bytes a parameter on every GPU otherwise (docs/scale-out.md, "The MetaRM's placement")
-        broadcast_parameters(model)
+
+    def read():  # (float32 model on the CPU, tokenizer)
+        resolved = resolve_model_path(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(resolved)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        # the sequence classifier pools the last non-pad token and needs the pad id in its config
+        model.config.pad_token_id = tok.pad_token_id
+        tok.padding_side = "right"
+        tok.truncation_side = "left"  # keep the critique, which comes last
+        return model, tok
+
+    def prepare(model):
+        if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if not sharded:
+            return model.to(device)
         wrap_policy(model, "fsdp2", world, torch.device(device), dtype=dtype)
         # the root too (FSDP2 keeps its weights gathered after forward, for backward): else a no-grad
         # forward (D_O, agreement) leaves gathered tensors registered, not the shards AdamW steps
         model.set_reshard_after_forward(True, recurse=False)
+        return model
+
+    sharded = parallel == "fsdp2" and world > 1
+    if sharded:  # 16 bytes a parameter on every GPU otherwise (docs/scale-out.md, "The MetaRM's placement")
+        # built on the meta device and sharded, then rank 0's weights (its fresh head too: all ranks start equal)
+        model, tok = load_sharded_model(read, prepare, device=torch.device(device), rank=rank, world=world)
+    else:
+        model, tok = read()
+        model = prepare(model)
     return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None,
             "seams": metarm_seams(raw_outputs, rank, world, sharded),  # where the ranks meet (metarm.online_update)
             "mode": mode, "lam": float(lam), "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
@@ -860,7 +923,8 @@ def save_metarm(mrm, path, rank=0, world=1):
     (settings), rank 0; optimizer/ (online AdamW state, torch.distributed.checkpoint: every rank
     holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded).
     FSDP2-sharded (load_metarm): every rank gathers the full float32 state dict to the CPU (a
-    collective), rank 0 writes it as the same HF folder; the optimizer/ shards stay sharded."""
+    collective), rank 0 writes it as the same HF folder and drops it; the optimizer/ shards stay
+    sharded. Every file and folder is fsync'd before the rename (fsync_tree), the parent after it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
@@ -872,15 +936,18 @@ def save_metarm(mrm, path, rank=0, world=1):
         mrm["tokenizer"].save_pretrained(tmp)
         with open(os.path.join(tmp, "metarm.json"), "w") as f:
             json.dump({k: mrm[k] for k in _META}, f, indent=1)
+    del full
     if world > 1:
         dist.barrier()  # the folder exists before the shards go in
     if mrm["optimizer"] is not None:  # a collective: every rank has it or none does (online_update)
         save_sharded(get_optimizer_state_dict(mrm["model"], mrm["optimizer"]), os.path.join(tmp, "optimizer"))
     if rank == 0:
+        fsync_tree(tmp)  # the ranks' optimizer shards: fsync'd by their writers inside save_sharded
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.replace(path, old)
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
     if world > 1:
         dist.barrier()  # no rank reads `path` before the rename
