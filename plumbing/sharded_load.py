@@ -19,7 +19,7 @@ from plumbing.guards import stop_together
 def load_sharded_model(load, shard, *, device, rank, world):
     """A model and its companion (the tokenizer) with no rank but 0 ever holding the full weights.
 
-    1. Rank 0 calls `load()` -> (model on the CPU, companion), e.g. plumbing.data.load_model(path,
+    1. Rank 0 calls `load()` -> (model on the CPU, companion), e.g. plumbing.models.load_model(path,
        dtype, "cpu"); a SystemExit there (a bad path) stops every rank with its one-line message
        (guards.stop_together), none is left waiting in a collective.
     2. Every rank builds the same architecture on the meta device, from rank 0's model class,
