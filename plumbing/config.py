@@ -33,7 +33,7 @@ CHOICES = {
     "reward.qa_metric": ["em", "f1"],
     "algo.loss": ["cispo", "grpo"],
     "algo.ratio": ["sequence", "geometric_mean"],
-    "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "dr_grpo"],
+    "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "micro_batch_token_mean", "dr_grpo"],
     "optim.schedule": ["constant", "cosine"],
     "train.parallel": ["ddp", "fsdp2"],
     "rollout.vllm_sleep_level": [1, 2],

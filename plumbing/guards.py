@@ -131,7 +131,9 @@ def check_resume(cfg, ckpt):
         return {}
     with open(path) as f:
         changes = resume_changes(yaml.safe_load(f) or {}, cfg)
-    fixed = [k for k in changes if k not in RESUMABLE]
+    # micro_batch_token_mean weights each micro-batch's token mean: there the micro-batch size changes the update
+    fixed = [k for k in changes if k not in RESUMABLE or (k == "train.micro_batch_size"
+                                                           and cfg["algo"]["aggregation"] == "micro_batch_token_mean")]
     if fixed and not cfg["run"]["force_resume"]:
         shown = ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in fixed[:4])
         more = f" and {len(fixed) - 4} more" if len(fixed) > 4 else ""
