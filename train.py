@@ -43,7 +43,7 @@ import rollout
 from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
 from plumbing.plan import add_plan_flags, print_plan
-from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validation_step
+from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validate_at_start, validation_step
 from plumbing.scale import all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded, vllm_sleep
 from plumbing.services import score_remote
 
@@ -63,6 +63,7 @@ def train(cfg):
                                pad_id=state["tokenizer"].pad_token_id, ref_model=state["ref_model"],
                                scaler=state["scaler"])
     total, every = cfg["run"]["total_steps"], cfg["run"]["eval_every"]
+    validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, the initial policy's held-out validation
     for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1-2. prompts and rollout: G completions for each of this rank's prompts (RLME Eq. 1)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 # is recorded in <out_dir>/resumes.jsonl either way.
 RESUMABLE = (
     "run.total_steps", "run.save_every", "run.keep_checkpoints", "run.resume", "run.force_resume",
-    "run.log_samples", "run.stop_after", "run.eval_every", "run.early_stop_drop", "run.early_stop_patience",
+    "run.log_samples", "run.stop_after", "run.eval_every", "run.eval_at_start", "run.early_stop_drop", "run.early_stop_patience",
     "run.report_to", "run.tracking_project",
     "data.val", "data.val_config", "data.val_split", "data.val_size",                 # the held-out validation
     "nlhf.val_temperature", "nlhf.val_max_new_tokens",  # (nlhf.val, val_size: a holdout changes D_H)
