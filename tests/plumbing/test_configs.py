@@ -142,6 +142,12 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def step_lines(out):
+    """metrics.jsonl's training steps (step >= 1): a preset with run.eval_at_start also logs a
+    {"step": 0, "val/...": ...} line before training (test_config_runs checks it)."""
+    return [m for m in read_jsonl(os.path.join(out, "metrics.jsonl")) if m["step"] > 0]
+
+
 def flat(cfg):
     return {f"{s}.{k}": v for s, sec in cfg.items() if isinstance(sec, dict) for k, v in sec.items()} | \
         {k: v for k, v in cfg.items() if not isinstance(v, dict)}
@@ -269,7 +275,7 @@ class Runs:
         if kind == "ref32":
             args += ["model.dtype=float32"]
         log = self._train(name, cfg, args + ["run.stop_after=1"])
-        steps = [m["step"] for m in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+        steps = [m["step"] for m in step_lines(out)]
         assert steps == [1], f"run.stop_after=1 logged steps {steps}"
         if PRESETS[name].get("cli"):  # run as a user runs it: the stop is said, not silent
             assert "[train] run.stop_after=1: stopped after step 1" in log, log[-2000:]
@@ -412,7 +418,13 @@ def test_config_runs(name, runs):
     the config has one, really answered."""
     preset_or_skip(name)
     r = runs.get(name, "full")
-    metrics = read_jsonl(os.path.join(r["out"], "metrics.jsonl"))
+    lines = read_jsonl(os.path.join(r["out"], "metrics.jsonl"))
+    r0 = r["cfg"]["run"]
+    at_start = bool(r0["eval_every"] and r0["eval_at_start"])  # the step-0 validation line, alone, before training
+    assert [m["step"] for m in lines if m["step"] == 0] == ([0] if at_start else [])
+    if at_start:
+        assert lines[0]["step"] == 0 and all(k == "step" or k.startswith("val/") for k in lines[0])
+    metrics = step_lines(r["out"])
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         for k in FINITE_KEYS:
@@ -470,7 +482,7 @@ def test_config_resumes_exactly(name, runs):
     preset_or_skip(name, full_checks=True)
     full, res = runs.get(name, "full"), runs.get(name, "resumed")
     assert "resuming from" in res["log"] or not PRESETS[name].get("cli")
-    a, b = read_jsonl(os.path.join(full["out"], "metrics.jsonl")), read_jsonl(os.path.join(res["out"], "metrics.jsonl"))
+    a, b = step_lines(full["out"]), step_lines(res["out"])
     assert [m["step"] for m in b] == [m["step"] for m in a] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
         for k in ("reward/mean", "loss", "grad_norm", "lr"):
