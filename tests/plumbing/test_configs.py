@@ -498,10 +498,17 @@ def test_config_resumes_exactly(name, runs):
 
 def test_released_code_switches_what_its_header_lists():
     """configs/paper/released_code.yaml: each key it sets is named in its header, with the release's
-    values (token mean, unbiased std, 4 cold-start rollouts, S >= 0.5, unclipped D_O bonus, S = 0)."""
+    values (verl's per-micro-batch token mean, unbiased std, 4 cold-start rollouts, S >= 0.5, unclipped
+    D_O bonus, S = 0, the actor's weight decay 0.01 without warm-up); the differences it cannot switch
+    are listed with the release's file and line (the cold-start MetaRM's batch 512 and bf16, the
+    online MetaRM's input and 14,336-token cut, the KL clamp, one validation order)."""
     name = "configs/paper/released_code.yaml"
     cfg = shipped_cfg(name)
-    assert (cfg["algo"]["aggregation"], cfg["algo"]["std_unbiased"], cfg["metarm"]["rollouts_per_prompt"]) == ("token_mean", True, 4)
+    assert (cfg["algo"]["aggregation"], cfg["algo"]["std_unbiased"], cfg["metarm"]["rollouts_per_prompt"]) == (
+        "micro_batch_token_mean", True, 4)
+    assert (cfg["optim"]["weight_decay"], cfg["optim"]["warmup_steps"]) == (0.01, 0)
+    # the paper preset it layers on already validates as the release: the whole file, step 0 too
+    assert (cfg["nlhf"]["val_size"], cfg["run"]["eval_at_start"]) == (0, True)
     assert (cfg["nlhf"]["threshold_rule"], cfg["nlhf"]["do_reward"], cfg["judge"]["on_failure"]) == ("inclusive", "released", "zero")
     text = open(os.path.join(REPO, name)).read()
     header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
@@ -509,3 +516,27 @@ def test_released_code_switches_what_its_header_lists():
     for section, keys in body.items():
         for key in keys:
             assert section == "run" or f"{section}.{key}" in header, f"{section}.{key} is switched but not listed"
+    flat_header = " ".join(header.replace("#", " ").split())
+    for listed in ("effective batch of 512", "COLD:200-202", "torch_dtype=bfloat16", "14,336 tokens", "collaborate.py: 48-86",
+                   "kl_loss_type=low_var_kl", "core_algos.py:854-860", "clip_ratio_c", "in the file's A/B order",
+                   "dp_actor.py:508-510", "ppo_max_token_len_per_gpu=43008", "lr_warmup_steps", "TRAINER:275"):
+        assert listed in flat_header, listed
+
+
+def test_micro_batch_token_mean_refuses_a_resume_with_another_micro_batch_size(tmp_path):
+    """Under micro_batch_token_mean the micro-batch size is part of the loss (the five-sequence
+    example of tests/algorithm/test_train.py: 0.20 or 0.38 by packing), so unlike every other
+    aggregation a resume may not change train.micro_batch_size (plumbing/guards.py check_resume)."""
+    import train
+    from plumbing.guards import check_resume
+    out = tmp_path / "run"
+    out.mkdir()
+    for agg, refused in (("micro_batch_token_mean", True), ("token_mean", False)):
+        old = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=2"])
+        (out / "config.yaml").write_text(yaml.safe_dump(old))
+        new = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=4"])
+        if refused:
+            with pytest.raises(SystemExit, match=r"train.micro_batch_size \(2 -> 4\)"):
+                check_resume(new, str(out / "checkpoints" / "step_000003"))
+        else:
+            assert check_resume(new, str(out / "checkpoints" / "step_000003")) == {"train.micro_batch_size": (2, 4)}
