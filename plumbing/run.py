@@ -41,7 +41,6 @@ from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_va
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
                             save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
-from plumbing.sharded_load import load_sharded_model
 import evaluate
 import reward as R
 from plumbing.plan import check_memory_plan
@@ -134,15 +133,7 @@ def start_run(cfg, passes, rank, world, device):
     # (model.lora) the base always comes from model.policy and the adapters from the checkpoint.
     lora = cfg["model"]["lora"]
     check_checkpoint_kind(ckpt, lora)
-    source = ckpt if ckpt and not lora else cfg["model"]["policy"]
-    wrap = functools.partial(wrap_policy, parallel=tc["parallel"], world=world, device=device, dtype=cfg["model"]["dtype"],
-                             cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
-                             reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
-    if tc["parallel"] == "fsdp2":  # built on the meta device and sharded, then rank 0's weights (no LoRA here)
-        policy, tokenizer = load_sharded_model(lambda: load_model(source, "float32", "cpu"), wrap, device=device,
-                                               rank=rank, world=world)
-    else:
-        policy, tokenizer = load_model(source, "float32", device)
+    policy, tokenizer = load_model(ckpt if ckpt and not lora else cfg["model"]["policy"], "float32", device)
     if lora:
         policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
     chat = policy_chat(tokenizer, cfg["model"])
@@ -167,7 +158,9 @@ def start_run(cfg, passes, rank, world, device):
         state["val_items"], state["dh_items"] = load_nlhf_val_items(cfg, state["dh_items"])
 
     # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
-    model = policy if tc["parallel"] == "fsdp2" else wrap(policy)  # fsdp2: sharded as it loaded
+    model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
+                        cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
+                        reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
     state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
              engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
     if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
@@ -177,14 +170,11 @@ def start_run(cfg, passes, rank, world, device):
     state["ref_model"] = None
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and lora and tc["fast_paths"]:
         state["ref_model"] = BaseModelView(policy)  # pi_ref = the initial policy = the policy with adapters off
-    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0 and tc["parallel"] == "fsdp2":
-        # frozen, in model.dtype, 1/world of it a rank as the policy (plumbing/scale.py shard_frozen)
-        state["ref_model"], _ = load_sharded_model(lambda: load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu"),
-                                                   lambda m: shard_frozen(m.eval(), world, device), device=device,
-                                                   rank=rank, world=world)
     elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # frozen: may stay in model.dtype
         state["ref_model"], _ = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
         state["ref_model"].eval().requires_grad_(False)
+        if tc["parallel"] == "fsdp2":  # 1/world of it a rank, as the policy (plumbing/scale.py shard_frozen)
+            state["ref_model"] = shard_frozen(state["ref_model"], world, device)
 
     # optimizer, schedule, loss scaling; the resume point
     o = cfg["optim"]
@@ -841,11 +831,10 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
             an AdamW step of ~5e-6 on a bf16 weight rounds to nothing).
         gradient_checkpointing: metarm.gradient_checkpointing: its decoder layers keep only their
             inputs and are replayed in backward (non-reentrant, as wrap_policy's "full").
-        parallel, rank, world: train.parallel and the ranks. fsdp2 with world > 1: built on the
-            meta device, sharded by wrap_policy like the policy (fully_shard per decoder layer +
-            root; on GPU compute in `dtype`, gradients reduced in float32, float32 master shards),
-            then filled with rank 0's weights, its random head included (plumbing/sharded_load.py:
-            no other rank reads or holds the full model), and mrm["shard"] = (rank, world): metarm.py's fit trains
+        parallel, rank, world: train.parallel and the ranks. fsdp2 with world > 1: rank 0's weights
+            are broadcast (a fresh head is random), then wrap_policy shards it like the policy
+            (fully_shard per decoder layer + root; on GPU compute in `dtype`, gradients reduced in
+            float32, float32 master shards) and mrm["shard"] = (rank, world): metarm.py's fit trains
             each rank on its share of every batch, its forwards run alike on every rank. Else a
             replica, mrm["shard"] = (0, 1). An optimizer is built on the parameters after this.
     Returns:
@@ -856,41 +845,28 @@ def load_metarm(path, mode="online", lam=0.5, dtype="float32", device="cpu", bat
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     if mode not in reward.METARM_MODES or mode == "none":
         raise SystemExit(f"metarm.mode: {mode!r} cannot load a model; allowed: {', '.join(reward.METARM_MODES[1:])}")
-
-    def read():  # (float32 model on the CPU, tokenizer)
-        resolved = resolve_model_path(path)
-        try:
-            tok = AutoTokenizer.from_pretrained(resolved)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        # the sequence classifier pools the last non-pad token and needs the pad id in its config
-        model.config.pad_token_id = tok.pad_token_id
-        tok.padding_side = "right"
-        tok.truncation_side = "left"  # keep the critique, which comes last
-        return model, tok
-
-    def prepare(model):
-        if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if not sharded:
-            return model.to(device)
+    resolved = resolve_model_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolved, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32).to(device)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"metarm model {path!r} could not be loaded: {str(e).splitlines()[0]}")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    # the sequence classifier pools the last non-pad token and needs the pad id in its config
+    model.config.pad_token_id = tok.pad_token_id
+    if gradient_checkpointing:  # long inputs (metarm.max_length): activations, not weights, set the peak
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    tok.padding_side = "right"
+    tok.truncation_side = "left"  # keep the critique, which comes last
+    sharded = parallel == "fsdp2" and world > 1
+    if sharded:  # 16 bytes a parameter on every GPU otherwise (docs/scale-out.md, "The MetaRM's placement")
+        broadcast_parameters(model)
         wrap_policy(model, "fsdp2", world, torch.device(device), dtype=dtype)
         # the root too (FSDP2 keeps its weights gathered after forward, for backward): else a no-grad
         # forward (D_O, agreement) leaves gathered tensors registered, not the shards AdamW steps
         model.set_reshard_after_forward(True, recurse=False)
-        return model
-
-    sharded = parallel == "fsdp2" and world > 1
-    if sharded:  # 16 bytes a parameter on every GPU otherwise (docs/scale-out.md, "The MetaRM's placement")
-        # built on the meta device and sharded, then rank 0's weights (its fresh head too: all ranks start equal)
-        model, tok = load_sharded_model(read, prepare, device=torch.device(device), rank=rank, world=world)
-    else:
-        model, tok = read()
-        model = prepare(model)
     return {"model": model, "shard": (rank, world) if sharded else (0, 1), "tokenizer": tok, "optimizer": None,
             "mode": mode, "lam": float(lam), "batch_size": int(batch_size), "max_length": int(max_length), "online_lr": float(online_lr),
             "online_epochs": int(online_epochs), "truncated": 0,
