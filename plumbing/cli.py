@@ -300,7 +300,7 @@ def cmd_math(a):
         row[pass1] = f"{summary['sampled_pass1_mean']:.3f} ± {summary['sampled_pass1_std']:.3f}"
     title = {"none": f"math accuracy: {a.model}",
              "reference": f"math accuracy with the reference answer shown (--inject reference): {a.model}",
-             "wrong": f"COUNTERFACTUAL accuracy (NoCheat, RLME §4 Fig. 7): each prompt shows a wrong answer, "
+             "wrong": f"COUNTERFACTUAL accuracy (NoCheat, RLME Fig. 7 per secondary notes): each prompt shows a wrong answer, "
                       f"graded against the true label: {a.model}"}[inject]
     print_table([row], ["data", "n_problems", acc, pass1, "n_samples",
                         "sampled_pass_at_n", "greedy_no_box", "greedy_truncated"], title=title)
@@ -995,14 +995,16 @@ def build_parser():
                    help="format string with {question} (default: --config's data.prompt_template, else PROMPT_TEMPLATE)")
     p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
     p.add_argument("--inject", default=None, choices=list(INJECT_CHOICES),
-                   help="what a template's {answer} shows (NoCheat, RLME §4 Fig. 7): wrong = a seeded wrong answer "
-                        "(wrong_answer), graded against the true label = counterfactual accuracy; reference = the "
+                   help="what a template's {answer} shows (NoCheat: RLME Fig. 7, from secondary notes on the experiments after "
+                        "§4.1): wrong = a seeded wrong answer, a number's label + 1 (ours: the notes say a random wrong "
+                        "answer; wrong_answer), graded against the true label = counterfactual accuracy; reference = the "
                         "true answer; required when the template has {answer}, else only none")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--name", default=None, help="results file tag (default: from --data, plus _inject-<kind>)")
     p.set_defaults(fn=cmd_math)
 
-    p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2; FaithEval)")
+    p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2 and FaithEval, "
+                         "from secondary notes on the experiments after §4.1)")
     common(p)
     p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
     p.add_argument("--data", default=None, help="QA JSONL file or hub id (default: --preset's hub id)")
@@ -1021,7 +1023,7 @@ def build_parser():
                    help="multiple choice: options {'label': [...], 'text': [...]} or a list; the gold option's text "
                         "or its letter counts as right")
     p.add_argument("--context-max-chars", type=int, default=4000, help="contexts cut to this many characters "
-                                                                       "(RLME §4); 0 = no cut")
+                                                                       "(RLME's QA setup per secondary notes, not in our text); 0 = no cut")
     p.add_argument("--n-problems", type=int, default=0, help="first N rows (0 = all)")
     p.add_argument("--n-samples", type=int, default=0, help="sampled answers per question, next to the greedy one")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled answers")

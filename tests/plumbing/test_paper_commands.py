@@ -121,3 +121,50 @@ def test_qwen3_judge_presets_sample_as_its_card_and_send_no_token_cap():
     assert judge_request_fields(one_node) == {"temperature": 0.6} and one_node["timeout_s"] >= 300
     paper = T.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])["judge"]
     assert judge_request_fields(paper) == {} and paper["timeout_s"] >= 300
+
+
+# ---- the authors' released data (Tongyi-ConvAI/RM-NLHF) in its own schema ----------------------------
+
+def test_the_authors_released_data_schema_loads_as_dh_and_do():
+    """tests/fixtures/rm_nlhf_sample.jsonl, 4 rows in the released schema: 2 HelpSteer3 rows with human
+    feedback (dataset_type DataWithHumanCritique, processed_critique per response) and 2 Tulu-IF rows
+    without. Detected as schema rm_nlhf; with the paper preset and nlhf.dh = the file, D_H is the 2
+    critiqued rows, their critique the four per-response lines; the others load as D_O rows (no critique)."""
+    from conftest import REPO
+    from plumbing.data import load_nlhf_items, load_pairwise
+    fixture = os.path.join(REPO, "tests", "fixtures", "rm_nlhf_sample.jsonl")
+    stats = {}
+    items = load_pairwise(fixture, seed=0, stats=stats)
+    assert stats["schema"] == ["rm_nlhf"] and len(items) == 4
+    assert [it["meta"]["dataset_type"] for it in items] == ["DataWithHumanCritique"] * 2 + \
+        ["Tulu-3-Pref-Personas-Instruction-Following"] * 2
+    assert [it["critique"] is not None for it in items] == [True, True, False, False]
+    first = items[0]
+    good = "A" if first["response_a"] == "100 degrees Celsius." else "B"
+    assert first["winner"] == good  # the winner follows its response through the A/B coin
+    assert first["critique"] == (f"Response A strengths: {'Response A gives the correct value.' if good == 'A' else 'Response A is concise.'}\n"
+                                 f"Response A weaknesses: {'none noted' if good == 'A' else 'Response A states a wrong temperature.'}\n"
+                                 f"Response B strengths: {'Response B is concise.' if good == 'A' else 'Response B gives the correct value.'}\n"
+                                 f"Response B weaknesses: {'Response B states a wrong temperature.' if good == 'A' else 'none noted'}")
+    assert items[1]["meta"]["turns"][-1] == {"role": "user", "content": "Make it three lines."}
+    cfg = T.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")],
+                        [f"nlhf.dh={fixture}", "nlhf.do=null", "metarm.mode=none"])
+    dh, do, _ = load_nlhf_items(cfg)
+    assert sorted(it["id"] for it in dh) == sorted(it["id"] for it in items[:2]) and do == []
+
+
+def test_nocheat_runs_to_the_notes_cheating_test():
+    """NoCheat's cheating test is at ~150-160 steps in the secondary notes: the preset runs 160 steps
+    (was config.yaml's 116) with validation every 10, so at 150 and 160, and at step 0. 160 x 64 =
+    10,240 prompts = 1.37 passes over GSM8K train's 7,473: data.epochs 2 lets it start (1 pass would stop it
+    at start-up, naming 116 = 7,473 // 64)."""
+    from conftest import REPO
+    from plumbing import config
+    cfg = T.load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")])
+    r = cfg["run"]
+    assert (r["total_steps"], r["eval_every"], r["eval_at_start"], cfg["data"]["epochs"]) == (160, 10, True, 2)
+    assert {150, 160} <= set(range(r["eval_every"], r["total_steps"] + 1, r["eval_every"]))
+    config.check_single_pass(cfg, 7473)  # 10,240 <= 2 x 7,473 = 14,946
+    one_pass = T.load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")], ["data.epochs=1"])
+    with pytest.raises(SystemExit, match="160 x 64 = 10240 prompts.*lower run.total_steps to 116"):
+        config.check_single_pass(one_pass, 7473)
