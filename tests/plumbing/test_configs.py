@@ -69,6 +69,11 @@ for _block, _file in TABLE10.items():
 for _name in TABLE10_ROWS:
     PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {
         "layers": [PAPER, TABLE10["qwen7b"], f"configs/paper/ablations/{_name}.yaml"], "light": True}
+# RM-NLHF Fig. 3 (App. F's setup for §3.1: all of HelpSteer3 as D_H, 150 steps): the human-critique arm layers
+# fig3/<model>.yaml on the paper preset, the outcome-only arm adds w_o_process_reward.yaml
+FIG3 = {"qwen7b": "configs/paper/fig3/qwen7b.yaml", "llama8b": "configs/paper/fig3/llama8b.yaml"}
+for _file in FIG3.values():
+    PRESETS[_file] = {"layers": [PAPER, _file], "light": True}
 # RLME's experiments (configs/paper/rlme/, issue 16). Each is config.yaml plus a few keys, so most are
 # "light" (they run end to end); hacking.yaml (validation + monitor over a resume) and qa_rlvr.yaml
 # (context QA, text labels, a holdout) get the precision and resume checks too. 1gt / 10gt / crowd
@@ -385,6 +390,20 @@ def test_table10_presets_are_app_f_setup():
             assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
             assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.5)
     assert shipped_cfg("configs/paper/ablations/w_o_outcome_regularization.yaml")["run"]["total_steps"] == 1200  # Table 3: main
+
+
+def test_fig3_presets_are_app_f_setup_for_section_3_1():
+    """RM-NLHF App. F (Section 3.1): 150 steps, "the complete HelpSteer3 dataset" (all of it D_H: no D_O, no
+    split, no MetaRM), Table 9 for the rest; the two base models of Fig. 3; the outcome-only arm = λ 0."""
+    import train
+    for block, policy in [("qwen7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+                          ("llama8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B")]:
+        for arm, lam in (([], 0.5), (["configs/paper/ablations/w_o_process_reward.yaml"], 0.0)):
+            cfg = train.load_config([os.path.join(REPO, p) for p in [PAPER, FIG3[block]] + arm])
+            assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
+            assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.0)
+            assert (cfg["metarm"]["mode"], cfg["nlhf"]["lam"]) == ("none", lam)
+            assert (cfg["rollout"]["prompts_per_step"], cfg["rollout"]["temperature"], cfg["optim"]["lr"]) == (256, 0.7, 1e-6)
 
 
 @pytest.mark.parametrize("name", [n for n in shipped_configs() if n not in SKIPPED])
