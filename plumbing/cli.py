@@ -390,7 +390,7 @@ def cmd_pairwise(a):
     dec = grm_decoding(a.protocol, a.temperature, a.max_new_tokens, a.top_p, a.seed)
     a.max_new_tokens = dec["max_new_tokens"]
     announce_work("pairwise", sum(len(items) for _, items in data), 2, a.max_new_tokens,
-                  "--n, --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
+                  "--n N (a subset per file), --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
     model, tok = load_model(a.model, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                            chat=chat_format(tok, parse_chat(a, a.model)), max_prompt_tokens=a.max_prompt_tokens or None,
@@ -1054,8 +1054,10 @@ def build_parser():
     p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
                    help="GRM prompt and output parser: ours, or authors (the RM-NLHF release's, to score a "
                         "released checkpoint in its own format)")
-    p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all); "
-                                                    "RewardBench 2: N rows of 3 pairs each")
+    p.add_argument("--n", type=int, default=0,
+                   help="0 = every item of each file, the whole benchmark as the paper's Table 2 reports it; N = a "
+                        "seeded random subset of N items per file (random, not the first N: RM-Bench gives 9 style "
+                        "pairs per row, JudgeBench is sorted by category); RewardBench 2: N rows of 3 pairs each")
     grm_decoding_flags(p)
     p.add_argument("--data-root", default=SHARED_DATA, help="folder holding the registry's local benchmark folders")
     p.add_argument("--max-prompt-tokens", type=int, default=0,

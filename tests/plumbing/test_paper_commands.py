@@ -168,3 +168,29 @@ def test_nocheat_runs_to_the_notes_cheating_test():
     one_pass = T.load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")], ["data.epochs=1"])
     with pytest.raises(SystemExit, match="160 x 64 = 10240 prompts.*lower run.total_steps to 116"):
         config.check_single_pass(one_pass, 7473)
+
+
+# ---- evaluate.py pairwise: the whole benchmark by default, a subset one flag away --------------------
+
+def test_pairwise_scores_the_whole_benchmark_by_default(tmp_path, monkeypatch):
+    """A 60-pair file, a fake GRM that always names the chosen response: by default all 60 pairs
+    are scored in both orders (120 judgements; the old default scored a 50-pair subset); --n 7 draws
+    a seeded subset of 7."""
+    from plumbing import cli
+    (tmp_path / "bench").mkdir()
+    f = write_jsonl(tmp_path / "bench" / "b.jsonl",
+                    [{"prompt": f"q{i}", "chosen": f"good{i}", "rejected": f"bad{i}"} for i in range(60)])
+    calls = []
+
+    def judge(queries):
+        calls.append(len(queries))
+        return [{"choice": "A" if a.startswith("good") else "B", "valid": True, "why": None, "critique": "c"}
+                for _, a, b, _turns in queries]
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: judge)
+    assert cli.build_parser().parse_args(["pairwise", "--model", "m"]).n == 0
+    r = cli.evaluate_main(["pairwise", "--model", "fake", f, "--out", str(tmp_path / "all")])
+    assert r["files"][0]["n"] == 60 and r["files"][0]["acc"] == 1.0 and sum(calls) == 120 and r["n_per_file"] == 0
+    r = cli.evaluate_main(["pairwise", "--model", "fake", f, "--n", "7", "--out", str(tmp_path / "sub")])
+    assert r["files"][0]["n"] == 7
