@@ -5,8 +5,9 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
 * math: GSM8K / MATH-500 accuracy of a checkpoint, greedy and sampled pass@1 (the RLME paper's
   accuracy, RLME §4.1; the last \\boxed{} as in RLVR, docs/method.md §4.3, graded by numbers and
   then math-verify: numeric_correct, more lenient than the RLVR reward). With a
-  NoCheat template ({answer}), --inject wrong gives the counterfactual accuracy (RLME §4, Fig. 7).
-* qa: context-QA exact match and token F1 of the boxed answer (RLME §4, Tables 1-2), on a JSONL
+  NoCheat template ({answer}), --inject wrong gives the counterfactual accuracy (RLME Fig. 7, per
+  secondary notes on its experiments after §4.1, not in our text).
+* qa: context-QA exact match and token F1 of the boxed answer (RLME Tables 1-2, per secondary notes), on a JSONL
   file or hub id with configurable fields, or --preset faitheval (FaithEval-Counterfactual).
 * pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
   (RM-NLHF §4.2, Table 2; benchmarks and their contamination rule App. G.1, Table 7; RewardBench 2

@@ -43,7 +43,7 @@ import rollout
 from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
 from plumbing.plan import add_plan_flags, print_plan
-from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validation_step
+from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validate_at_start, validation_step
 from plumbing.scale import all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded, vllm_sleep
 from plumbing.services import score_remote
 
@@ -70,6 +70,7 @@ def train(cfg):
                                pad_id=state["tokenizer"].pad_token_id, ref_model=state["ref_model"],
                                scaler=state["scaler"])
     total, every = cfg["run"]["total_steps"], cfg["run"]["eval_every"]
+    validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, the initial policy's held-out validation
     for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1-2. prompts and rollout: G completions for each of this rank's prompts (RLME Eq. 1)
@@ -448,11 +449,12 @@ def update_mask(batch):
 
 def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):
     """The one global divisor of a (mini-)batch (docs/method.md §4.4): sequences for seq_sum (RLME
-    Eq. 8) and for seq_mean_token_mean (RM-NLHF Eq. 3's 1/G; the loss already divided each
-    sequence by its length), tokens for token_mean, sequences x max_new_tokens for Dr.GRPO. Counts
-    are global (all micro-batches of all ranks), applied once."""
-    return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs, "token_mean": num_tokens,
-            "dr_grpo": num_seqs * max_new_tokens}[aggregation]
+    Eq. 8), for seq_mean_token_mean (RM-NLHF Eq. 3's 1/G; the loss already divided each sequence
+    by its length) and for micro_batch_token_mean (the n_b-weighted micro-batch token means), tokens
+    for token_mean, sequences x max_new_tokens for Dr.GRPO. Counts are global (all micro-batches of
+    all ranks), applied once."""
+    return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs, "micro_batch_token_mean": num_seqs,
+            "token_mean": num_tokens, "dr_grpo": num_seqs * max_new_tokens}[aggregation]
 
 
 def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, ratio="sequence", aggregation="seq_sum"):
@@ -507,11 +509,15 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, 
 
 
 def aggregate(per_token, mask, aggregation):
-    """Sum of the masked per-token losses [B, L]; seq_mean_token_mean takes each sequence's token
-    mean first (RM-NLHF Eq. 3). The caller divides by loss_normaliser's count."""
+    """Sum of the masked per-token losses [B, L] of one micro-batch; seq_mean_token_mean takes each
+    sequence's token mean first (RM-NLHF Eq. 3); micro_batch_token_mean is the micro-batch's token
+    mean x its sequence count n_b (verl 0.4.1's token-mean under use_dynamic_bsz, the RM-NLHF release:
+    policy_loss x len(micro-batch) / mini-batch size). The caller divides by loss_normaliser's count."""
     per_token = per_token * mask
     if aggregation == "seq_mean_token_mean":
         per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
+    if aggregation == "micro_batch_token_mean":
+        return per_token.sum() * (mask.sum(-1) > 0).sum() / mask.sum().clamp(min=1)
     return per_token.sum()
 
 

@@ -14,6 +14,7 @@ imports the stage files: `python reward.py` importing it would load reward.py a 
 in plumbing/ imports this module, so `python -m plumbing.cli` loads every file once.
 """
 import argparse
+import glob
 import json
 import math
 import os
@@ -318,7 +319,7 @@ def cmd_math(a):
         row[pass1] = f"{summary['sampled_pass1_mean']:.3f} ± {summary['sampled_pass1_std']:.3f}"
     title = {"none": f"math accuracy: {a.model}",
              "reference": f"math accuracy with the reference answer shown (--inject reference): {a.model}",
-             "wrong": f"COUNTERFACTUAL accuracy (NoCheat, RLME §4 Fig. 7): each prompt shows a wrong answer, "
+             "wrong": f"COUNTERFACTUAL accuracy (NoCheat, RLME Fig. 7 per secondary notes): each prompt shows a wrong answer, "
                       f"graded against the true label: {a.model}"}[inject]
     print_table([row], ["data", "n_problems", acc, pass1, "n_samples",
                         "sampled_pass_at_n", "greedy_no_box", "greedy_truncated"], title=title)
@@ -408,7 +409,7 @@ def cmd_pairwise(a):
     dec = grm_decoding(a.protocol, a.temperature, a.max_new_tokens, a.top_p, a.seed)
     a.max_new_tokens = dec["max_new_tokens"]
     announce_work("pairwise", sum(len(items) for _, items in data), 2, a.max_new_tokens,
-                  "--n, --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
+                  "--n N (a subset per file), --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
     model, tok = load_model(a.model, a.dtype)
     judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                            chat=chat_format(tok, parse_chat(a, a.model)), max_prompt_tokens=a.max_prompt_tokens or None,
@@ -649,11 +650,17 @@ def judge_check_failures(rows, messages):
 
 
 def parse_curve(spec):
-    """'label=a.jsonl,b.jsonl' or 'a.jsonl' -> (label, [paths]); runs in one spec are averaged."""
+    """'label=a.jsonl,b.jsonl' or 'a.jsonl' -> (label, [paths]); runs in one spec are averaged. A path
+    with a wildcard ('runs/fig2-rlme-s*/metrics.jsonl', quoted so the shell leaves it) stands for the
+    files it matches, sorted; one that matches nothing is kept, so its read says which file is missing."""
     label, sep, paths = spec.partition("=")
     if not sep:
         label, paths = os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec
-    return label, [p for p in paths.split(",") if p]
+    out = []
+    for p in (p for p in paths.split(",") if p):
+        matched = sorted(glob.glob(p)) if glob.has_magic(p) else []
+        out += matched or [p]
+    return label, out
 
 
 def run_series(rows, key, path):
@@ -671,38 +678,70 @@ def run_series(rows, key, path):
     return xs, ys
 
 
-def curve(paths, key, alpha=0.9):
-    """Metric `key` of one setting's runs on the steps they all share (a run that stopped early
-    shortens the curve). Each run is smoothed on its own (evaluate.ema), then the runs are averaged.
+# The EMA's first point, a choice of ours (RLME §4.1 says only "an exponential moving average with
+# decay β = 0.9"): "debiased" (default) = evaluate.ema, Adam's bias correction, the β-weighted mean of
+# the points so far; "first" = seeded with the first point, e_1 = v_1 (pandas' ewm(adjust=False)).
+EMA_STARTS = ("debiased", "first")
+# The band across runs: "std" (default) = ±1 sample standard deviation of the per-run EMAs, RLME
+# Fig. 2's "±1 std shown by the shaded region"; "se" = ±1 standard error, std / sqrt(n).
+BANDS = ("std", "se")
 
-    Args: paths: list of metrics.jsonl files, runs of one setting; key: str; alpha: EMA weight.
+
+def seeded_ema(values, alpha=0.9):
+    """The EMA seeded with the first value: e_1 = v_1, e_t = alpha * e_(t-1) + (1 - alpha) * v_t.
+    Args: values: list[float]; alpha: float in [0, 1). Returns: list[float], len(values)."""
+    out = []
+    for v in values:
+        out.append(v if not out else alpha * out[-1] + (1 - alpha) * v)
+    return out
+
+
+def sample_std(xs):
+    """Sample standard deviation of `xs` (list of numbers, divided by n - 1); None for fewer than two
+    values (one run says nothing about run-to-run spread: no band, not a zero-width one)."""
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def curve(paths, key, alpha=0.9, ema_start="debiased"):
+    """Metric `key` of one setting's runs on the steps they all share (a run that stopped early
+    shortens the curve). Each run is smoothed on its own (evaluate.ema, or seeded_ema with
+    ema_start "first"), then the runs are averaged.
+
+    Args: paths: list of metrics.jsonl files, runs of one setting; key: str; alpha: EMA weight;
+        ema_start: one of EMA_STARTS.
     Returns: {"x": steps, "raw": per step, the mean over runs of the logged values, "ema": the mean
-        over runs of each run's EMA, "se": per step, the standard error across runs of those EMAs
-        (evaluate.standard_error), None for one run (no band), "runs": n}.
+        over runs of each run's EMA, "std": per step, the sample standard deviation across runs of
+        those EMAs (sample_std), "se": their standard error (evaluate.standard_error, std / sqrt(n)),
+        both None for one run (no band), "runs": n}.
     Raises: SystemExit (one line): a file without the metric, runs that share no step.
     """
+    smooth = ema if ema_start == "debiased" else seeded_ema
     runs = []
     for p in paths:
         xs, ys = run_series(jsonl_rows(p), key, p)
-        runs.append((dict(zip(xs, ys)), dict(zip(xs, ema(ys, alpha)))))
+        runs.append((dict(zip(xs, ys)), dict(zip(xs, smooth(ys, alpha)))))
     common = sorted(set.intersection(*(set(raw) for raw, _ in runs)))
     if not common:
         raise SystemExit(f"runs {paths} share no steps with metric {key!r}")
     n = len(runs)
     return {"x": common, "raw": [sum(raw[x] for raw, _ in runs) / n for x in common],
             "ema": [sum(e[x] for _, e in runs) / n for x in common],
+            "std": [sample_std([e[x] for _, e in runs]) for x in common] if n > 1 else None,
             "se": [standard_error([e[x] for _, e in runs]) for x in common] if n > 1 else None, "runs": n}
 
 
-def y_limits(curves, min_span):
-    """(low, high) of a y-axis that shows every raw value, EMA and band edge of `curves`, padded by
-    5%, and at least `min_span` tall around the data's middle. matplotlib's autoscale would zoom
-    into whatever range the EMA has, so that 0.02 nats of drift fill the panel and look like learning."""
+def y_limits(curves, min_span, band="std"):
+    """(low, high) of a y-axis that shows every raw value, EMA and band edge (c[band]) of `curves`,
+    padded by 5%, and at least `min_span` tall around the data's middle. matplotlib's autoscale would
+    zoom into whatever range the EMA has, so that 0.02 nats of drift fill the panel and look like learning."""
     vals = []
     for c in curves:
         vals += c["raw"] + c["ema"]
-        if c["se"] is not None:
-            vals += [m + s for m, s in zip(c["ema"], c["se"])] + [m - s for m, s in zip(c["ema"], c["se"])]
+        if c[band] is not None:
+            vals += [m + s for m, s in zip(c["ema"], c[band])] + [m - s for m, s in zip(c["ema"], c[band])]
     lo, hi = min(vals), max(vals)
     lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
     if hi - lo < min_span:
@@ -711,61 +750,65 @@ def y_limits(curves, min_span):
     return lo, hi
 
 
-def draw_curve(ax, c, label, color, linestyle="-"):
-    """One curve on `ax`: the raw per-step values (faint, dots), the ±1 s.e. band across runs when
-    there are several, the EMA on top (the one legend entry). Artists carry gid "<label>/raw",
-    "<label>/se", "<label>/ema" (tests read them back)."""
+def draw_curve(ax, c, label, color, linestyle="-", band="std"):
+    """One curve on `ax`: the raw per-step values (faint, dots), the band EMA ± c[band] across runs
+    when there are several (band "std": ±1 std, RLME Fig. 2's; "se": ±1 standard error), the EMA on
+    top (the one legend entry). Artists carry gid "<label>/raw", "<label>/band", "<label>/ema"
+    (tests read them back)."""
     ax.plot(c["x"], c["raw"], color=color, linestyle=linestyle, alpha=0.35, linewidth=0.8, marker=".",
             markersize=3, gid=f"{label}/raw")
-    if c["se"] is not None:
-        ax.fill_between(c["x"], [m - s for m, s in zip(c["ema"], c["se"])],
-                        [m + s for m, s in zip(c["ema"], c["se"])], color=color, alpha=0.2, linewidth=0,
-                        gid=f"{label}/se")
+    if c[band] is not None:
+        ax.fill_between(c["x"], [m - s for m, s in zip(c["ema"], c[band])],
+                        [m + s for m, s in zip(c["ema"], c[band])], color=color, alpha=0.2, linewidth=0,
+                        gid=f"{label}/band")
     ax.plot(c["x"], c["ema"], color=color, linestyle=linestyle, linewidth=1.8, label=f"{label} (n={c['runs']})",
             gid=f"{label}/ema")
 
 
-def plot_note(alpha):
+def plot_note(alpha, band="std", ema_start="debiased"):
     """The one line under every figure that says what is drawn."""
-    return f"faint: raw per step; line: EMA {alpha} (bias-corrected); band: ±1 s.e. across runs (2+ runs)"
+    start = "bias-corrected, ours" if ema_start == "debiased" else "seeded with the first point"
+    spread = "±1 std" if band == "std" else "±1 s.e."
+    return f"faint: raw per step; line: EMA {alpha} ({start}); band: {spread} across runs (2+ runs)"
 
 
-def curves_figure(curves, keys, alpha, min_span):
+def curves_figure(curves, keys, alpha, min_span, band="std", ema_start="debiased"):
     """curves.png: one panel per metric key, every setting's curve (draw_curve) on it.
-    Args: curves: {label: {key: curve()}}; min_span: y_limits'. Returns: a matplotlib Figure."""
+    Args: curves: {label: {key: curve()}}; min_span: y_limits'; band: one of BANDS; ema_start: the
+    note's (curve() smoothed them). Returns: a matplotlib Figure."""
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
     for ax, k in zip(axes[0], keys):
         for n, (label, cs) in enumerate(curves.items()):
-            draw_curve(ax, cs[k], label, f"C{n}")
-        ax.set_ylim(*y_limits([cs[k] for cs in curves.values()], min_span))
+            draw_curve(ax, cs[k], label, f"C{n}", band=band)
+        ax.set_ylim(*y_limits([cs[k] for cs in curves.values()], min_span, band))
         ax.set_title(k)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    fig.suptitle(plot_note(alpha), fontsize=8)
+    fig.suptitle(plot_note(alpha, band, ema_start), fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def reward_accuracy_figure(rewards, accs, reward_key, acc_key, alpha, min_span):
+def reward_accuracy_figure(rewards, accs, reward_key, acc_key, alpha, min_span, band="std", ema_start="debiased"):
     """reward_vs_accuracy.png: reward (solid, left axis) and accuracy (dashed, right axis) of every
     setting on twin axes: reward rising while accuracy falls is reward hacking.
-    Args: rewards, accs: {label: curve()}. Returns: a matplotlib Figure."""
+    Args: rewards, accs: {label: curve()}; band, ema_start: as curves_figure. Returns: a matplotlib Figure."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ax2 = ax.twinx()
     for n, label in enumerate(rewards):
-        draw_curve(ax, rewards[label], f"{label} {reward_key}", f"C{n}")
-        draw_curve(ax2, accs[label], f"{label} {acc_key}", f"C{n}", linestyle="--")
-    ax.set_ylim(*y_limits(rewards.values(), min_span))
-    ax2.set_ylim(*y_limits(accs.values(), min_span))
+        draw_curve(ax, rewards[label], f"{label} {reward_key}", f"C{n}", band=band)
+        draw_curve(ax2, accs[label], f"{label} {acc_key}", f"C{n}", linestyle="--", band=band)
+    ax.set_ylim(*y_limits(rewards.values(), min_span, band))
+    ax2.set_ylim(*y_limits(accs.values(), min_span, band))
     ax.set_xlabel("step")
     ax.set_ylabel(f"{reward_key} (solid)")
     ax2.set_ylabel(f"{acc_key} (dashed)")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
-    ax.set_title(f"reward vs accuracy\n{plot_note(alpha)}", fontsize=8)
+    ax.set_title(f"reward vs accuracy\n{plot_note(alpha, band, ema_start)}", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -780,26 +823,31 @@ def cmd_plot(a):
         raise SystemExit(f"--min-y-span {a.min_y_span}: must be >= 0")
     specs = [parse_curve(s) for s in a.runs]
     keys = a.keys.split(",")
-    curves = {label: {k: curve(paths, k, a.ema) for k in keys} for label, paths in specs}
+    curves = {label: {k: curve(paths, k, a.ema, a.ema_start) for k in keys} for label, paths in specs}
     os.makedirs(a.out, exist_ok=True)
-    figs = [("curves.png", curves_figure(curves, keys, a.ema, a.min_y_span))]
+    figs = [("curves.png", curves_figure(curves, keys, a.ema, a.min_y_span, a.band, a.ema_start))]
     if a.reward_key and a.acc_key:
         def per_label(k):  # the curves of --keys where they are there already
-            return {label: curves[label][k] if k in keys else curve(paths, k, a.ema) for label, paths in specs}
-        figs.append(("reward_vs_accuracy.png", reward_accuracy_figure(per_label(a.reward_key), per_label(a.acc_key),
-                                                                      a.reward_key, a.acc_key, a.ema, a.min_y_span)))
+            return {label: curves[label][k] if k in keys else curve(paths, k, a.ema, a.ema_start)
+                    for label, paths in specs}
+        figs.append(("reward_vs_accuracy.png", reward_accuracy_figure(
+            per_label(a.reward_key), per_label(a.acc_key), a.reward_key, a.acc_key, a.ema, a.min_y_span, a.band,
+            a.ema_start)))
     files = []
     for name, fig in figs:
         files.append(os.path.join(a.out, name))
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
     rows = [{"curve": label, "metric": k, "runs": c["runs"], "steps": len(c["x"]), "first": c["ema"][0],
-             "last": c["ema"][-1], "last_se": c["se"][-1] if c["se"] else None}
+             "last": c["ema"][-1], "last_std": c["std"][-1] if c["std"] else None,
+             "last_se": c["se"][-1] if c["se"] else None}
             for label, cs in curves.items() for k, c in cs.items()]
-    write_results(a.out, "plot", {"ema": a.ema, "ema_rule": "bias-corrected (evaluate.ema)", "files": files,
+    rule = "bias-corrected (evaluate.ema; ours)" if a.ema_start == "debiased" else "seeded with the first point (ours)"
+    write_results(a.out, "plot", {"ema": a.ema, "ema_rule": rule, "band": a.band, "files": files,
                                   "table": rows, "curves": curves})
-    print_table(rows, ["curve", "metric", "runs", "steps", "first", "last", "last_se"],
-                title=f"EMA {a.ema} curves (bias-corrected; last_se: standard error across runs)")
+    print_table(rows, ["curve", "metric", "runs", "steps", "first", "last", "last_std", "last_se"],
+                title=f"EMA {a.ema} curves ({rule}; band ±1 {a.band} across runs; last_std / last_se: "
+                      f"sample std / standard error across runs at the last step)")
     print("wrote " + ", ".join(files))
     return rows
 
@@ -967,14 +1015,16 @@ def build_parser():
                    help="format string with {question} (default: --config's data.prompt_template, else PROMPT_TEMPLATE)")
     p.add_argument("--config", default=None, help="a run's config.yaml: take data.prompt_template from it")
     p.add_argument("--inject", default=None, choices=list(INJECT_CHOICES),
-                   help="what a template's {answer} shows (NoCheat, RLME §4 Fig. 7): wrong = a seeded wrong answer "
-                        "(wrong_answer), graded against the true label = counterfactual accuracy; reference = the "
+                   help="what a template's {answer} shows (NoCheat: RLME Fig. 7, from secondary notes on the experiments after "
+                        "§4.1): wrong = a seeded wrong answer, a number's label + 1 (ours: the notes say a random wrong "
+                        "answer; wrong_answer), graded against the true label = counterfactual accuracy; reference = the "
                         "true answer; required when the template has {answer}, else only none")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--name", default=None, help="results file tag (default: from --data, plus _inject-<kind>)")
     p.set_defaults(fn=cmd_math)
 
-    p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2; FaithEval)")
+    p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2 and FaithEval, "
+                         "from secondary notes on the experiments after §4.1)")
     common(p)
     p.add_argument("--model", required=True, help="checkpoint folder, hub id or gguf:<pkg>/<file>")
     p.add_argument("--data", default=None, help="QA JSONL file or hub id (default: --preset's hub id)")
@@ -993,7 +1043,7 @@ def build_parser():
                    help="multiple choice: options {'label': [...], 'text': [...]} or a list; the gold option's text "
                         "or its letter counts as right")
     p.add_argument("--context-max-chars", type=int, default=4000, help="contexts cut to this many characters "
-                                                                       "(RLME §4); 0 = no cut")
+                                                                       "(RLME's QA setup per secondary notes, not in our text); 0 = no cut")
     p.add_argument("--n-problems", type=int, default=0, help="first N rows (0 = all)")
     p.add_argument("--n-samples", type=int, default=0, help="sampled answers per question, next to the greedy one")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the sampled answers")
@@ -1024,8 +1074,10 @@ def build_parser():
     p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
                    help="GRM prompt and output parser: ours, or authors (the RM-NLHF release's, to score a "
                         "released checkpoint in its own format)")
-    p.add_argument("--n", type=int, default=50, help="a seeded random subset of N items per file (0 = all); "
-                                                    "RewardBench 2: N rows of 3 pairs each")
+    p.add_argument("--n", type=int, default=0,
+                   help="0 = every item of each file, the whole benchmark as the paper's Table 2 reports it; N = a "
+                        "seeded random subset of N items per file (random, not the first N: RM-Bench gives 9 style "
+                        "pairs per row, JudgeBench is sorted by category); RewardBench 2: N rows of 3 pairs each")
     grm_decoding_flags(p)
     p.add_argument("--data-root", default=SHARED_DATA, help="folder holding the registry's local benchmark folders")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
@@ -1073,14 +1125,21 @@ def build_parser():
     p.add_argument("--threshold", type=float, default=0.5, help="S > threshold counts as 'correct' (Eq. 4)")
     p.set_defaults(fn=cmd_judge_check)
 
-    p = subcommand("plot", "learning curves (raw values, bias-corrected EMA, ±1 s.e. across runs) and "
-                           "reward vs accuracy")
+    p = subcommand("plot", "learning curves (raw values, EMA, ±1 std across runs as RLME Fig. 2) and reward "
+                           "vs accuracy")
     common(p, model_flags=False)
     p.add_argument("runs", nargs="+", help="[LABEL=]metrics.jsonl[,metrics.jsonl...]: one curve each, "
-                                           "several files = several runs averaged")
+                                           "several files = several runs averaged; a quoted wildcard "
+                                           "('runs/x-s*/metrics.jsonl') = the files it matches")
     p.add_argument("--keys", default="reward/mean,accuracy", help="comma-separated metric keys")
     p.add_argument("--ema", type=float, default=0.9, help="EMA weight of the previous value, in [0, 1) "
-                                                         "(bias-corrected: evaluate.ema; 0 = raw values)")
+                                                         "(RLME §4.1's beta 0.9; 0 = raw values)")
+    p.add_argument("--ema-start", default="debiased", choices=list(EMA_STARTS),
+                   help="the EMA's first points (ours, the paper says only EMA 0.9): debiased = Adam's bias "
+                        "correction (evaluate.ema), first = seeded with the first value (e_1 = v_1)")
+    p.add_argument("--band", default="std", choices=list(BANDS),
+                   help="the shaded band across runs: std = ±1 sample std of the runs' EMAs (RLME Fig. 2: "
+                        "'±1 std shown by the shaded region'), se = ±1 standard error (std / sqrt(runs))")
     p.add_argument("--min-y-span", type=float, default=0.1,
                    help="shortest y-axis, in the metric's units (nats, accuracy): a flat curve is not "
                         "magnified into a slope")

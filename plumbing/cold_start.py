@@ -293,7 +293,7 @@ def wait_for_batches(view, folder, header, n_batches, *, timeout_s, poll_s=1.0, 
 def cold_start_settings(cfg, tokenizer):
     """run_cold_start's keyword arguments from the config (metarm.*, nlhf.*, model.*, judge.*,
     run.seed; the GRM's `tokenizer` for its prompts): one place, for train.py's cold start and
-    the CLI's (python metarm.py cold-start)."""
+    the CLI's (python -m plumbing.cli metarm cold-start)."""
     m, nl, j = cfg["metarm"], cfg["nlhf"], cfg["judge"]
     identity = {"model.policy": cfg["model"]["policy"], "model.dtype": cfg["model"]["dtype"],
                 "metarm.model": m["model"] or cfg["model"]["policy"], "metarm.max_length": m["max_length"],

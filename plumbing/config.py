@@ -42,7 +42,7 @@ CHOICES = {
     "reward.qa_metric": ["em", "f1"],
     "algo.loss": ["cispo", "grpo"],
     "algo.ratio": ["sequence", "geometric_mean"],
-    "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "dr_grpo"],
+    "algo.aggregation": ["seq_sum", "seq_mean_token_mean", "token_mean", "micro_batch_token_mean", "dr_grpo"],
     "optim.schedule": ["constant", "cosine"],
     "train.parallel": ["ddp", "fsdp2"],
     "rollout.vllm_sleep_level": [1, 2],
@@ -476,10 +476,14 @@ def check_data_config(cfg):
             raise SystemExit(f"config key {key}: {why}")
     for key, v, lo in [("data.epochs", d["epochs"], 0), ("data.context_max_chars", d["context_max_chars"], 0),
                        ("data.val_size", d["val_size"], 1), ("run.eval_every", run["eval_every"], 0),
-                       ("run.early_stop_patience", run["early_stop_patience"], 0), ("nlhf.val_size", nl["val_size"], 1),
-                       ("nlhf.val_temperature", nl["val_temperature"], 0), ("nlhf.val_max_new_tokens", nl["val_max_new_tokens"], 1)]:
+                       ("run.early_stop_patience", run["early_stop_patience"], 0),
+                       ("nlhf.val_temperature", nl["val_temperature"], 0), ("nlhf.val_max_new_tokens", nl["val_max_new_tokens"], 1),
+                       # 0 = every pair of a file / hub id; a holdout takes that many D_H pairs, at least one
+                       ("nlhf.val_size", nl["val_size"], 1 if nl["val"] == "holdout" else 0)]:
         if v < lo:
-            raise SystemExit(f"config key {key}: must be >= {lo}, got {v}")
+            raise SystemExit(f"config key {key}: must be >= {lo}, got {v}" + (
+                " (nlhf.val holdout takes that many D_H pairs; 0 = all is for a file or hub id)"
+                if key == "nlhf.val_size" else ""))
 
 
 # run.report_to: the experiment trackers train.py can log to (plumbing.run.open_trackers); each name is

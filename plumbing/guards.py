@@ -29,7 +29,7 @@ import torch.distributed as dist
 # is recorded in <out_dir>/resumes.jsonl either way.
 RESUMABLE = (
     "run.total_steps", "run.save_every", "run.keep_checkpoints", "run.resume", "run.force_resume",
-    "run.log_samples", "run.stop_after", "run.eval_every", "run.early_stop_drop", "run.early_stop_patience",
+    "run.log_samples", "run.stop_after", "run.eval_every", "run.eval_at_start", "run.early_stop_drop", "run.early_stop_patience",
     "run.report_to", "run.tracking_project",
     "data.val", "data.val_config", "data.val_split", "data.val_size",                 # the held-out validation
     "nlhf.val_temperature", "nlhf.val_max_new_tokens",  # (nlhf.val, val_size: a holdout changes D_H)
@@ -132,7 +132,9 @@ def check_resume(cfg, ckpt):
         return {}
     with open(path) as f:
         changes = resume_changes(yaml.safe_load(f) or {}, cfg)
-    fixed = [k for k in changes if k not in RESUMABLE]
+    # micro_batch_token_mean weights each micro-batch's token mean: there the micro-batch size changes the update
+    fixed = [k for k in changes if k not in RESUMABLE or (k == "train.micro_batch_size"
+                                                           and cfg["algo"]["aggregation"] == "micro_batch_token_mean")]
     if fixed and not cfg["run"]["force_resume"]:
         shown = ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in fixed[:4])
         more = f" and {len(fixed) - 4} more" if len(fixed) > 4 else ""

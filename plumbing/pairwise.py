@@ -580,7 +580,7 @@ def load_nlhf_val_items(cfg, dh_items):
     """The held-out pairs of an rm_nlhf run's validation (run.eval_every; RM-NLHF Figs. 3 and 6),
     and D_H without them: nlhf.val "holdout" = nlhf.val_size pairs of `dh_items` (load_dh_items'),
     removed from D_H so they are never trained on; a file / folder / hub id = up to nlhf.val_size
-    pairs of it (all its pairs, critique or not: only the preference is scored). Both draws are
+    pairs of it, every pair with nlhf.val_size 0 (critique or not: only the preference is scored). Both draws are
     seeded by run.seed (val_draw) and fixed for the run. [] and D_H as is without nlhf.val.
     Returns (val_items, dh_items). SystemExit (one line naming the key) when the holdout would take
     all of D_H or the file has no pair."""
@@ -601,4 +601,4 @@ def load_nlhf_val_items(cfg, dh_items):
         raise SystemExit(f"config key nlhf.val: {e.code}")
     if not pool:
         raise SystemExit(f"config key nlhf.val={nl['val']}: no pair to validate on")
-    return [pool[i] for i in val_draw(cfg, len(pool), nl["val_size"])], dh_items
+    return [pool[i] for i in val_draw(cfg, len(pool), nl["val_size"] or len(pool))], dh_items  # 0: the whole file

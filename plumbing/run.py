@@ -6,6 +6,8 @@
     save_run, save_checkpoint, load_trainer_state, latest_checkpoint
                               atomic checkpoint folders and the exact resume (docs/method.md §4.7)
     write_early_stop, finished_run, finish
+    validate_at_start, validation_step, nlhf_validation_step
+                              the held-out validation (run.eval_every; step 0 with run.eval_at_start)
     open_trackers, track_step, close_trackers     tensorboard / trackio / wandb
     setup_metarm, load_metarm, save_metarm, load_saved_metarm
                               the MetaRM of an rm_nlhf run: restored, loaded or cold-started
@@ -680,7 +682,7 @@ def open_trackers(cfg, start_step):
                 if table is not None:
                     writer.add_text("samples", markdown_table(*table), step)
                 writer.flush()  # a crash loses no logged step
-            trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": 0})
+            trackers.append({**shared, "name": name, "log": log, "close": writer.close, "skip_through": -1})
             continue
         try:
             if name == "trackio":  # local store ($TRACKIO_DIR, default ~/.cache/huggingface/trackio): no server, no network
@@ -701,7 +703,7 @@ def open_trackers(cfg, start_step):
         def log(metrics, step, table, r=r, make_table=make_table):
             r.log({**metrics, **({"samples": make_table(*table)} if table is not None else {})}, step=step)
         trackers.append({**shared, "name": name, "log": log, "close": r.finish,
-                         "skip_through": info["last_step"].get(name, 0) if start_step else 0})
+                         "skip_through": info["last_step"].get(name, 0) if start_step else -1})  # -1: step 0 (run.eval_at_start) too
     return trackers
 
 
@@ -1062,6 +1064,29 @@ def rlme_step_metrics(records, cfg):
                 out[R.logp_metric_name(ev["name"], mq["question"])] = vals.mean().item() if len(vals) else None
                 out[f"rlme/{ev['name']}/{mq['question']}/p"] = vals.exp().mean().item() if len(vals) else None
     return out
+
+
+def validate_at_start(state, cfg, reward_step):
+    """Step 0 (run.eval_at_start, with run.eval_every > 0, on a fresh start): validation_step on the
+    initial policy before any update, as the RM-NLHF release validates before training
+    (trainer.val_before_train=True in run_full_exp_qwen_7b_rm_nlhf.sh) and as learning curves start at
+    the base model. Its metrics.jsonl line is {"step": 0, "val/...": ...} alone (nothing was trained:
+    no reward or loss keys); the monitor and the early-stop rule count it as the first evaluation,
+    as a resume rebuilds their history from metrics.jsonl. Every rank calls it (collectives); the
+    RLME AUROC, which reads the step's training samples, is absent there. Returns the val dict or {}."""
+    r = cfg["run"]
+    if not (r["eval_every"] and r["eval_at_start"] and state["start_step"] == 0):
+        return {}
+    val = validation_step(state, cfg, 0, [], reward_step)
+    state["val_history"].append({"step": 0, "accuracy": held_out_accuracy(val), "train_reward": None})
+    if state["rank"] == 0:
+        line = finite_or_none(val)
+        with open(os.path.join(r["out_dir"], "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+        track_step(state["trackers"], line, None)
+        state["pbar"].write(f"[train] step 0, before training: held-out accuracy {held_out_accuracy(val):.4f} "
+                            f"(val/n {val.get('val/n')}, val/seconds {val.get('val/seconds')})")
+    return val
 
 
 def validation_step(state, cfg, step, records, reward_step):

@@ -119,6 +119,42 @@ def test_seq_mean_token_mean_is_rm_nlhf_eq3():
     assert (T.loss_function(tm)(logp, None, adv, mask)[0] / T.loss_normaliser(tm["aggregation"], 2, 3, 3)).item() == pytest.approx(2 / 3)
 
 
+def test_micro_batch_token_mean_is_the_released_verl_token_mean():
+    """algo.aggregation micro_batch_token_mean = the RM-NLHF release's loss (verl 0.4.1 with
+    use_dynamic_bsz, dp_actor.update_policy: each micro-batch's token-mean loss x len(micro-batch) /
+    ppo_mini_batch_size). Five sequences of 16, 1, 1, 1, 1 tokens, on-policy GRPO (ratio 1) with
+    advantages -1, 0, 0, 0, 0: per-token loss 1 on sequence 0's 16 tokens, 0 elsewhere. By hand:
+      packed [0] [1 2 3 4]:      (1 x 16/16 + 4 x 0/4) / 5 = 0.20
+      packed [0 1] [2 3] [4]:    (2 x 16/17 + 0 + 0) / 5 = 32/85 = 0.376
+      one micro-batch [0..4]:    5 x 16/20 / 5 = 0.80 (= token_mean: 16 / 20)
+    RM-NLHF Eq. 3 (seq_mean_token_mean): (16/16 + 0 + 0 + 0 + 0) / 5 = 0.20, whatever the packing.
+    Gradient on each of sequence 0's tokens, packed [0 1] [2 3] [4]: (2 / 17) / 5 = 2/85."""
+    mask = torch.zeros(5, 16)
+    mask[0] = 1.0
+    mask[1:, 0] = 1.0
+    adv = torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.0])
+
+    def loss(aggregation, packing):
+        logp = torch.zeros(5, 16, requires_grad=True)
+        fn = T.loss_function(dict(ALGO, loss="grpo", clip_eps=0.2, kl_coef=0.0, aggregation=aggregation))
+        total = sum(fn(logp[rows], None, adv[rows], mask[rows])[0] for rows in packing)
+        out = total / T.loss_normaliser(aggregation, 5, int(mask.sum()), 16)
+        out.backward()
+        return out.item(), logp.grad
+
+    alone, pairs = [[0], [1, 2, 3, 4]], T.micro_batches(range(5), 2)
+    assert pairs == [[0, 1], [2, 3], [4]]
+    assert loss("micro_batch_token_mean", alone)[0] == pytest.approx(0.20)
+    value, grad = loss("micro_batch_token_mean", pairs)
+    assert value == pytest.approx(32 / 85) and round(value, 2) == 0.38
+    assert grad[0].tolist() == pytest.approx([2 / 85] * 16) and grad[1:].abs().sum() == 0
+    assert loss("micro_batch_token_mean", [list(range(5))])[0] == pytest.approx(0.80)
+    assert loss("token_mean", pairs)[0] == pytest.approx(0.80)  # our global token mean: packing-free
+    for packing in (alone, pairs, [list(range(5))]):
+        assert loss("seq_mean_token_mean", packing)[0] == pytest.approx(0.20)
+    assert T.loss_normaliser("micro_batch_token_mean", 5, 20, 16) == 5
+
+
 def test_cispo_long_sequence_does_not_overflow():
     # 100 tokens each with log-ratio 1.0: exp(100) overflows float32 without log-space clipping
     logp = torch.zeros(1, 100, requires_grad=True)

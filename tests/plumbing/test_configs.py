@@ -69,6 +69,11 @@ for _block, _file in TABLE10.items():
 for _name in TABLE10_ROWS:
     PRESETS[f"configs/paper/ablations/{_name}.yaml"] = {
         "layers": [PAPER, TABLE10["qwen7b"], f"configs/paper/ablations/{_name}.yaml"], "light": True}
+# RM-NLHF Fig. 3 (App. F's setup for §3.1: all of HelpSteer3 as D_H, 150 steps): the human-critique arm layers
+# fig3/<model>.yaml on the paper preset, the outcome-only arm adds w_o_process_reward.yaml
+FIG3 = {"qwen7b": "configs/paper/fig3/qwen7b.yaml", "llama8b": "configs/paper/fig3/llama8b.yaml"}
+for _file in FIG3.values():
+    PRESETS[_file] = {"layers": [PAPER, _file], "light": True}
 # RLME's experiments (configs/paper/rlme/, issue 16). Each is config.yaml plus a few keys, so most are
 # "light" (they run end to end); hacking.yaml (validation + monitor over a resume) and qa_rlvr.yaml
 # (context QA, text labels, a holdout) get the precision and resume checks too. 1gt / 10gt / crowd
@@ -83,6 +88,15 @@ for _name, _base, _light in [("fig2_rlme", None, True), ("fig2_rlvr", None, True
         "layers": ([f"{RLME_DIR}/{_base}.yaml"] if _base else []) + [f"{RLME_DIR}/{_name}.yaml"], "light": _light}
 # the authors' released-code variant layers on the paper preset the same way
 PRESETS["configs/paper/released_code.yaml"] = {"layers": [PAPER, "configs/paper/released_code.yaml"], "light": True}
+# Layerings the reproduction table (docs/method.md §10) trains that no file's own entry above covers: Fig. 3's
+# outcome-only arms and Table 10's Llama-8B rows. Keyed "<file>+<layer>" (not shipped files: listed apart).
+for _file in FIG3.values():
+    PRESETS[f"{_file}+w_o_process_reward"] = {
+        "layers": [PAPER, _file, "configs/paper/ablations/w_o_process_reward.yaml"], "light": True}
+for _name in ("no_metarm", "offline_metarm", "only_metarm"):
+    PRESETS[f"{TABLE10['llama8b']}+{_name}"] = {
+        "layers": [PAPER, TABLE10["llama8b"], f"configs/paper/ablations/{_name}.yaml"], "light": True}
+LAYERED = [k for k in PRESETS if "+" in k]
 SKIPPED = {
     "configs/gpu_check.yaml": "needs CUDA + vLLM (rollout.backend vllm, train.device cuda); "
                               "exercised by the GPU check (scripts/gpu_check.sh) instead",
@@ -127,7 +141,7 @@ def _raw_merge(layers):
 
 def params():
     ps = []
-    for name in shipped_configs():
+    for name in shipped_configs() + LAYERED:
         marks = [pytest.mark.slow]
         if name in PRESETS:
             raw = _raw_merge(PRESETS[name]["layers"])
@@ -140,6 +154,12 @@ def params():
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def step_lines(out):
+    """metrics.jsonl's training steps (step >= 1): a preset with run.eval_at_start also logs a
+    {"step": 0, "val/...": ...} line before training (test_config_runs checks it)."""
+    return [m for m in read_jsonl(os.path.join(out, "metrics.jsonl")) if m["step"] > 0]
 
 
 def flat(cfg):
@@ -269,7 +289,7 @@ class Runs:
         if kind == "ref32":
             args += ["model.dtype=float32"]
         log = self._train(name, cfg, args + ["run.stop_after=1"])
-        steps = [m["step"] for m in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+        steps = [m["step"] for m in step_lines(out)]
         assert steps == [1], f"run.stop_after=1 logged steps {steps}"
         if PRESETS[name].get("cli"):  # run as a user runs it: the stop is said, not silent
             assert "[train] run.stop_after=1: stopped after step 1" in log, log[-2000:]
@@ -355,7 +375,7 @@ def test_every_shipped_config_is_listed():
     names = shipped_configs()
     unlisted = [n for n in names if n not in PRESETS and n not in SKIPPED]
     assert not unlisted, f"shipped configs with no exercise in tests/plumbing/test_configs.py: {unlisted}"
-    stale = [n for n in list(PRESETS) + list(SKIPPED) if n not in names]
+    stale = [n for n in list(PRESETS) + list(SKIPPED) if n not in names and n not in LAYERED]
     assert not stale, f"listed but not shipped: {stale}"
     # the layering is the one the preset's own header documents
     for name in ("cpu_learn", "cpu_lora"):
@@ -381,7 +401,21 @@ def test_table10_presets_are_app_f_setup():
     assert shipped_cfg("configs/paper/ablations/w_o_outcome_regularization.yaml")["run"]["total_steps"] == 1200  # Table 3: main
 
 
-@pytest.mark.parametrize("name", [n for n in shipped_configs() if n not in SKIPPED])
+def test_fig3_presets_are_app_f_setup_for_section_3_1():
+    """RM-NLHF App. F (Section 3.1): 150 steps, "the complete HelpSteer3 dataset" (all of it D_H: no D_O, no
+    split, no MetaRM), Table 9 for the rest; the two base models of Fig. 3; the outcome-only arm = λ 0."""
+    import train
+    for block, policy in [("qwen7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+                          ("llama8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B")]:
+        for arm, lam in (([], 0.5), (["configs/paper/ablations/w_o_process_reward.yaml"], 0.0)):
+            cfg = train.load_config([os.path.join(REPO, p) for p in [PAPER, FIG3[block]] + arm])
+            assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
+            assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.0)
+            assert (cfg["metarm"]["mode"], cfg["nlhf"]["lam"]) == ("none", lam)
+            assert (cfg["rollout"]["prompts_per_step"], cfg["rollout"]["temperature"], cfg["optim"]["lr"]) == (256, 0.7, 1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in shipped_configs() + LAYERED if n not in SKIPPED])
 def test_swaps_touch_only_model_data_sizes_endpoint(name):
     """The runs below differ from the shipped config only in SWAPPABLE keys, and the data swaps
     keep the config's own schema setting (auto), so a local file stands in for the hub id."""
@@ -412,7 +446,13 @@ def test_config_runs(name, runs):
     the config has one, really answered."""
     preset_or_skip(name)
     r = runs.get(name, "full")
-    metrics = read_jsonl(os.path.join(r["out"], "metrics.jsonl"))
+    lines = read_jsonl(os.path.join(r["out"], "metrics.jsonl"))
+    r0 = r["cfg"]["run"]
+    at_start = bool(r0["eval_every"] and r0["eval_at_start"])  # the step-0 validation line, alone, before training
+    assert [m["step"] for m in lines if m["step"] == 0] == ([0] if at_start else [])
+    if at_start:
+        assert lines[0]["step"] == 0 and all(k == "step" or k.startswith("val/") for k in lines[0])
+    metrics = step_lines(r["out"])
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         for k in FINITE_KEYS:
@@ -470,7 +510,7 @@ def test_config_resumes_exactly(name, runs):
     preset_or_skip(name, full_checks=True)
     full, res = runs.get(name, "full"), runs.get(name, "resumed")
     assert "resuming from" in res["log"] or not PRESETS[name].get("cli")
-    a, b = read_jsonl(os.path.join(full["out"], "metrics.jsonl")), read_jsonl(os.path.join(res["out"], "metrics.jsonl"))
+    a, b = step_lines(full["out"]), step_lines(res["out"])
     assert [m["step"] for m in b] == [m["step"] for m in a] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
         for k in ("reward/mean", "loss", "grad_norm", "lr"):
@@ -486,10 +526,17 @@ def test_config_resumes_exactly(name, runs):
 
 def test_released_code_switches_what_its_header_lists():
     """configs/paper/released_code.yaml: each key it sets is named in its header, with the release's
-    values (token mean, unbiased std, 4 cold-start rollouts, S >= 0.5, unclipped D_O bonus, S = 0)."""
+    values (verl's per-micro-batch token mean, unbiased std, 4 cold-start rollouts, S >= 0.5, unclipped
+    D_O bonus, S = 0, the actor's weight decay 0.01 without warm-up); the differences it cannot switch
+    are listed with the release's file and line (the cold-start MetaRM's batch 512 and bf16, the
+    online MetaRM's input and 14,336-token cut, the KL clamp, one validation order)."""
     name = "configs/paper/released_code.yaml"
     cfg = shipped_cfg(name)
-    assert (cfg["algo"]["aggregation"], cfg["algo"]["std_unbiased"], cfg["metarm"]["rollouts_per_prompt"]) == ("token_mean", True, 4)
+    assert (cfg["algo"]["aggregation"], cfg["algo"]["std_unbiased"], cfg["metarm"]["rollouts_per_prompt"]) == (
+        "micro_batch_token_mean", True, 4)
+    assert (cfg["optim"]["weight_decay"], cfg["optim"]["warmup_steps"]) == (0.01, 0)
+    # the paper preset it layers on already validates as the release: the whole file, step 0 too
+    assert (cfg["nlhf"]["val_size"], cfg["run"]["eval_at_start"]) == (0, True)
     assert (cfg["nlhf"]["threshold_rule"], cfg["nlhf"]["do_reward"], cfg["judge"]["on_failure"]) == ("inclusive", "released", "zero")
     text = open(os.path.join(REPO, name)).read()
     header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
@@ -497,3 +544,190 @@ def test_released_code_switches_what_its_header_lists():
     for section, keys in body.items():
         for key in keys:
             assert section == "run" or f"{section}.{key}" in header, f"{section}.{key} is switched but not listed"
+    flat_header = " ".join(header.replace("#", " ").split())
+    for listed in ("effective batch of 512", "COLD:200-202", "torch_dtype=bfloat16", "14,336 tokens", "collaborate.py: 48-86",
+                   "kl_loss_type=low_var_kl", "core_algos.py:854-860", "clip_ratio_c", "in the file's A/B order",
+                   "dp_actor.py:508-510", "ppo_max_token_len_per_gpu=43008", "lr_warmup_steps", "TRAINER:275"):
+        assert listed in flat_header, listed
+
+
+def test_micro_batch_token_mean_refuses_a_resume_with_another_micro_batch_size(tmp_path):
+    """Under micro_batch_token_mean the micro-batch size is part of the loss (the five-sequence
+    example of tests/algorithm/test_train.py: 0.20 or 0.38 by packing), so unlike every other
+    aggregation a resume may not change train.micro_batch_size (plumbing/guards.py check_resume)."""
+    import train
+    from plumbing.guards import check_resume
+    out = tmp_path / "run"
+    out.mkdir()
+    for agg, refused in (("micro_batch_token_mean", True), ("token_mean", False)):
+        old = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=2"])
+        (out / "config.yaml").write_text(yaml.safe_dump(old))
+        new = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=4"])
+        if refused:
+            with pytest.raises(SystemExit, match=r"train.micro_batch_size \(2 -> 4\)"):
+                check_resume(new, str(out / "checkpoints" / "step_000003"))
+        else:
+            assert check_resume(new, str(out / "checkpoints" / "step_000003")) == {"train.micro_batch_size": (2, 4)}
+
+
+# ---- docs/method.md §10: every table and figure of both papers, one command each ---------------------
+
+METHOD_MD = os.path.join(REPO, "docs", "method.md")
+TRAIN_OVERRIDES = {"run.seed", "run.out_dir"}  # the only overrides a reproduction command may add
+
+
+def reproduction_rows():
+    """[(paper cell, [command, ...] with shell loops expanded, notes cell)] of docs/method.md §10's table."""
+    import re
+    text = open(METHOD_MD).read()
+    table = text[text.index("<!-- reproduction table"):]
+    rows = []
+    for line in table.splitlines()[1:]:
+        if not line.startswith("|"):
+            break
+        if line.startswith(("| paper |", "|---")):
+            continue
+        cells = [c.strip() for c in line.replace("\\|", "¦").strip("|").split(" | ")]
+        assert len(cells) == 4, line[:120]
+        cmds = []
+        for c in re.findall(r"`([^`]+)`", cells[2]):
+            loop = re.fullmatch(r"for (\w+) in ([^;]+); do (.+); done", c)
+            cmds += [loop.group(3).replace(f"${loop.group(1)}", v) for v in loop.group(2).split()] if loop else [c]
+        rows.append((cells[0], [c for c in cmds if c.startswith(("torchrun ", "python "))], cells[3]))
+    return rows
+
+
+def train_command(cmd):
+    """'torchrun --nproc_per_node 8 train.py --config A --config B k=v' -> ([A, B], {k: v})."""
+    import shlex
+    argv = shlex.split(cmd)
+    assert argv[:4] == ["torchrun", "--nproc_per_node", "8", "train.py"], cmd
+    layers, overrides, rest = [], {}, argv[4:]
+    while rest:
+        if rest[0] == "--config":
+            layers.append(rest[1])
+            rest = rest[2:]
+        else:
+            k, _, v = rest.pop(0).partition("=")
+            overrides[k] = v
+    return layers, overrides
+
+
+def test_reproduction_table_lists_every_table_and_figure_and_its_runs_are_tested_presets():
+    """Every table and figure of both papers has a row (RLME: the figures and tables our text and the
+    notes name; RM-NLHF: Figs. 1-8, Tables 1-10), with commands or a note saying why there are none;
+    every training command is a layering test_config_runs runs at CPU size (PRESETS), with no override
+    but run.seed / run.out_dir; no two training commands share a folder (Fig. 2's seeds each have
+    their own; a run two rows share is listed with the same command); every runs/<folder> an evaluate or
+    plot line reads is one a training command writes."""
+    import fnmatch
+    import shlex
+    import train
+    rows = reproduction_rows()
+    import re
+    rlme = " ".join(p for p, _, _ in rows if p.startswith("RLME"))
+    nlhf = " ".join(p for p, _, _ in rows if p.startswith("RM-NLHF"))
+    for k in (1, 2, 5, 6, 7):
+        assert re.search(rf"Fig\. {k}\b", rlme), f"RLME Fig. {k}"
+    assert "Figs. 3–4" in rlme and "Tables 1–2" in rlme
+    for k in range(1, 11):
+        assert re.search(rf"Table {k}\b", nlhf), f"RM-NLHF Table {k}"
+    for k in range(1, 9):
+        assert re.search(rf"Fig\. {k}\b", nlhf), f"RM-NLHF Fig. {k}"
+    layerings = {tuple(spec["layers"]) for spec in PRESETS.values()}
+    written, read = {}, []
+    for paper, cmds, notes in rows:
+        assert cmds or notes, paper
+        for cmd in cmds:
+            if cmd.startswith("torchrun "):
+                layers, overrides = train_command(cmd)
+                assert tuple(layers) in layerings, f"{paper}: {layers} is no layering tests/plumbing/test_configs.py runs"
+                assert set(overrides) <= TRAIN_OVERRIDES, (paper, overrides)
+                cfg = train.load_config([os.path.join(REPO, p) for p in layers], [f"{k}={v}" for k, v in overrides.items()])
+                out = cfg["run"]["out_dir"]
+                # a run serving two rows (Fig. 5 and Table 10) is the same command; another command, another folder
+                assert written.get(out, cmd) == cmd, f"{paper}: {out} is also written by {written[out]}"
+                written[out] = cmd
+            else:
+                argv = shlex.split(cmd)
+                assert argv[:4] == ["python", "-m", "plumbing.cli", "evaluate"], cmd
+                read += [(paper, a) for arg in argv for a in arg.split("=")[-1].split(",") if a.startswith("runs/")
+                         and not a.startswith("runs/eval")]
+    assert read
+    for paper, path in read:
+        folder = path.split("/checkpoints/")[0] if "/checkpoints/" in path else os.path.dirname(path)
+        assert any(fnmatch.fnmatch(out, folder) for out in written), f"{paper}: {path} is written by no training command"
+    for s in range(6):  # RLME Fig. 2: six seeds, six folders, read by the plot's wildcards
+        assert f"runs/paper-fig2-rlme-s{s}" in written and f"runs/paper-fig2-rlvr-s{s}" in written
+
+
+def cpu_size(cmd, tmp, model):
+    """An evaluate / plot line of the table at CPU size: models -> the tiny one (checkpoint folders and
+    hub ids alike), hub data -> the fixtures and ../shared/data, every runs/ path under `tmp`, a few
+    problems and tokens; the metrics files a plot reads are written here (steps 0-3 of each key)."""
+    import shlex
+    fixtures = os.path.join(REPO, "tests", "fixtures")
+    argv = shlex.split(cmd)[4:]  # after "python -m plumbing.cli evaluate"
+    sub = argv[0]
+    out = []
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] in ("--model", "--judge", "--policy", "--evaluator"):
+            arg = model
+        elif arg == "my_annotated.jsonl":
+            arg = str(tmp / "annotated.jsonl")
+        arg = arg.replace("../shared/data/", data_path("x")[:-1]).replace("configs/", os.path.join(REPO, "configs") + "/")
+        out.append(arg.replace("runs/", f"{tmp}/runs/"))
+    if "--out" not in out and sub != "plot":
+        out += ["--out", f"{tmp}/runs/eval"]
+    small = {"math": ["--n-problems", "2", "--max-new-tokens", "4"],
+             "qa": ["--data", os.path.join(fixtures, "faitheval_counterfactual_sample.jsonl"), "--n-problems", "2",
+                    "--max-new-tokens", "4"],
+             "pairwise": ["--source", f"helpsteer3={os.path.join(fixtures, 'helpsteer3_sample.jsonl')}",
+                          "--source", f"reward_bench_2={os.path.join(fixtures, 'reward_bench_2_sample.jsonl')}",
+                          "--n", "1", "--protocol", "greedy256", "--max-new-tokens", "4"],
+             "bon": ["--n-problems", "2", "--protocol", "greedy256", "--judge-max-new-tokens", "4"],
+             "judge-check": ["--backend", "proxy"],
+             "plot": []}[sub]
+    if sub == "judge-check":
+        rows = [{"context": "Capital of France?", "response_a": "Paris.", "response_b": "Lyon.",
+                 "human_critique": "Response A is right; Response B names the wrong city.",
+                 "critique": c, "label": z} for c, z in (("Response A is right; B names the wrong city.", 1),
+                                                         ("Both are fine.", 0))]
+        with open(tmp / "annotated.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if sub == "plot":  # metrics files for the keys the plot draws
+        keys = out[out.index("--keys") + 1].split(",") + [out[out.index(k) + 1] for k in ("--reward-key", "--acc-key")
+                                                           if k in out] + ["reward/mean", "accuracy"]
+        for spec in out[1:]:
+            if "=" not in spec or spec.startswith("-"):
+                continue
+            for path in spec.split("=", 1)[1].split(","):
+                for p in ([path.replace("*", str(s)) for s in range(2)] if "*" in path else [path]):
+                    os.makedirs(os.path.dirname(p), exist_ok=True)
+                    with open(p, "w") as f:
+                        f.writelines(json.dumps({"step": t, **{k: 0.1 * t + 0.01 * len(p) for k in keys}}) + "\n"
+                                     for t in range(4))
+    return out + small
+
+
+@pytest.mark.slow
+def test_reproduction_table_evaluate_and_plot_lines_run_at_cpu_size(tmp_path, tiny_model_path, capsys):
+    """Each evaluate / plot line of docs/method.md §10, in table order (Table 4's bon reads the items its
+    math line wrote), on the tiny model, local data and small sizes: it ends normally and writes its
+    result file."""
+    from plumbing import cli
+    done = 0
+    for paper, cmds, _ in reproduction_rows():
+        for cmd in cmds:
+            if not cmd.startswith("python "):
+                continue
+            argv = cpu_size(cmd, tmp_path, tiny_model_path)
+            try:
+                cli.evaluate_main(argv)
+            except SystemExit as e:
+                raise AssertionError(f"{paper}: {cmd}\n  at CPU size: {argv}\n  -> {e}")
+            res = argv[argv.index("--out") + 1]
+            assert glob.glob(os.path.join(res, "*.json")), (paper, cmd)
+            done += 1
+    capsys.readouterr()
+    assert done >= 25

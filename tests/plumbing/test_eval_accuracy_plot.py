@@ -1,5 +1,6 @@
-"""Issue 25 items 9, 11, 12 (part): what `evaluate.py plot` draws (raw values, a bias-corrected
-EMA, a standard-error band only across runs, a sensible y-range), `boxed_frac` counting only
+"""Issue 25 items 9, 11, 12 (part), issue 35 item 1: what `evaluate.py plot` draws (raw values, a
+bias-corrected EMA (ours; --ema-start first seeds it), a ±1 std band only across runs as RLME Fig. 2
+draws it (--band se: the standard error), a sensible y-range), `boxed_frac` counting only
 non-empty boxes, accuracy in evaluation and validation accepting what math-verify accepts while
 the RLVR reward keeps its rule, and where `evaluate.py` writes and what it says before a long
 run. Expected numbers are worked out by hand in the comments."""
@@ -32,7 +33,7 @@ def write_jsonl(path, rows):
 
 
 def artists(ax):
-    """{gid: artist} of an Axes' lines and collections (draw_curve names them <label>/raw|se|ema)."""
+    """{gid: artist} of an Axes' lines and collections (draw_curve names them <label>/raw|band|ema)."""
     return {a.get_gid(): a for a in list(ax.lines) + list(ax.collections) if a.get_gid()}
 
 
@@ -68,27 +69,73 @@ def two_settings(tmp_path):
 def test_curve_raw_ema_and_standard_error(two_settings):
     # EMA 0.5 of a: 0, 0.5/0.75 = 2/3, (0.25 + 2.5)/0.875 = 22/7; of b: 2, (0.5 + 1.5)/0.75 = 8/3.
     # Steps shared: 0, 1. Raw mean (0+2)/2 = 1, (1+3)/2 = 2; EMA mean 1, (2/3 + 8/3)/2 = 5/3;
-    # s.e. of {0, 2} and of {2/3, 8/3}: sample std sqrt(2) / sqrt(2) = 1 at both steps.
+    # sample std of {0, 2} and of {2/3, 8/3}: sqrt(2) at both steps; s.e. sqrt(2) / sqrt(2) = 1.
     pair, solo = two_settings["pair"]["r"], two_settings["solo"]["r"]
     assert pair["x"] == [0, 1] and pair["runs"] == 2
     assert pair["raw"] == pytest.approx([1.0, 2.0]) and pair["ema"] == pytest.approx([1.0, 5 / 3])
-    assert pair["se"] == pytest.approx([1.0, 1.0])
+    assert pair["std"] == pytest.approx([2 ** 0.5, 2 ** 0.5]) and pair["se"] == pytest.approx([1.0, 1.0])
     assert solo == {"x": [0, 1, 2], "raw": [0.0, 1.0, 5.0], "ema": pytest.approx([0.0, 2 / 3, 22 / 7]),
-                    "se": None, "runs": 1}
+                    "std": None, "se": None, "runs": 1}
+
+
+@pytest.fixture
+def three_runs(tmp_path):
+    """Three hand-made runs of one setting, steps 1-2: a = 0, 3; b = 3, 0; c = 6, 6."""
+    return [write_jsonl(tmp_path / f"{n}.jsonl", [{"step": 1, "r": v1}, {"step": 2, "r": v2}])
+            for n, (v1, v2) in zip("abc", [(0.0, 3.0), (3.0, 0.0), (6.0, 6.0)])]
+
+
+def test_band_is_plus_minus_one_std_across_runs_as_rlme_fig2(three_runs):
+    """RLME §4.1, Fig. 2: "across 6 trials with ±1 std shown by the shaded region". Debiased EMA 0.5:
+    a: 0, (0.5*0 + 0.5*3) / 0.75 = 2; b: 3, (0.75 + 0) / 0.75 = 1; c: 6, 6. Step 1: {0, 3, 6}, mean 3,
+    sample std sqrt((9 + 0 + 9) / 2) = 3; step 2: {2, 1, 6}, mean 3, std sqrt((1 + 4 + 9) / 2) = sqrt(7).
+    The band is EMA mean -/+ std: [0, 6] and [3 - sqrt(7), 3 + sqrt(7)] (the standard error, the old
+    band, is std / sqrt(3): sqrt(3) and sqrt(7/3), 1.73x narrower)."""
+    c = cli.curve(three_runs, "r", 0.5)
+    assert c["ema"] == pytest.approx([3.0, 3.0])
+    assert c["std"] == pytest.approx([3.0, 7 ** 0.5]) and c["se"] == pytest.approx([3 ** 0.5, (7 / 3) ** 0.5])
+    for band, half in (("std", [3.0, 7 ** 0.5]), ("se", [3 ** 0.5, (7 / 3) ** 0.5])):
+        fig = cli.curves_figure({"rlme": {"r": c}}, ["r"], 0.5, min_span=0.1, band=band)
+        try:
+            verts = artists(fig.axes[0])["rlme/band"].get_paths()[0].vertices
+            for x, h in zip((1, 2), half):
+                ys = verts[verts[:, 0] == x][:, 1]
+                assert min(ys) == pytest.approx(3.0 - h) and max(ys) == pytest.approx(3.0 + h)
+            assert fig._suptitle.get_text().endswith(f"band: ±1 {'std' if band == 'std' else 's.e.'} across runs (2+ runs)")
+        finally:
+            plt.close(fig)
+
+
+def test_ema_start_is_ours_and_one_flag_away(three_runs, tmp_path):
+    """The default EMA is bias-corrected (ours: the paper says only "EMA with decay 0.9"); --ema-start
+    first seeds it with the first point: a: 0, 0.5*0 + 0.5*3 = 1.5; b: 3, 1.5; c: 6, 6 -> step 2 mean
+    3, std sqrt((2.25 + 2.25 + 9) / 2) = sqrt(6.75)."""
+    assert cli.seeded_ema([0.0, 3.0, 1.0], 0.5) == [0.0, 1.5, 1.25]
+    c = cli.curve(three_runs, "r", 0.5, ema_start="first")
+    assert c["ema"] == pytest.approx([3.0, 3.0]) and c["std"] == pytest.approx([3.0, 6.75 ** 0.5])
+    assert cli.plot_note(0.9) == "faint: raw per step; line: EMA 0.9 (bias-corrected, ours); band: ±1 std across runs (2+ runs)"
+    glob_spec = "fig2=" + str(tmp_path / "*.jsonl")  # a quoted wildcard: the runs it matches, sorted
+    assert cli.parse_curve(glob_spec) == ("fig2", sorted(three_runs))
+    rows = cli.evaluate_main(["plot", glob_spec, "--keys", "r", "--ema", "0.5", "--ema-start", "first",
+                              "--band", "se", "--reward-key", "r", "--acc-key", "r", "--out", str(tmp_path / "plots")])
+    assert rows[0]["runs"] == 3 and rows[0]["last_std"] == pytest.approx(6.75 ** 0.5)
+    assert rows[0]["last_se"] == pytest.approx((6.75 / 3) ** 0.5)
+    res = json.load(open(tmp_path / "plots" / "plot.json"))
+    assert res["band"] == "se" and res["ema_rule"] == "seeded with the first point (ours)"
 
 
 def test_plot_draws_raw_behind_the_ema_and_a_band_only_across_runs(two_settings):
-    fig = cli.curves_figure(two_settings, ["r"], 0.5, min_span=0.1)
+    fig = cli.curves_figure(two_settings, ["r"], 0.5, min_span=0.1, band="se")
     try:
         ax = fig.axes[0]
         got = artists(ax)
-        assert set(got) == {"pair/raw", "pair/se", "pair/ema", "solo/raw", "solo/ema"}  # no band for one run
+        assert set(got) == {"pair/raw", "pair/band", "pair/ema", "solo/raw", "solo/ema"}  # no band for one run
         assert got["solo/raw"].get_xydata().tolist() == [[0, 0.0], [1, 1.0], [2, 5.0]]
         assert got["solo/ema"].get_xydata()[:, 1] == pytest.approx([0.0, 2 / 3, 22 / 7])
         assert got["pair/raw"].get_xydata().tolist() == [[0, 1.0], [1, 2.0]]
         assert got["pair/ema"].get_xydata()[:, 1] == pytest.approx([1.0, 5 / 3])
-        # the band: EMA mean -/+ 1 s.e. = [0, 2] at step 0, [2/3, 8/3] at step 1
-        verts = got["pair/se"].get_paths()[0].vertices
+        # the band (--band se): EMA mean -/+ 1 s.e. = [0, 2] at step 0, [2/3, 8/3] at step 1
+        verts = got["pair/band"].get_paths()[0].vertices
         for x, lo, hi in ((0, 0.0, 2.0), (1, 2 / 3, 8 / 3)):
             ys = verts[verts[:, 0] == x][:, 1]
             assert min(ys) == pytest.approx(lo) and max(ys) == pytest.approx(hi)
@@ -128,6 +175,7 @@ def test_cli_plot_writes_the_curves_and_refuses_a_bad_ema(tmp_path, capsys):
     rows = cli.evaluate_main(["plot", f"solo={f}", "--out", str(tmp_path / "plots")])
     res = json.load(open(tmp_path / "plots" / "plot.json"))
     assert res["ema_rule"].startswith("bias-corrected") and {r["last_se"] for r in rows} == {None}
+    assert res["band"] == "std" and {r["last_std"] for r in rows} == {None}
     assert res["curves"]["solo"]["reward/mean"]["raw"] == pytest.approx([-2, -1.9, -1.8, -1.7, -1.6])
     assert (tmp_path / "plots" / "curves.png").stat().st_size > 5000
     assert "last_se" in capsys.readouterr().out

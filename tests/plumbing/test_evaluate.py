@@ -588,9 +588,10 @@ def test_curve_mean_std_across_runs(tmp_path):
     assert c["x"] == [0, 1] and c["runs"] == 2 and c["raw"] == pytest.approx([1.0, 2.0])
     assert c["ema"] == pytest.approx([1.0, (0.1 + 0.48) / 0.19 / 2])
     assert c["se"] == pytest.approx([1.0, abs(0.48 - 0.1) / 0.19 / 2])  # 2 runs: s.e. = |difference| / 2
+    assert c["std"] == pytest.approx([2 ** 0.5, abs(0.48 - 0.1) / 0.19 / 2 ** 0.5])  # std = |difference| / sqrt(2)
     nan = write_jsonl(tmp_path / "n.jsonl", [{"step": 0, "r": 1.0}, {"step": 1}, {"step": 2, "r": 0.0}])
     assert curve([nan], "r", 0.5) == {"x": [0, 2], "raw": [1.0, 0.0], "ema": [1.0, pytest.approx(0.5 / 1.5)],
-                                      "se": None, "runs": 1}
+                                      "std": None, "se": None, "runs": 1}
     with pytest.raises(SystemExit, match=r"no numeric values for metric 'acc'; keys found: \['r', 'step'\]"):
         curve([a], "acc")
     assert parse_curve("rlme=x/m.jsonl,y/m.jsonl") == ("rlme", ["x/m.jsonl", "y/m.jsonl"])

@@ -273,7 +273,7 @@ def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
             outs.append(v if v == "no verdict" else f"<critics>\nOne is wrong.\n</critics>\n<choice>{v}</choice>")
         return {"completions": outs, "truncated": [False] * len(outs)}
 
-    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_max_new_tokens=48", "run.seed=1")
+    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_size=3", "nlhf.val_max_new_tokens=48", "run.seed=1")
     from types import SimpleNamespace
     policy = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(max_position_embeddings=10 ** 6))
     state = {"rank": 0, "world": 1, "policy": policy, "model": policy, "tokenizer": tok, "chat": False,
