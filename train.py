@@ -213,17 +213,18 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
     Returns:
         dict: "reward" FloatTensor [N]; "valid" None when every reward is known, else BoolTensor
         [N], False where a remote evaluator failed after its retries (the sample is masked, as a
-        failed judge call); "records" list (N) of samples.jsonl fields (problem, extracted answer, label,
-        correctness, both parts, every evaluator's log p per meta-question: the reward can be
-        recomputed by hand); "metrics" (reward/nonfinite, reward/masked, evaluator/<name>/failed).
+        failed judge call); "records" list (N) of samples.jsonl fields (problem, extracted answer,
+        label, correctness, both parts, every evaluator's log p per meta-question: the reward can
+        be recomputed by hand); "metrics" (reward/nonfinite, reward/masked,
+        evaluator/<name>/failed).
     """
     # RLVR (docs/method.md §4.3): the reward for kind rlvr, hybrid's first part; accuracy always
     # (correct = exact match for text labels, whatever qa_metric); no labels: None
-    score = lambda c, label, metric: R.answer_reward(c, label, label_format, metric)  # noqa: E731
-    rlvr = torch.tensor([score(c, it["label"], qa_metric) if it["label"] is not None else 0.0
-                         for c, it in zip(completions, items)])
-    correct = [score(c, it["label"], "em") >= 1.0 if it["label"] is not None else None
-               for c, it in zip(completions, items)]
+    labels = [it["label"] for it in items]
+    rlvr = torch.tensor([R.answer_reward(c, y, label_format, qa_metric) if y is not None else 0.0
+                         for c, y in zip(completions, labels)])
+    correct = [R.answer_reward(c, y, label_format, "em") >= 1.0 if y is not None else None
+               for c, y in zip(completions, labels)]
     logp, rlme, nonfinite, failed = None, None, 0, None
     valid = torch.ones(len(items), dtype=torch.bool)
     if kind in ("rlme", "hybrid"):
@@ -330,7 +331,12 @@ def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_
         token count, max) over this rank's masked tokens when batch has "rollout_logprobs", else
         None.
     """
-    mask, advantages, n_local = update_mask(batch), batch["advantages"], len(batch["prompt_ids"])
+    # the loss mask [N, L]: the completion mask, rows whose reward is unknown (a failed judge
+    # call: batch["valid"] False) zeroed
+    mask = batch["completion_mask"].float()
+    if "valid" in batch:
+        mask = mask * batch["valid"].float()[:, None]
+    advantages, n_local = batch["advantages"], len(batch["prompt_ids"])
     frozen = functools.partial(frozen_logprobs, batch=batch, micro_batch_size=micro_batch_size,
                                logprobs=logprobs, context=context)
     # With one optimizer step per batch pi_theta == pi_b at the update: the ratio is exactly 1 and
@@ -430,13 +436,6 @@ def micro_batches(rows, size):
     """Consecutive chunks of `size` row indices (the last one shorter)."""
     rows = list(rows)
     return [rows[s:s + size] for s in range(0, len(rows), size)]
-
-
-def update_mask(batch):
-    """The loss mask [N, L] (float): the completion mask, with rows whose reward is unknown
-    (batch["valid"] False: a failed judge call) zeroed."""
-    mask = batch["completion_mask"].float()
-    return mask * batch["valid"].float()[:, None] if "valid" in batch else mask
 
 
 def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):

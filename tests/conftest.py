@@ -217,7 +217,7 @@ def tiny_judge_server(tiny_model_path, tmp_path_factory):
 
 def reward_kwargs(cfg, *, evaluators, context, world):
     """train.rlme_reward_step's keyword arguments from `cfg`, bound as train.train binds them (the
-    one place it does; tests/plumbing/test_reading_path.py checks that the two agree)."""
+    one place it does; tests/plumbing/test_train_run.py checks that the two agree)."""
     import reward as R
     rw = cfg["reward"]
     template = {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
@@ -241,7 +241,7 @@ def loss_fn(algo):
 def update_kwargs(cfg, passes, device, *, world, pad_id, ref_model=None, scaler=None):
     """train.update_policy's keyword arguments from `cfg` (algo, rollout, train, optim, model.dtype)
     and `passes` (train.fast_or_plain's), bound as train.train binds them (the one place it does;
-    tests/plumbing/test_reading_path.py checks that the two agree)."""
+    tests/plumbing/test_train_run.py checks that the two agree)."""
     from plumbing.scale import compute_context
     algo, ro = cfg["algo"], cfg["rollout"]
     logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"], pad_id=pad_id)
