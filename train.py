@@ -314,7 +314,7 @@ def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_
             "rollout_logprobs" FloatTensor [N, L] (vLLM's log-probs of the same tokens).
         loss_fn: cispo_loss or grpo_loss with its numbers bound (train() picks it):
             (logp, behaviour_logp, advantages, mask[, ref_logp=]) -> (loss_sum, stats).
-        aggregation, max_new_tokens: loss_normaliser's. group_size: G (minibatches hold whole groups).
+        aggregation, max_new_tokens: loss_normaliser's. group_size: G (minibatches: whole groups).
         grad_clip: the global gradient norm's bound (<= 0: measured, not clipped).
         logprobs: (model, prompt_ids, completion_ids, prompt_model=None) -> FloatTensor [N, L], the
             per-token log-probs at the sampling temperature: rollout.completion_logprobs or its fast
