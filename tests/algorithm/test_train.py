@@ -151,7 +151,6 @@ def test_k3_kl_value_and_gradient():
 
 
 def test_grpo_token_clip_and_kl():
-    algo = dict(ALGO, loss="grpo", kl_coef=0.001, aggregation="token_mean")
     logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
     behaviour = torch.zeros(1, 2)
     ref = torch.tensor([[0.0, 0.0]])
