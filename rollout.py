@@ -14,7 +14,8 @@ What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
   token ratio r_{i,t}) (`completion_logprobs`; fast.completion_logprobs runs a group's prompt once).
 
 Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that `generate`
-returns; fast.generate and the vLLM backend (plumbing/scale.py) return the same:
+returns; fast.generate and the vLLM backend (plumbing/engine.py) return the same, as does every
+rollout backend's `sample` callable (train.py's rollout step; the vLLM engine adds "logprobs"):
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
@@ -136,11 +137,11 @@ def rollout_dict(tokenizer, rows, chunks, eos, pad_id):
 def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                    top_k=0, seed=0, micro_batch_size=None):
     """Sample `group_size` completions per prompt with transformers' `model.generate` (the plain
-    twin of `generate`): every row runs its own prompt, HF's logits warpers and multinomial draw.
+    twin of fast.generate): every row runs its own prompt, HF's logits warpers and multinomial draw.
 
     Sampling: temperature > 0 samples from softmax(logits / T) restricted by top_k, then top_p;
     temperature 0 is greedy decoding. Rows stop at the first EOS (any of eos_ids); rows that
-    finished early are filled with pad_id, as in `generate`, also when pad_id is an EOS id.
+    finished early are filled with pad_id, as in fast.generate, also when pad_id is an EOS id.
 
     Args:
         prompt_ids: list[list[int]], P prompts.
@@ -201,7 +202,8 @@ def positions_from_mask(attention_mask):
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / T)[target] by the textbook formula (the plain twin of token_logprobs).
+    """log softmax(logits / T)[target] by the textbook formula (the plain twin of
+    fast.token_logprobs).
 
     Args:
         logits: FloatTensor [..., V], any float dtype (computed in float32).
@@ -215,7 +217,8 @@ def token_logprobs(logits, targets, temperature=1.0):
 
 
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None, chunk_tokens=0):
-    """Per-token log-probs of the completions under `model` (the plain twin of completion_logprobs):
+    """Per-token log-probs of the completions under `model` (the plain twin of
+    fast.completion_logprobs):
 
         logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
 

@@ -7,11 +7,11 @@
   1. prompts     this rank's P/world items, or RM-NLHF's D_H/D_O mix           step_prompts
   2. rollout     G completions per prompt (RLME Eq. 1)                         rollout_batch
   3. reward      RLME: the evaluators' weighted log p("Yes") (RLME Eq. 2-3)     rlme_reward_step
-                 RM-NLHF: judge D_H, update the MetaRM, predict D_O           metarm.nlhf_reward_step
+                 RM-NLHF: judge D_H, update the MetaRM, predict D_O      metarm.nlhf_reward_step
                  (RM-NLHF Eq. 4-8, Algorithm 1)
   4. advantage   A = r - mean(group) (RLME Eq. 5); / std for GRPO              group_advantages
   5. update      the no-grad passes, then optimizer steps with CISPO           update_policy
-                 (RLME Eq. 6-8) or GRPO, one global normaliser                 cispo_loss, grpo_loss
+                 (RLME Eq. 6-8) or GRPO (chosen in train()), one normaliser    cispo_loss, grpo_loss
   6. log         metrics.jsonl and samples.jsonl on rank 0                     plumbing.run.emit
   7. checkpoint  atomic; re-running the same command resumes exactly           plumbing.run.save_run
 
@@ -50,25 +50,51 @@ from plumbing.services import score_remote
 
 def train(cfg):
     """Run cfg["run"]["total_steps"] steps (or resume the unfinished run in run.out_dir)."""
-    passes = fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])  # the one switch
+    # the one switch: fast.py's twins or the plain functions
+    passes = fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])
     state = setup(cfg, passes)  # models, data, optimizer, resume point (plumbing/run.py)
     if state is None:  # the run in run.out_dir is already complete
         return
-    G, seed, rank, world = cfg["rollout"]["group_size"], cfg["run"]["seed"], state["rank"], state["world"]
-    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], state["device"])
-    # the config, read once: each stage gets numbers and callables
-    reward_step = functools.partial(rlme_reward_step, **reward_settings(cfg), evaluators=state["evaluators"],
-                                    context=context, world=world)
-    nl = cfg["nlhf"]  # RM-NLHF's numbers: the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM's mode
-    nlhf_step = functools.partial(metarm.nlhf_reward_step, judge=state.get("judge"), mrm=state["mrm"], lam=nl["lam"],
-                                  threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
-                                  similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
-                                  on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
-                                  max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
-                                  mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"])
-    update = functools.partial(update_policy, **update_settings(cfg, passes, state["device"]), world=world,
-                               pad_id=state["tokenizer"].pad_token_id, ref_model=state["ref_model"],
-                               scaler=state["scaler"])
+    algo, ro, rw, seed = cfg["algo"], cfg["rollout"], cfg["reward"], cfg["run"]["seed"]
+    G, rank, world, device = ro["group_size"], state["rank"], state["world"], state["device"]
+    # the forwards' mixed precision: a context (torch.autocast or none; plumbing/scale.py)
+    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device)
+    # The config, read once: each stage gets numbers and callables.
+    # 3. RLME's reward (Eq. 2-3): the evaluators' log p(target) to the meta-questions in a template
+    template = {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
+        rw["evaluator_template"], rw["evaluator_template"])  # null: the default; "qa": context QA's
+    reward_step = functools.partial(
+        rlme_reward_step, evaluators=state["evaluators"], meta_questions=rw["meta_questions"],
+        kind=rw["kind"], template=template, label_format=cfg["data"]["label_format"],
+        qa_metric=rw["qa_metric"], rlvr_weight=rw["rlvr_weight"], renormalize=rw["renormalize"],
+        nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"], context=context, world=world)
+    # 3. RM-NLHF's reward (Algorithm 1): the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM
+    nl = cfg["nlhf"]
+    nlhf_step = functools.partial(
+        metarm.nlhf_reward_step, judge=state.get("judge"), mrm=state["mrm"], lam=nl["lam"],
+        threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+        similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+        on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
+        max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
+        mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"])
+    # 5. The policy loss and its numbers. CISPO (RLME Eq. 6-8) clips the detached sequence weight to
+    # [1 - eps_low, 1 + eps_high]; GRPO (RM-NLHF Eq. 3) clips the token ratio to 1 +- clip_eps.
+    if algo["loss"] == "cispo":
+        loss_fn = functools.partial(cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"],
+                                    ratio=algo["ratio"], aggregation=algo["aggregation"])
+    else:  # "grpo", plus kl_coef x the k3 KL to the reference
+        loss_fn = functools.partial(grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
+                                    aggregation=algo["aggregation"])
+    # the update's log-probs: the policy's, at the sampling temperature (RLME Eq. 6, 8)
+    logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"],
+                                 pad_id=state["tokenizer"].pad_token_id)
+    update = functools.partial(
+        update_policy, loss_fn=loss_fn, aggregation=algo["aggregation"],
+        max_new_tokens=ro["max_new_tokens"], updates_per_batch=algo["updates_per_batch"],
+        minibatches=algo["minibatches"], group_size=G,
+        micro_batch_size=cfg["train"]["micro_batch_size"], grad_clip=cfg["optim"]["grad_clip"],
+        logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"], context=context, world=world,
+        device=device, ref_model=state["ref_model"], scaler=state["scaler"])
     total, every = cfg["run"]["total_steps"], cfg["run"]["eval_every"]
     validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, the initial policy's held-out validation
     for step in range(state["start_step"], total):
@@ -79,26 +105,28 @@ def train(cfg):
         samples = [it for it in items for _ in range(G)]  # the item of each completion
         t1 = time.perf_counter()
 
-        # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ------------------
+        # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ----------------
         if cfg["task"] == "rm_nlhf":  # judge D_H, MetaRM update, MetaRM predicts D_O (RM-NLHF Alg. 1)
             rew = nlhf_step(samples, ro_out["completions"], seed=seed * 7_919 + step, t0=t0)
         else:  # the evaluators' log p(target) to the meta-questions (RLME Eq. 2-3)
             rew = reward_step(samples, ro_out["completions"])
         t2 = time.perf_counter()
 
-        # --- 4. advantages: r - group mean (RLME Eq. 5), / std for GRPO; groups never straddle ranks; unknown rewards get 0
-        advantages = group_advantages(rew["reward"], G, std=cfg["algo"]["advantage_std"], valid=rew["valid"],
-                                      unbiased=cfg["algo"]["std_unbiased"])
+        # --- 4. advantages: r - group mean (RLME Eq. 5), / std for GRPO; groups never straddle
+        #        ranks; unknown rewards get 0
+        advantages = group_advantages(rew["reward"], G, std=algo["advantage_std"],
+                                      valid=rew["valid"], unbiased=algo["std_unbiased"])
 
-        # --- 5. update: CISPO (RLME Eq. 6-8) or GRPO (+ k3 KL to the reference) ------------------
+        # --- 5. update: CISPO (RLME Eq. 6-8) or GRPO (+ k3 KL to the reference) ----------------
         batch = {"prompt_ids": ro_out["prompt_ids"], "completion_ids": ro_out["completion_ids"],
                  "completion_mask": ro_out["completion_mask"], "advantages": advantages}
         if rew["valid"] is not None:
             batch["valid"] = rew["valid"]
         if "logprobs" in ro_out:  # vLLM: the trainer recomputes them and logs the gap
             batch["rollout_logprobs"] = ro_out["logprobs"]
-        if cfg["model"]["lora"] and cfg["model"]["lora"]["dropout"] > 0:  # LoRA dropout draws from torch's RNG:
-            torch.manual_seed(sampling_seed(seed, step, rank))  # seeded per step, so a resumed run draws alike
+        if cfg["model"]["lora"] and cfg["model"]["lora"]["dropout"] > 0:
+            # LoRA dropout draws from torch's RNG: seeded per step, so a resumed run draws alike
+            torch.manual_seed(sampling_seed(seed, step, rank))
         upd = update(state["model"], state["policy"], state["optimizer"], batch)
         push_weights(state["engine"], state["policy"])  # the next rollout samples from the updated policy
         state["scheduler"].step()
@@ -107,11 +135,13 @@ def train(cfg):
         # --- 6. log: metrics.jsonl, samples.jsonl (rank 0 sees every rank's samples); every
         #        run.eval_every steps the held-out validation and the reward-hacking monitor -------
         done = step + 1
-        records = sample_records(done, rank, ro_out, fields=rew["records"], advantages=advantages, upd=upd,
-                                 group_size=G)
-        val = validation_step(state, cfg, done, records, reward_step) if every and (done % every == 0 or done == total) else {}
-        metrics = emit(state, cfg, *step_metrics(state, cfg, records, upd, reward_metrics={**rew["metrics"], **val},
-                                                 times={"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2}))
+        records = sample_records(done, rank, ro_out, fields=rew["records"], advantages=advantages,
+                                 upd=upd, group_size=G)
+        evaluate_now = every and (done % every == 0 or done == total)
+        val = validation_step(state, cfg, done, records, reward_step) if evaluate_now else {}
+        times = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2}
+        metrics = emit(state, cfg, *step_metrics(state, cfg, records, upd, times=times,
+                                                 reward_metrics={**rew["metrics"], **val}))
 
         # --- 7. checkpoint: atomic; re-running the same command resumes from the newest. Stop when
         #        held-out accuracy fell too far for too long (run.early_stop_*) or at run.stop_after
@@ -121,49 +151,17 @@ def train(cfg):
 
 
 def fast_or_plain(fast_paths, logprob_chunk_tokens=0):
-    """The one switch (train.fast_paths): the functions every pass of a step calls, fast.py's speed twins (log-probs
-    over chunks of train.logprob_chunk_tokens positions) or the plain ones (same signatures; tests/algorithm/test_fast.py)."""
+    """The one switch (train.fast_paths): the functions every pass of a step calls, fast.py's speed
+    twins (log-probs over chunks of train.logprob_chunk_tokens positions) or the plain ones (same
+    signatures; tests/algorithm/test_fast.py)."""
     if fast_paths:
         lp = functools.partial(fast.completion_logprobs, chunk_tokens=logprob_chunk_tokens)
-        return {"generate": fast.generate, "completion_logprobs": lp, "score_targets": fast.score_targets,
-                "score_remote": fast.score_remote, "clip_grad_norm": fast.clip_grad_norm}
+        return {"generate": fast.generate, "completion_logprobs": lp,
+                "score_targets": fast.score_targets, "score_remote": fast.score_remote,
+                "clip_grad_norm": fast.clip_grad_norm}
     return {"generate": rollout.generate, "completion_logprobs": rollout.completion_logprobs,
-            "score_targets": R.score_targets, "score_remote": score_remote, "clip_grad_norm": clip_grad_norm}
-
-
-def reward_settings(cfg):
-    """rlme_reward_step's numbers from the config (reward.*, data.label_format)."""
-    rw = cfg["reward"]
-    return dict(meta_questions=rw["meta_questions"], kind=rw["kind"], template=evaluator_template(rw["evaluator_template"]),
-                label_format=cfg["data"]["label_format"], qa_metric=rw["qa_metric"], rlvr_weight=rw["rlvr_weight"],
-                renormalize=rw["renormalize"], nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"])
-
-
-def evaluator_template(setting):
-    """reward.evaluator_template: null = reward.DEFAULT_EVALUATOR_TEMPLATE, "qa" =
-    reward.QA_EVALUATOR_TEMPLATE (context QA), anything else is the template itself."""
-    return {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(setting, setting)
-
-
-def update_settings(cfg, passes, device):
-    """update_policy's numbers and callables from the config (algo.*, rollout.*, train.*, optim.*,
-    model.dtype) for the passes `passes` (fast_or_plain) on `device`."""
-    algo, ro = cfg["algo"], cfg["rollout"]
-    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device)
-    return dict(context=context, device=device, loss_fn=loss_function(algo), aggregation=algo["aggregation"], max_new_tokens=ro["max_new_tokens"],
-                updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                group_size=ro["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                temperature=ro["temperature"], grad_clip=cfg["optim"]["grad_clip"],
-                logprobs=passes["completion_logprobs"], clip_grad_norm=passes["clip_grad_norm"])
-
-
-def loss_function(algo):
-    """The policy loss of config.yaml's algo: section, its numbers bound: cispo_loss or grpo_loss."""
-    if algo["loss"] == "cispo":
-        return functools.partial(cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
-                                 aggregation=algo["aggregation"])
-    return functools.partial(grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                             aggregation=algo["aggregation"])
+            "score_targets": R.score_targets, "score_remote": score_remote,
+            "clip_grad_norm": clip_grad_norm}
 
 
 def step_prompts(state, cfg, step):
@@ -202,17 +200,18 @@ def rollout_batch(state, cfg, prompt_ids, *, seed, context):
 
 
 def sampling_seed(run_seed, step, rank):
-    """The rollout sampling seed of (run seed, step, rank) (docs/scale-out.md: distinct seeds per rank).
-    Ranks and steps never collide within a run (rank < 10_007), and a resumed run samples the
-    same completions as an uninterrupted one."""
+    """The rollout sampling seed of (run seed, step, rank) (docs/scale-out.md: distinct seeds per
+    rank). Ranks and steps never collide within a run (rank < 10_007), and a resumed run samples
+    the same completions as an uninterrupted one."""
     return run_seed * 1_000_003 + step * 10_007 + rank
 
 
-def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, template, label_format, qa_metric,
-                     rlvr_weight, renormalize, nonfinite_logp, transform, context, world):
-    """3. Rewards of one RLME step: r = sum_j v_j sum_k w_k log p_jk (RLME Eq. 2-3, reward.rlme_reward),
-    RLVR's reward against the label (kind rlvr), or both (hybrid: rlvr_weight x RLVR + the RLME
-    terms, reward.hybrid_reward). The settings are config.yaml's reward.* (reward_settings).
+def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, template, label_format,
+                     qa_metric, rlvr_weight, renormalize, nonfinite_logp, transform, context, world):
+    """3. Rewards of one RLME step: r = sum_j v_j sum_k w_k log p_jk (RLME Eq. 2-3,
+    reward.rlme_reward), RLVR's reward against the label (kind rlvr), or both (hybrid:
+    rlvr_weight x RLVR + the RLME terms, reward.hybrid_reward). train() binds the settings from
+    config.yaml's reward.* and data.label_format.
 
     Args:
         items: list (N) of item dicts (plumbing/items.py's load_train_items), one per completion.
@@ -220,26 +219,29 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
         context: the forward's mixed-precision context (the live evaluator is the policy).
         world: number of ranks (the metrics are summed over them).
     Returns:
-        dict: "reward" FloatTensor [N]; "valid" None when every reward is known, else BoolTensor [N],
-        False where a remote evaluator failed after its retries (the sample is masked, as a failed
-        judge call); "records" list (N) of samples.jsonl fields (problem, extracted answer, label,
-        correctness, both parts, every evaluator's log p per meta-question: the reward can be
-        recomputed by hand); "metrics" (reward/nonfinite, reward/masked, evaluator/<name>/failed).
+        dict: "reward" FloatTensor [N]; "valid" None when every reward is known, else BoolTensor
+        [N], False where a remote evaluator failed after its retries (the sample is masked, as a
+        failed judge call); "records" list (N) of samples.jsonl fields (problem, extracted answer,
+        label, correctness, both parts, every evaluator's log p per meta-question: the reward can
+        be recomputed by hand); "metrics" (reward/nonfinite, reward/masked,
+        evaluator/<name>/failed).
     """
     # RLVR (docs/method.md §4.3): the reward for kind rlvr, hybrid's first part; accuracy always
     # (correct = exact match for text labels, whatever qa_metric); no labels: None
-    score = lambda c, label, metric: R.answer_reward(c, label, label_format, metric)  # noqa: E731
-    rlvr = torch.tensor([score(c, it["label"], qa_metric) if it["label"] is not None else 0.0
-                         for c, it in zip(completions, items)])
-    correct = [score(c, it["label"], "em") >= 1.0 if it["label"] is not None else None
-               for c, it in zip(completions, items)]
-    logp, rlme, nonfinite, failed, valid = None, None, 0, None, torch.ones(len(items), dtype=torch.bool)
+    labels = [it["label"] for it in items]
+    rlvr = torch.tensor([R.answer_reward(c, y, label_format, qa_metric) if y is not None else 0.0
+                         for c, y in zip(completions, labels)])
+    correct = [R.answer_reward(c, y, label_format, "em") >= 1.0 if y is not None else None
+               for c, y in zip(completions, labels)]
+    logp, rlme, nonfinite, failed = None, None, 0, None
+    valid = torch.ones(len(items), dtype=torch.bool)
     if kind in ("rlme", "hybrid"):
         with context():
             out = R.rlme_reward(evaluators, meta_questions, problems=[it["problem"] for it in items],
                                 solutions=completions, references=[it["answer_text"] for it in items],
                                 anchored=[it["anchored"] for it in items], template=template,
-                                renormalize=renormalize, nonfinite_logp=nonfinite_logp, transform=transform)
+                                renormalize=renormalize, nonfinite_logp=nonfinite_logp,
+                                transform=transform)
         rlme, logp, nonfinite = out["reward"], out["logp"], out["nonfinite"]
         failed, valid = out["failed"], out["valid"]  # a remote evaluator's failed requests
     rewards = R.hybrid_reward(rlvr, rlme, rlvr_weight=rlvr_weight) if kind == "hybrid" else \
@@ -250,26 +252,29 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
         # `python -m plumbing.cli reward` on samples.jsonl recomputes the reward
         # reward None: a remote evaluator failed, the sample is masked (as a failed judge call)
         ok = bool(valid[i])
-        rec = {"item": it["index"], "problem": it["problem"], "extracted": R.extract_boxed(c), "label": it["label"],
-               "correct": correct[i], "anchored": it["anchored"], "reward": float(rewards[i]) if ok else None,
-               "rlvr_reward": float(rlvr[i])}
+        rec = {"item": it["index"], "problem": it["problem"], "extracted": R.extract_boxed(c),
+               "label": it["label"], "correct": correct[i], "anchored": it["anchored"],
+               "reward": float(rewards[i]) if ok else None, "rlvr_reward": float(rlvr[i])}
         if logp is not None:  # logp: [N, J evaluators, K meta-questions]; None = a failed request
             rec["rlme_reward"] = float(rlme[i]) if ok else None
             rec["logp"] = {ev["name"]: {mq["question"]: None if failed[i, j, k] else float(logp[i, j, k])
                                         for k, mq in enumerate(meta_questions)}
                            for j, ev in enumerate(evaluators)}
         records.append(rec)
-    metrics = {"reward/nonfinite": all_sum(nonfinite, world), "reward/masked": all_sum(int((~valid).sum()), world)}
+    metrics = {"reward/nonfinite": all_sum(nonfinite, world),
+               "reward/masked": all_sum(int((~valid).sum()), world)}
     for j, ev in enumerate(evaluators if logp is not None else []):
         if "failures" in ev:  # a remote evaluator: samples it could not score (after retries)
-            metrics[f"evaluator/{ev['name']}/failed"] = all_sum(int(failed[:, j].any(1).sum()), world)
+            n_failed = int(failed[:, j].any(1).sum())
+            metrics[f"evaluator/{ev['name']}/failed"] = all_sum(n_failed, world)
     return {"reward": rewards, "valid": None if bool(valid.all()) else valid, "records": records,
             "metrics": metrics}
 
 
 def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False):
-    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (std + 1e-6) when std=True (GRPO, RM-NLHF Eq. 1-2): the
-    population std (sum / n), or with unbiased=True sum / (n - 1) (torch.std, the authors' verl).
+    """A_i = r_i - mean_group(r) (RLME Eq. 5), or / (std + 1e-6) when std=True (GRPO, RM-NLHF
+    Eq. 1-2): the population std (sum / n), or with unbiased=True sum / (n - 1) (torch.std, the
+    authors' verl).
 
     Args:
         rewards: FloatTensor [N], N = groups x group_size, groups contiguous.
@@ -286,7 +291,8 @@ def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False)
     mean = r0.sum(1, keepdim=True) / count
     adv = torch.where(v, r - mean, torch.zeros_like(r))
     if std:
-        var = (adv ** 2).sum(1, keepdim=True) / (count - int(unbiased)).clamp(min=1)  # population | unbiased variance
+        # the population | unbiased variance
+        var = (adv ** 2).sum(1, keepdim=True) / (count - int(unbiased)).clamp(min=1)
         adv = adv / (var.sqrt() + 1e-6)
     big = torch.finfo(r.dtype).max
     flat = (torch.where(v, r, torch.full_like(r, -big)).amax(1, keepdim=True)
@@ -294,14 +300,19 @@ def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False)
     return torch.where(flat | ~v, torch.zeros_like(adv), adv).view(-1)
 
 
-def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_new_tokens, updates_per_batch,
-                  minibatches, group_size, micro_batch_size, temperature, grad_clip, logprobs, clip_grad_norm,
-                  context, world, device, pad_id, ref_model=None, scaler=None):
-    """5. One rollout batch's update (docs/method.md §4.4): the no-grad passes, then `optimizer_steps`.
+def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_new_tokens,
+                  updates_per_batch, minibatches, group_size, micro_batch_size, grad_clip, logprobs,
+                  clip_grad_norm, context, world, device, ref_model=None, scaler=None):
+    """5. One rollout batch's update (docs/method.md §4.4): the no-grad passes, then
+    `updates_per_batch` passes over the batch, each split into `minibatches` optimizer steps over
+    whole groups, each accumulated over micro-batches of `micro_batch_size` sequences.
 
     No-grad passes (`frozen_logprobs`, each through the model it is about, prompt included):
     behaviour log-probs pi_b when the update is off-policy (RLME Eq. 6's denominator) or to log
     the vLLM gap; reference log-probs pi_ref for GRPO's KL when `ref_model` is given.
+    The loss of one optimizer step is sum(per-token loss) / normaliser with ONE normaliser counted
+    over all its micro-batches on all ranks (loss_normaliser), so 1 rank x 4 micro-batches,
+    2 ranks x 2 and 1 rank x 1 give the same update (tests/algorithm/test_train.py).
 
     Args:
         model: the policy, DDP-wrapped when world > 1 (the forward with grad). policy: unwrapped.
@@ -309,77 +320,42 @@ def update_policy(model, policy, optimizer, batch, *, loss_fn, aggregation, max_
             "completion_mask" FloatTensor [N, L], "advantages" FloatTensor [N], optionally
             "valid" BoolTensor [N] (False rows are left out of the loss and the normaliser) and
             "rollout_logprobs" FloatTensor [N, L] (vLLM's log-probs of the same tokens).
-        loss_fn: cispo_loss or grpo_loss, numbers bound (loss_function); aggregation, max_new_tokens:
-            loss_normaliser's; the rest as update_settings names them (config.yaml's algo/train/optim).
-        logprobs, clip_grad_norm: rollout.completion_logprobs and clip_grad_norm, or their fast twins.
+        loss_fn: cispo_loss or grpo_loss with its numbers bound (train() picks it):
+            (logp, behaviour_logp, advantages, mask[, ref_logp=]) -> (loss_sum, stats).
+        aggregation, max_new_tokens: loss_normaliser's. group_size: G (minibatches: whole groups).
+        grad_clip: the global gradient norm's bound (<= 0: measured, not clipped).
+        logprobs: (model, prompt_ids, completion_ids, prompt_model=None) -> FloatTensor [N, L], the
+            per-token log-probs at the sampling temperature: rollout.completion_logprobs or its fast
+            twin, pad_id and temperature bound.
+        clip_grad_norm: (policy, max_norm) -> float: clip_grad_norm or its fast twin.
         context: the forward's mixed-precision context (compute_context). world: number of ranks.
-        ref_model: the frozen reference policy (GRPO with algo.kl_coef > 0; under LoRA the policy with
-            its adapters off, BaseModelView), else None. scaler: a GradScaler for float16, else None.
+        device: where the loss is computed. ref_model: the frozen reference policy (GRPO with
+            algo.kl_coef > 0; under LoRA the policy with its adapters off, BaseModelView), else
+            None. scaler: a GradScaler for float16, else None.
     Returns:
-        optimizer_steps' dict plus "logp_gap": (sum |trainer - rollout| log-prob, token count,
-        max) over this rank's masked tokens when batch has "rollout_logprobs", else None.
+        dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
+        (list[float], global, before clipping; a non-finite one: that step skipped), "is_weight" /
+        "clipped" (FloatTensor [N], last pass), "logp_gap": (sum |trainer - rollout| log-prob,
+        token count, max) over this rank's masked tokens when batch has "rollout_logprobs", else
+        None.
     """
-    lp = functools.partial(frozen_logprobs, batch=batch, micro_batch_size=micro_batch_size, logprobs=logprobs,
-                           temperature=temperature, pad_id=pad_id, context=context)
+    # the loss mask [N, L]: the completion mask, rows whose reward is unknown (a failed judge
+    # call: batch["valid"] False) zeroed
+    mask = batch["completion_mask"].float()
+    if "valid" in batch:
+        mask = mask * batch["valid"].float()[:, None]
+    advantages, n_local = batch["advantages"], len(batch["prompt_ids"])
+    frozen = functools.partial(frozen_logprobs, batch=batch, micro_batch_size=micro_batch_size,
+                               logprobs=logprobs, context=context)
     # With one optimizer step per batch pi_theta == pi_b at the update: the ratio is exactly 1 and
     # the behaviour pass is skipped. With vLLM rollouts it runs anyway, to log the engine's gap.
     off_policy = updates_per_batch > 1 or minibatches > 1
     rollout_lp = batch.get("rollout_logprobs")
-    behaviour = lp(policy) if off_policy or rollout_lp is not None else None
-    ref = lp(ref_model) if ref_model is not None else None
-    out = optimizer_steps(model, policy, optimizer, batch, loss_fn=loss_fn, aggregation=aggregation,
-                          max_new_tokens=max_new_tokens, updates_per_batch=updates_per_batch, minibatches=minibatches,
-                          group_size=group_size, micro_batch_size=micro_batch_size, temperature=temperature,
-                          grad_clip=grad_clip, logprobs=logprobs, clip_grad_norm=clip_grad_norm, context=context,
-                          world=world, device=device, pad_id=pad_id, behaviour=behaviour if off_policy else None,
-                          ref=ref, scaler=scaler)
-    out["logp_gap"] = logp_gap(behaviour, rollout_lp, update_mask(batch)) if rollout_lp is not None else None
-    return out
+    behaviour = frozen(policy) if off_policy or rollout_lp is not None else None
+    ref = frozen(ref_model) if ref_model is not None else None
+    gap = logp_gap(behaviour, rollout_lp, mask) if rollout_lp is not None else None
+    behaviour = behaviour if off_policy else None  # on-policy: the loss takes logp.detach()
 
-
-@torch.no_grad()
-def frozen_logprobs(model, *, batch, micro_batch_size, logprobs, temperature, pad_id, context):
-    """The no-grad pass of the update: per-token log-probs of every completion under `model`,
-    prompt AND completion through `model` itself: the behaviour policy pi_b (model = the policy,
-    before any optimizer step; RLME Eq. 6's denominator) or the GRPO reference pi_ref (model =
-    the frozen initial policy; the k3 KL). A pass never borrows another model's prompt cache.
-
-    Returns:
-        list (N) of FloatTensor [L] on CPU, L = batch["completion_ids"].shape[1], zero past the row's
-        micro-batch width (masked), so the optimizer steps may chunk the rows differently.
-    """
-    out, full = [None] * len(batch["prompt_ids"]), batch["completion_ids"].shape[1]
-    for rows in micro_batches(range(len(out)), micro_batch_size):
-        # eval mode: pi_b and pi_ref are the policies' probabilities, dropout (LoRA's) off
-        with context(), rollout.eval_mode(model):
-            lp, width = rows_logprobs(model, batch, rows, logprobs=logprobs, temperature=temperature, pad_id=pad_id)
-        for i, row in zip(rows, lp.float().cpu()):
-            out[i] = torch.nn.functional.pad(row, (0, full - width))
-    return out
-
-
-def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, max_new_tokens, updates_per_batch,
-                    minibatches, group_size, micro_batch_size, temperature, grad_clip, logprobs, clip_grad_norm,
-                    context, world, device, pad_id, behaviour=None, ref=None, scaler=None):
-    """The optimizer steps of one rollout batch: `updates_per_batch` passes, each split into
-    `minibatches` optimizer steps over whole groups, each accumulated over micro-batches of
-    `micro_batch_size` sequences.
-
-    The loss of one optimizer step is sum(per-token loss) / normaliser with ONE normaliser counted
-    over all its micro-batches on all ranks (loss_normaliser), so 1 rank x 4 micro-batches,
-    2 ranks x 2 and 1 rank x 1 give the same update (tests/algorithm/test_train.py).
-
-    Args: as update_policy, plus
-        behaviour: list (N) of FloatTensor [L_i] (frozen_logprobs of the policy) when off-policy, else None.
-        ref: list (N) of FloatTensor [L_i] (frozen_logprobs of the reference) for GRPO's KL, else None.
-    Returns:
-        dict: "loss" (float, this rank's share, summed over optimizer steps), "grad_norms"
-        (list[float], global, before clipping; a non-finite one: that step skipped), "is_weight" /
-        "clipped" (FloatTensor [N], last pass).
-    """
-    mask = update_mask(batch)
-    advantages = batch["advantages"]
-    n_local = len(batch["prompt_ids"])
     model.train()
     mb_groups = n_local // group_size // minibatches
     loss_total, grad_norms = 0.0, []
@@ -396,13 +372,18 @@ def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, ma
                 # DDP all-reduces / FSDP2 reduce-scatters gradients on the last micro-batch only.
                 with grad_sync(model, world, sync=c == len(chunks) - 1):
                     with context():
-                        # the prompt pass goes through the unwrapped policy: DDP sees one forward per backward
-                        lp, width = rows_logprobs(model, batch, rows, logprobs=logprobs, temperature=temperature,
-                                                  pad_id=pad_id, prompt_model=policy)
-                    beh = torch.stack([behaviour[i][:width] for i in rows]).to(device) if behaviour is not None else None
-                    kl = {"ref_logp": torch.stack([ref[i][:width] for i in rows]).to(device)} if ref is not None else {}
-                    loss_sum, st = loss_fn(lp.float(), beh, advantages[rows].to(device), mask[rows, :width].to(device), **kl)
-                    # DDP and FSDP2 average gradients over ranks; x world turns that into a global sum / norm.
+                        # the prompt pass goes through the unwrapped policy: DDP sees one forward
+                        # per backward
+                        lp, width = rows_logprobs(model, batch, rows, logprobs=logprobs,
+                                                  prompt_model=policy)
+                    beh, kl = None, {}
+                    if behaviour is not None:
+                        beh = torch.stack([behaviour[i][:width] for i in rows]).to(device)
+                    if ref is not None:
+                        kl["ref_logp"] = torch.stack([ref[i][:width] for i in rows]).to(device)
+                    loss_sum, st = loss_fn(lp.float(), beh, advantages[rows].to(device),
+                                           mask[rows, :width].to(device), **kl)
+                    # DDP and FSDP2 average gradients over ranks; x world makes it a global sum
                     loss = loss_sum * world / norm
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 loss_total += float(loss_sum.detach()) / norm
@@ -414,23 +395,48 @@ def optimizer_steps(model, policy, optimizer, batch, *, loss_fn, aggregation, ma
             if scaler is not None:
                 scaler.step(optimizer)  # skipped when a gradient is inf/NaN (float16 overflow)
                 scaler.update()
-            elif math.isfinite(grad_norms[-1]):  # a NaN/inf gradient never reaches AdamW or a checkpoint:
-                optimizer.step()  # the step is skipped; plumbing.run counts it and stops a run that keeps it up
+            elif math.isfinite(grad_norms[-1]):
+                # a NaN/inf gradient never reaches AdamW or a checkpoint: the step is skipped;
+                # plumbing.run counts it and stops a run that keeps it up
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights, "clipped": clipped}
+    return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights,
+            "clipped": clipped, "logp_gap": gap}
 
 
-def rows_logprobs(model, batch, rows, *, logprobs, temperature, pad_id, prompt_model=None):
-    """Per-token log-probs of the completions of `rows` under `model` (logits / temperature),
+@torch.no_grad()
+def frozen_logprobs(model, *, batch, micro_batch_size, logprobs, context):
+    """The no-grad pass of the update: per-token log-probs of every completion under `model`,
+    prompt AND completion through `model` itself: the behaviour policy pi_b (model = the policy,
+    before any optimizer step; RLME Eq. 6's denominator) or the GRPO reference pi_ref (model =
+    the frozen initial policy; the k3 KL). A pass never borrows another model's prompt cache.
+    Arguments as update_policy's.
+
+    Returns:
+        list (N) of FloatTensor [L] on CPU, L = batch["completion_ids"].shape[1], zero past the
+        row's micro-batch width (masked), so the optimizer steps may chunk the rows differently.
+    """
+    out, full = [None] * len(batch["prompt_ids"]), batch["completion_ids"].shape[1]
+    for rows in micro_batches(range(len(out)), micro_batch_size):
+        # eval mode: pi_b and pi_ref are the policies' probabilities, dropout (LoRA's) off
+        with context(), rollout.eval_mode(model):
+            lp, width = rows_logprobs(model, batch, rows, logprobs=logprobs)
+        for i, row in zip(rows, lp.float().cpu()):
+            out[i] = torch.nn.functional.pad(row, (0, full - width))
+    return out
+
+
+def rows_logprobs(model, batch, rows, *, logprobs, prompt_model=None):
+    """Per-token log-probs of the completions of `rows` under `model` (update_policy's `logprobs`),
     over the first `width` columns: the longest masked completion among `rows` (columns that
-    are padding in every row are trimmed). `logprobs`: rollout.completion_logprobs or its twin.
+    are padding in every row are trimmed).
 
     Returns:
         (FloatTensor [len(rows), width], width). With grad when called under grad mode.
     """
     width = max(1, int(batch["completion_mask"][rows].sum(-1).max()))
-    lp = logprobs(model, [batch["prompt_ids"][i] for i in rows], batch["completion_ids"][rows, :width],
-                  pad_id=pad_id, temperature=temperature, prompt_model=prompt_model)
+    prompts = [batch["prompt_ids"][i] for i in rows]
+    lp = logprobs(model, prompts, batch["completion_ids"][rows, :width], prompt_model=prompt_model)
     return lp, width
 
 
@@ -438,13 +444,6 @@ def micro_batches(rows, size):
     """Consecutive chunks of `size` row indices (the last one shorter)."""
     rows = list(rows)
     return [rows[s:s + size] for s in range(0, len(rows), size)]
-
-
-def update_mask(batch):
-    """The loss mask [N, L] (float): the completion mask, with rows whose reward is unknown
-    (batch["valid"] False: a failed judge call) zeroed."""
-    mask = batch["completion_mask"].float()
-    return mask * batch["valid"].float()[:, None] if "valid" in batch else mask
 
 
 def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):
@@ -457,7 +456,8 @@ def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):
             "token_mean": num_tokens, "dr_grpo": num_seqs * max_new_tokens}[aggregation]
 
 
-def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, ratio="sequence", aggregation="seq_sum"):
+def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, ratio="sequence",
+               aggregation="seq_sum"):
     """Sum over this micro-batch of CISPO's per-token loss (RLME Eq. 6-8, MiniMax-M1); the caller
     divides by the global normaliser (loss_normaliser) so that the update equals one big batch.
 
@@ -470,9 +470,11 @@ def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, rat
         logp: FloatTensor [B, L] current token log-probs (with grad).
         behaviour_logp: FloatTensor [B, L] or None (= logp detached: on-policy, ratio 1).
         advantages: FloatTensor [B]. mask: FloatTensor [B, L].
-        eps_low, eps_high: the clip range (eps_low >= 1: no lower clip). aggregation: loss_normaliser's.
+        eps_low, eps_high: the clip range (eps_low >= 1: no lower clip).
+        aggregation: loss_normaliser's (aggregate).
     Returns:
-        (loss_sum scalar tensor, stats {"is_weight": FloatTensor [B] before clipping, "clipped": BoolTensor [B]})
+        (loss_sum scalar tensor, stats {"is_weight": FloatTensor [B] before clipping,
+        "clipped": BoolTensor [B]})
     """
     old = logp.detach() if behaviour_logp is None else behaviour_logp
     seq_log_ratio = ((logp.detach() - old) * mask).sum(-1)  # [B]
@@ -482,21 +484,25 @@ def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, rat
     hi = math.log(1 + eps_high)
     weight = seq_log_ratio.clamp(lo, hi).exp()  # already detached
     per_token = -(weight * advantages)[:, None] * logp
-    stats = {"is_weight": seq_log_ratio.clamp(max=80).exp(), "clipped": (seq_log_ratio < lo) | (seq_log_ratio > hi)}
+    stats = {"is_weight": seq_log_ratio.clamp(max=80).exp(),
+             "clipped": (seq_log_ratio < lo) | (seq_log_ratio > hi)}
     return aggregate(per_token, mask, aggregation), stats
 
 
-def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, ref_logp=None, aggregation="seq_mean_token_mean"):
+def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, ref_logp=None,
+              aggregation="seq_mean_token_mean"):
     """Sum over this micro-batch of GRPO's per-token loss (RM-NLHF Eq. 3; docs/method.md §4.5): the
     token ratio r_t, PPO's clip eps, -min(r_t A, clip(r_t) A) + kl_coef * k3 to the reference.
 
     Args: as cispo_loss, plus clip_eps (PPO's eps), kl_coef (beta) and ref_logp (FloatTensor
         [B, L] reference log-probs, or None: no KL term).
     Returns:
-        (loss_sum scalar tensor, stats {"is_weight": token-mean ratio [B], "clipped": share of clipped tokens [B]})
+        (loss_sum scalar tensor, stats {"is_weight": token-mean ratio [B],
+        "clipped": share of clipped tokens [B]})
     """
     old = logp.detach() if behaviour_logp is None else behaviour_logp
-    # log ratio clamped at +-20 so exp cannot overflow (a ratio of e^20 is clipped by PPO anyway whenever it matters)
+    # log ratio clamped at +-20 so exp cannot overflow (a ratio of e^20 is clipped by PPO anyway
+    # whenever it matters)
     ratio = ((logp - old) * mask).clamp(-20, 20).exp()
     a = advantages[:, None]
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
@@ -522,7 +528,7 @@ def aggregate(per_token, mask, aggregation):
 
 
 def k3_kl(logp, ref_logp):
-    """k3 KL estimator per token, exp(ref - logp) - (ref - logp) - 1 (>= 0; docs/method.md §4.5)."""
+    """k3 KL estimator per token: exp(ref - logp) - (ref - logp) - 1 >= 0 (docs/method.md §4.5)."""
     d = ref_logp - logp
     return d.exp() - d - 1
 
@@ -532,8 +538,9 @@ def sample_records(step, rank, ro_out, *, fields, advantages, upd, group_size):
     sample sits (step, rank, group), the reward step's fields, the completion, and what the update
     made of it (advantage, importance weight before clipping, clipped)."""
     mask = ro_out["completion_mask"]
-    return [{"step": step, "rank": rank, "group": i // group_size, **f, "completion": ro_out["completions"][i],
-             "truncated": bool(ro_out["truncated"][i]), "length": int(mask[i].sum()),
+    return [{"step": step, "rank": rank, "group": i // group_size, **f,
+             "completion": ro_out["completions"][i], "truncated": bool(ro_out["truncated"][i]),
+             "length": int(mask[i].sum()),
              "advantage": float(advantages[i]), "importance_weight": float(upd["is_weight"][i]),
              "clipped": float(upd["clipped"][i])}
             for i, f in enumerate(fields)]
@@ -541,20 +548,28 @@ def sample_records(step, rank, ro_out, *, fields, advantages, upd, group_size):
 
 def clip_grad_norm(policy, max_norm):
     """Clip the global gradient norm to `max_norm` (<= 0: measure only); returns the norm before
-    clipping (float). Under FSDP2 torch reduces it over the mesh: the global one (tests/plumbing/test_scale.py)."""
+    clipping (float). Under FSDP2 torch reduces it over the mesh: the global one
+    (tests/plumbing/test_scale.py)."""
     from torch.distributed.tensor import DTensor
-    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
+    bound = max_norm if max_norm > 0 else float("inf")
+    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), bound)
     return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
 
 
 def main(argv=None):
     ap = ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
-    ap.add_argument("--config", action="append", default=[], help="YAML file(s) over config.yaml; later ones override "
-                    "earlier ones (e.g. --config configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
-    a = add_plan_flags(ap).parse_args(argv)  # --plan [--world-size N] [--gpu-memory GiB]: plumbing/plan.py
+    ap.add_argument("--config", action="append", default=[],
+                    help="YAML file(s) over config.yaml; later ones override earlier ones (e.g. --config "
+                         "configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
+    ap.add_argument("overrides", nargs="*",
+                    help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
+    # --plan [--world-size N] [--gpu-memory GiB]: plumbing/plan.py
+    a = add_plan_flags(ap).parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    print_plan(cfg, a.world_size, a.gpu_memory) if a.plan else run_interruptible(train, cfg)  # Ctrl-C: one line, exit 130
+    if a.plan:
+        print_plan(cfg, a.world_size, a.gpu_memory)
+    else:
+        run_interruptible(train, cfg)  # Ctrl-C: one line, exit 130
 
 
 if __name__ == "__main__":

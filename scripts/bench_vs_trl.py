@@ -23,6 +23,7 @@ tokens/s during rollout, peak RSS; and per pair the ratio ours/TRL. A JSON summa
 fixed batch, losses and gradients compared (`check_loss`).
 """
 import argparse
+import functools
 import json
 import os
 import resource
@@ -39,7 +40,7 @@ sys.path.insert(0, ROOT)
 from plumbing.items import load_train_items  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 from plumbing.prompts import policy_chat  # noqa: E402
-from plumbing.scale import wrap_policy  # noqa: E402
+from plumbing.scale import compute_context, wrap_policy  # noqa: E402
 
 # Our config values that make our step TRL's: TRL's CISPO divides the summed token loss by the
 # batch's token count (our token_mean; our default, RLME Eq. 8, divides by the sequence count:
@@ -263,8 +264,22 @@ def check_loss(a):
     # ours: the optimiser's step() records the gradient instead of applying it
     grads = {}
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
-    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"]), torch.device("cpu"))
-    ours_loss = train.update_policy(model, policy, recorder, batch, **settings, world=1, pad_id=tok.pad_token_id)["loss"]
+    passes = train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])
+    # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
+    algo, ro_ = cfg["algo"], cfg["rollout"]
+    loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
+                              aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
+            functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
+                              aggregation=algo["aggregation"]))
+    settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
+                    updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
+                    group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
+                    grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
+                    logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
+                                               pad_id=tok.pad_token_id),
+                    context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], torch.device("cpu")),
+                    world=1, device=torch.device("cpu"))
+    ours_loss = train.update_policy(model, policy, recorder, batch, **settings)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them
     trainer = GRPOTrainer(model=policy, processing_class=tok, reward_funcs=lambda **kw: [0.0] * len(kw["prompts"]),

@@ -34,6 +34,7 @@ uses these subcommands; see the header of scripts/gpu_check.sh for the whole pro
 Only APIs that transformers 5.17 already has are used here (the GPU machine's version).
 """
 import argparse
+import functools
 import contextlib
 import json
 import math
@@ -468,8 +469,22 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
         torch.cuda.reset_peak_memory_stats(dev)
     t = time.perf_counter()
     with ctx:
-        settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"]), dev)
-        upd = train.update_policy(policy, policy, optimizer, batch, **settings, world=1, pad_id=0)
+        passes = train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])
+        # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
+        algo, ro_ = cfg["algo"], cfg["rollout"]
+        loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
+                                  aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
+                functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
+                                  aggregation=algo["aggregation"]))
+        settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
+                        updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
+                        group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
+                        grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
+                        logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
+                                                   pad_id=0),
+                        context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], dev),
+                        world=1, device=dev)
+        upd = train.update_policy(policy, policy, optimizer, batch, **settings)
     if cuda:
         torch.cuda.synchronize(dev)
     res["update_seconds"] = time.perf_counter() - t

@@ -11,6 +11,7 @@ Runs the three stages of train.py's step on one batch with the same functions tr
      K = 4 to cost <= 1.5 x K = 1: the K prompts share the problem+solution prefix).
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ import train  # noqa: E402
 from plumbing.items import load_train_items
 from plumbing.models import load_model
 from plumbing.prompts import policy_chat
+from plumbing.scale import compute_context
 from plumbing.services import load_evaluators
 
 EXTRA_QUESTIONS = ["Is the reasoning free of arithmetic mistakes?", "Does the solution answer the question that was asked?",
@@ -50,6 +52,20 @@ def main(argv=None):
     evaluators = load_evaluators(cfg, policy, tok, device, passes)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
+    # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
+    algo, ro_ = cfg["algo"], cfg["rollout"]
+    loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
+                              aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
+            functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
+                              aggregation=algo["aggregation"]))
+    settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
+                    updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
+                    group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
+                    grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
+                    logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
+                                               pad_id=tok.pad_token_id),
+                    context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device),
+                    world=1, device=device)
 
     def questions(k):  # the config's meta-questions, padded with EXTRA_QUESTIONS up to k
         return (rw["meta_questions"] + [{"question": q, "weight": 1.0, "target": "Yes"} for q in EXTRA_QUESTIONS])[:k]
@@ -80,8 +96,7 @@ def main(argv=None):
         adv = train.group_advantages(rew["reward"], ro["group_size"])
         b = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
              "completion_mask": out["completion_mask"], "advantages": adv}
-        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, **train.update_settings(cfg, passes, device),
-                                                    world=1, pad_id=tok.pad_token_id))
+        timed("update", lambda: train.update_policy(policy, policy, optimizer, b, **settings))
         return times, ops, out, samples
 
     step(0)  # warm-up: allocator, caches, AdamW state

@@ -1,4 +1,5 @@
 """Shared test fixtures: paths to ../shared/data, the real SmolLM2 model, a tiny random model."""
+import functools
 import os
 import sys
 
@@ -214,17 +215,56 @@ def tiny_judge_server(tiny_model_path, tmp_path_factory):
         stop_server(proc)
 
 
-def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, **kw):
-    """train.update_policy with `cfg`'s settings, bound as train.train binds them (train.update_settings)."""
+def reward_kwargs(cfg, *, evaluators, context, world):
+    """train.rlme_reward_step's keyword arguments from `cfg`, bound as train.train binds them (the
+    one place it does; tests/plumbing/test_train_run.py checks that the two agree)."""
+    import reward as R
+    rw = cfg["reward"]
+    template = {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
+        rw["evaluator_template"], rw["evaluator_template"])
+    return dict(evaluators=evaluators, meta_questions=rw["meta_questions"], kind=rw["kind"], template=template,
+                label_format=cfg["data"]["label_format"], qa_metric=rw["qa_metric"], rlvr_weight=rw["rlvr_weight"],
+                renormalize=rw["renormalize"], nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"],
+                context=context, world=world)
+
+
+def loss_fn(algo):
+    """The policy loss train.train picks for config.yaml's `algo:` section, its numbers bound."""
     import train
-    settings = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), device)
-    return train.update_policy(model, policy, optimizer, batch, **settings, world=world, pad_id=pad_id, **kw)
+    if algo["loss"] == "cispo":
+        return functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"],
+                                 ratio=algo["ratio"], aggregation=algo["aggregation"])
+    return functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
+                             aggregation=algo["aggregation"])
+
+
+def update_kwargs(cfg, passes, device, *, world, pad_id, ref_model=None, scaler=None):
+    """train.update_policy's keyword arguments from `cfg` (algo, rollout, train, optim, model.dtype)
+    and `passes` (train.fast_or_plain's), bound as train.train binds them (the one place it does;
+    tests/plumbing/test_train_run.py checks that the two agree)."""
+    from plumbing.scale import compute_context
+    algo, ro = cfg["algo"], cfg["rollout"]
+    logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"], pad_id=pad_id)
+    return dict(loss_fn=loss_fn(algo), aggregation=algo["aggregation"], max_new_tokens=ro["max_new_tokens"],
+                updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
+                group_size=ro["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
+                grad_clip=cfg["optim"]["grad_clip"], logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"],
+                context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device),
+                world=world, device=device, ref_model=ref_model, scaler=scaler)
+
+
+def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, **kw):
+    """train.update_policy with `cfg`'s settings (update_kwargs); kw: ref_model, scaler."""
+    import train
+    settings = update_kwargs(cfg, train.fast_or_plain(cfg["train"]["fast_paths"]), device, world=world,
+                             pad_id=pad_id, **kw)
+    return train.update_policy(model, policy, optimizer, batch, **settings)
 
 
 def frozen_logprobs(model, batch, pad_id, cfg, device, use_fast=None):
     """train.frozen_logprobs with `cfg`'s settings (use_fast None: cfg's train.fast_paths)."""
     import train
-    s = train.update_settings(cfg, train.fast_or_plain(cfg["train"]["fast_paths"] if use_fast is None else use_fast),
-                              device)
+    passes = train.fast_or_plain(cfg["train"]["fast_paths"] if use_fast is None else use_fast)
+    s = update_kwargs(cfg, passes, device, world=1, pad_id=pad_id)
     return train.frozen_logprobs(model, batch=batch, micro_batch_size=s["micro_batch_size"], logprobs=s["logprobs"],
-                                 temperature=s["temperature"], pad_id=pad_id, context=s["context"])
+                                 context=s["context"])

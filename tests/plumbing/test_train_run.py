@@ -1,12 +1,13 @@
 """The update's plumbing: mixed precision and master weights, activation checkpointing, the compute context, the step's metrics when every reward is masked."""
 import contextlib
+import functools
 import json
 import os
 
 import pytest
 import torch
 
-from conftest import update_policy
+from conftest import reward_kwargs, update_kwargs, update_policy
 from test_train import _layout_batch, _layout_cfg
 import train as T
 
@@ -152,3 +153,57 @@ def test_layouts_give_the_same_update(tiny_model_path, tmp_path, agg):
     for name in ("1x1", "1x4", "2x2"):
         assert results[name]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert (results[name]["delta"] - ref["delta"]).abs().max().item() < 1e-5, name
+
+
+# ---- train.train binds what the tests bind ---------------------------------------------------------------------
+
+class _FirstStep(Exception):
+    """Raised by the stand-in step_prompts: carries train.train's local variables at its first step."""
+
+
+def _train_bindings(monkeypatch, cfg):
+    """train.train's own `reward_step`, `update` (functools.partial) and `passes` for `cfg`: train()
+    runs with a stand-in setup (no model is loaded) up to its first step, where its locals are read."""
+    import collections
+    import sys
+    import types
+    state = collections.defaultdict(lambda: None, {
+        "rank": 0, "world": 1, "device": torch.device("cpu"), "start_step": 0, "evaluators": ["an evaluator"],
+        "tokenizer": types.SimpleNamespace(pad_token_id=7), "ref_model": "the reference", "scaler": "a scaler"})
+    monkeypatch.setattr(T, "setup", lambda cfg, passes: state)
+
+    def first_step(*args, **kwargs):
+        raise _FirstStep(dict(sys._getframe(1).f_locals))
+    monkeypatch.setattr(T, "step_prompts", first_step)
+    with pytest.raises(_FirstStep) as e:
+        T.train(cfg)
+    local = e.value.args[0]
+    return local["reward_step"], local["update"], local["passes"]
+
+
+def _comparable(v):
+    """A bound value in a form == compares: a functools.partial as (function, args, keywords), recursively."""
+    if isinstance(v, functools.partial):
+        return ("partial", _comparable(v.func), tuple(_comparable(a) for a in v.args),
+                {k: _comparable(x) for k, x in v.keywords.items()})
+    return v
+
+
+@pytest.mark.parametrize("config, loss", [("cpu.yaml", "cispo_loss"), ("cpu_rm_nlhf.yaml", "grpo_loss")])
+def test_train_binds_what_the_tests_bind(monkeypatch, config, loss):
+    """The tests and scripts call train.update_policy / train.rlme_reward_step with arguments bound
+    from a config by tests/conftest.py's update_kwargs / reward_kwargs, a copy of the block at the
+    top of train.train: both configs' bindings are equal, function for function and number for
+    number (the loss picked, its eps, the log-probs' temperature and pad id, the context)."""
+    from plumbing.config import load_config
+    cfg = load_config([os.path.join(os.path.dirname(T.__file__), "configs", config)], [])
+    reward_step, update, passes = _train_bindings(monkeypatch, cfg)
+    cpu = torch.device("cpu")
+    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], cpu)
+    want_reward = functools.partial(T.rlme_reward_step, **reward_kwargs(cfg, evaluators=["an evaluator"],
+                                                                        context=context, world=1))
+    want_update = functools.partial(T.update_policy, **update_kwargs(cfg, passes, cpu, world=1, pad_id=7,
+                                                                     ref_model="the reference", scaler="a scaler"))
+    assert _comparable(reward_step) == _comparable(want_reward)
+    assert _comparable(update) == _comparable(want_update)
+    assert update.keywords["loss_fn"].func is getattr(T, loss)

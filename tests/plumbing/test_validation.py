@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import data_path
+from conftest import data_path, reward_kwargs
 import reward as R
 import rollout
 import train as T
@@ -135,8 +135,8 @@ def test_hybrid_reward_step_adds_the_parts(tiny_model_path):
     out = {}
     for kind in ("rlme", "rlvr", "hybrid"):
         cfg = cfg_with(f"reward.kind={kind}", "train.device=cpu")
-        out[kind] = T.rlme_reward_step(items, ro["completions"], **T.reward_settings(cfg), evaluators=evs if kind != "rlvr" else [],
-                                       context=contextlib.nullcontext, world=1)
+        out[kind] = T.rlme_reward_step(items, ro["completions"], **reward_kwargs(
+            cfg, evaluators=evs if kind != "rlvr" else [], context=contextlib.nullcontext, world=1))
     assert out["rlvr"]["reward"].tolist() == [1.0, 0.0]
     # hybrid = 1 x RLVR + the RLME reward of the same completions (the live evaluator is deterministic)
     assert torch.allclose(out["hybrid"]["reward"], out["rlvr"]["reward"] + out["rlme"]["reward"])
