@@ -485,7 +485,9 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
                                    new_tokens=mr["max_new_tokens"], name="cold-start")
     val = cfg["run"]["eval_every"] > 0 and (cfg["nlhf"]["val"] if task == "rm_nlhf" else cfg["data"]["val"])
     if val and task == "rm_nlhf":  # both A/B orders of each pair (plumbing/run.py nlhf_validation_step)
-        vr = 2 * -(-cfg["nlhf"]["val_size"] // world)
+        # nlhf.val_size 0 = the whole file, sampled in chunks of at most a rollout's rows per rank
+        # (plumbing/run.py nlhf_validation_step), so no call holds more rows than the rollout's
+        vr = min(2 * -(-cfg["nlhf"]["val_size"] // world), rows) if cfg["nlhf"]["val_size"] else rows
         own["validation"] = sample(rows=vr, group_size=1, micro=ro["micro_batch_size"], prompt_tokens=tp,
                                    new_tokens=cfg["nlhf"]["val_max_new_tokens"], name="validation")
     elif val:  # greedy, one answer per problem, all at once (plumbing/run.py validation_step)

@@ -10,7 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), HERE, os.path.join(REPO, "tests", "algorithm")]
 
-if __name__ == "__main__":
+def main(argv):
     import train
     if os.environ.get("REHEARSAL_FORCE_VERDICTS"):
         import pytest
@@ -20,4 +20,8 @@ if __name__ == "__main__":
         # + the validation pairs test_configs.swaps reads (nlhf.val), whose prompts go through the same generate
         val = [dict(it, critique=None) for it in load_pairwise(data_path("llmbar", "LLMBar_Natural.jsonl"), seed=0)]
         force_verdicts(pytest.MonkeyPatch(), load_pairs() + val)
-    train.main(sys.argv[1:])
+    train.main(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -7,7 +7,6 @@ resident set at its start and the peak at its end."""
 import json
 import os
 import resource
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,13 +35,14 @@ def recorded(fn, name, stages):
 
 if __name__ == "__main__":
     import train  # noqa: F401  (torch, transformers and the project: the base)
+    import rehearsal_launch
     from plumbing import run
     base, stages = rss_kib(), []
     for attr, name in [("run_cold_start", "cold_start"), ("nlhf_validation_step", "validation"),
                        ("save_checkpoint", "checkpoint")]:
         setattr(run, attr, recorded(getattr(run, attr), name, stages))
     try:
-        runpy.run_path(os.path.join(HERE, "rehearsal_launch.py"), run_name="__main__")
+        rehearsal_launch.main(sys.argv[1:])
     finally:
         with open(os.path.join(os.environ["REHEARSAL_RSS_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump({"base_kib": base, "peak_kib": peak_kib(), "stages": stages}, f)

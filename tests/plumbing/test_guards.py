@@ -241,7 +241,8 @@ def test_a_nan_gradient_never_reaches_the_weights(tiny_model_path):
     batch = {"prompt_ids": [[1, 2], [3, 4]], "completion_ids": torch.tensor([[5, 6], [7, 8]]),
              "completion_mask": torch.ones(2, 2), "advantages": torch.tensor([float("nan"), 1.0])}
     import contextlib
-    logprobs = functools.partial(__import__("rollout").completion_logprobs, temperature=1.0, pad_id=tok.pad_token_id)
+    import rollout
+    logprobs = functools.partial(rollout.completion_logprobs, temperature=1.0, pad_id=tok.pad_token_id)
     upd = T.update_policy(policy, policy, opt, batch, loss_fn=functools.partial(
         T.cispo_loss, eps_low=1.0, eps_high=5.0, ratio="sequence", aggregation="seq_sum"),
         aggregation="seq_sum", max_new_tokens=2, updates_per_batch=1, minibatches=1, group_size=2,
