@@ -44,7 +44,8 @@ from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
 from plumbing.plan import add_plan_flags, print_plan
 from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validation_step
-from plumbing.scale import all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded, vllm_sleep
+from plumbing.engine import generate_vllm, push_weights, vllm_sleep
+from plumbing.scale import all_sum, compute_context, grad_sync, logp_gap, unsharded
 from plumbing.services import score_remote
 
 

@@ -36,8 +36,9 @@ from plumbing.guards import (apply_optim_settings, check_free_space, check_resum
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
 from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_val_items, load_train_items,
                            load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
-from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, make_rollout_engine, push_weights,
-                            save_merged, setup_distributed, shard_frozen, wrap_policy)
+from plumbing.engine import make_rollout_engine, push_weights
+from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, save_merged, setup_distributed,
+                            shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R

@@ -48,7 +48,8 @@ import rollout  # noqa: E402
 import fast  # noqa: E402
 from plumbing.data import load_dataset_rows, load_model, resolve_model_path, use_chat_template
 from plumbing.run import latest_checkpoint
-from plumbing.scale import compute_context, generate_vllm, keep_matmul_outputs, make_vllm_engine, peak_memory_mb, vllm_push_weights, vllm_sleep, vllm_token_logprobs, wrap_policy
+from plumbing.engine import generate_vllm, make_vllm_engine, vllm_push_weights, vllm_sleep, vllm_token_logprobs
+from plumbing.scale import compute_context, keep_matmul_outputs, peak_memory_mb, wrap_policy
 
 GIB = 2**30
 

@@ -10,7 +10,8 @@ import train as T
 from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
 from plumbing.data import load_model, load_pairwise
-from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_weight_name, wrap_policy
+from plumbing.engine import push_weights, vllm_weight_name
+from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, wrap_policy
 from plumbing.services import load_evaluators
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}

@@ -18,9 +18,9 @@ import train as T
 
 from plumbing.data import load_model, REPO
 from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
-from plumbing.scale import (all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded,
-                            vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs,
-                            vllm_sleep, vllm_token_logprobs, vllm_weight_name, wrap_policy)
+from plumbing.engine import (generate_vllm, make_vllm_engine, vllm_outputs_to_rollout, vllm_push_weights,
+                             vllm_request_seeds, vllm_sampling_kwargs, vllm_sleep, vllm_token_logprobs, vllm_weight_name)
+from plumbing.scale import all_sum, full_state_items, logp_gap, unsharded, wrap_policy
 from plumbing import config
 
 
