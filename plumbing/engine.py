@@ -1,4 +1,23 @@
-"""The rollout engines (docs/scale-out.md): the HF decode loop and vLLM, behind one `sample` callable."""
+"""The rollout engines (docs/scale-out.md "Rollout engines"): what samples the completions of a run.
+
+Every sampler of a run (train.py's rollout, the validations in plumbing/run.py, the MetaRM cold
+start, `evaluate.py ... --backend vllm`) takes one callable of one signature,
+
+    sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+        -> the rollout dict at the top of rollout.py (vLLM adds "logprobs": the engine's own)
+
+built here by `rollout_backend` (config key rollout.backend) with its companions, one dict
+{"sample", "push", "sleep", "llm"}:
+  hf    passes["generate"] (fast.generate; plain twin rollout.generate) on the policy itself: under
+        FSDP2 its layers gathered once per call (plumbing.scale.unsharded), in the compute dtype
+        (plumbing.scale.compute_context), rollout.micro_batch_size rows per decode batch. push and
+        sleep do nothing (it samples from the weights being trained); llm is None.
+  vllm  one in-process vLLM engine per rank (make_vllm_engine). sample samples, then sleeps (on a
+        GPU the engine's memory goes to reward scoring and the update; on the CPU there is no
+        sleep mode and it keeps its memory); push(policy) wakes it with the updated weights,
+        through vLLM's reload API in one call (vllm_push_weights); llm is the vllm.LLM.
+vllm is imported only when a vLLM engine is made: the stages import and run without it.
+"""
 import os
 
 import torch
@@ -6,32 +25,146 @@ import torch
 import rollout
 
 from plumbing.data import resolve_model_path
-from plumbing.scale import full_state_items, is_lora, merged_state_items
+from plumbing.scale import full_state_items, is_lora, merged_state_items, unsharded
 
 
-def make_rollout_engine(cfg, model_path, policy, rank):
-    """None for the HF backend; for vLLM (docs/scale-out.md) this rank's in-process engine as a dict
-    {"llm", "asleep", "sleep_level", "tied"}, started from the same weights as the policy
-    (`model_path`: the checkpoint being resumed, or model.policy)."""
+def rollout_backend(cfg, *, policy, model, tokenizer, generate, context, model_path, rank=0):
+    """This run's rollout engine (rollout.backend): {"sample", "push", "sleep", "llm"} (module docstring).
+
+    Args:
+        cfg: the run's config (rollout.*, model.dtype, run.seed are read).
+        policy: the unwrapped policy (float32 master weights; a peft model under model.lora).
+        model: what forward runs on (the DDP wrapper or the FSDP2-sharded policy; `unsharded` gathers it).
+        generate: passes["generate"] (train.fast_or_plain). context: a callable returning the compute
+            context manager (plumbing.scale.compute_context with its settings bound).
+        model_path: the weights the vLLM engine starts from, the policy's own (the checkpoint being
+            resumed, else model.policy; under LoRA the base: setup pushes the adapters after).
+        rank: this process's rank (the engine's seed; rank 0 prints the engine's start line).
+    Returns:
+        dict {"sample", "push", "sleep", "llm"}.
+    """
     ro = cfg["rollout"]
-    if ro["backend"] != "vllm":
-        return None
+    if ro["backend"] == "hf":
+        return hf_backend(policy, model, tokenizer, generate=generate, context=context,
+                          micro_batch_size=ro["micro_batch_size"] or None)
     llm = make_vllm_engine(resolve_model_path(model_path), cfg["model"]["dtype"],
-                                   gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
-                                   max_model_len=ro["vllm_max_model_len"], enforce_eager=ro["vllm_enforce_eager"],
-                                   # vLLM seeds numpy with it, which needs 0 <= seed < 2**32
-                                   seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2**32)
-    return {"llm": llm, "asleep": False, "sleep_level": ro["vllm_sleep_level"],
-            "tied": bool(getattr(policy.config, "tie_word_embeddings", False)),
-            "bucket_bytes": int(ro["vllm_push_bucket_mb"] * 2**20)}
+                           gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
+                           max_model_len=ro["vllm_max_model_len"], enforce_eager=ro["vllm_enforce_eager"],
+                           # vLLM seeds numpy with it, which needs 0 <= seed < 2**32
+                           seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2**32)
+    engine = engine_state(llm, dtype=cfg["model"]["dtype"], sleep_level=ro["vllm_sleep_level"],
+                          tied=bool(getattr(policy.config, "tie_word_embeddings", False)))
+    if rank == 0:
+        print(f"[engine] vLLM {engine_note(engine, ro['vllm_gpu_memory_utilization'])}", flush=True)
+    return vllm_backend(engine, tokenizer, policy)
 
 
-def push_weights(engine, policy):
-    """After the update: the new weights into the vLLM engine (gathered from FSDP2 shards one
-    tensor at a time; under LoRA merged into the base weights first, merged_state_items), then its
-    prefix cache reset (docs/scale-out.md). No-op for the HF backend, which samples from the policy itself."""
-    if engine is not None:
-        vllm_push_weights(engine, merged_state_items(policy) if is_lora(policy) else full_state_items(policy))
+def hf_backend(policy, model, tokenizer, *, generate, context, micro_batch_size=None):
+    """The HF backend: `generate` (fast.generate / rollout.generate) on the policy, every rank
+    gathering its FSDP2 shards inside `unsharded` (a collective: every rank calls sample, with or
+    without prompts), in the compute context, `micro_batch_size` rows per decode batch (None = all).
+    Returns {"sample", "push", "sleep", "llm"}; push and sleep do nothing, llm is None."""
+    def sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
+        with unsharded(model), context():
+            if not prompt_ids:
+                return empty_rollout()
+            return generate(policy, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            micro_batch_size=micro_batch_size)
+    return {"sample": sample, "push": lambda policy: None, "sleep": lambda: None, "llm": None}
+
+
+def as_generate(sample):
+    """`sample` in rollout.generate's signature, for evaluate.py's `generate=` arguments
+    (generate_texts, make_grm_judge): the model and tokenizer given are not used (the engine holds
+    its own weights and samples with the policy's tokenizer), nor micro_batch_size (the engine's own)."""
+    def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0,
+                 micro_batch_size=None):
+        return sample(prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_p=top_p, top_k=top_k, seed=seed)
+    return generate
+
+
+def engine_prompt_limit(cfg, max_new_tokens):
+    """The longest prompt the run's engine completes with `max_new_tokens` new tokens: for vLLM
+    rollout.vllm_max_model_len minus them (a longer one would stop early at the engine's context);
+    None for HF (the model's own context decides: make_grm_judge's default)."""
+    if cfg["rollout"]["backend"] != "vllm":
+        return None
+    return cfg["rollout"]["vllm_max_model_len"] - max_new_tokens
+
+
+def empty_rollout():
+    """The rollout dict of no prompts (a rank without validation items)."""
+    return {"prompt_ids": [], "completion_ids": torch.zeros(0, 1, dtype=torch.long), "completion_mask": torch.zeros(0, 1),
+            "truncated": torch.zeros(0, dtype=torch.bool), "completions": []}
+
+
+def vllm_backend(engine, tokenizer, policy):
+    """The vLLM backend over an engine made by make_vllm_engine (docs/scale-out.md "Rollout engines").
+
+    sample: wakes the engine if a sample call left it asleep with no push since (sleep level 1:
+    vLLM restores the weights it kept in host memory; level 2 dropped them: the last pushed policy
+    is pushed again), samples (generate_vllm), then sleeps (vllm_sleep: a no-op where the platform
+    has no sleep mode). push(policy): vllm_push_weights of the policy's current weights (merged
+    under LoRA), which wakes the engine. sleep: vllm_sleep.
+
+    Args:
+        engine: engine_state's dict (the three share it). tokenizer: the policy's.
+        policy: the weights a level-2 wake pushes until push is called.
+    Returns:
+        dict {"sample", "push", "sleep", "llm"}.
+    """
+    llm, eos = engine["llm"], rollout.eos_ids(policy, tokenizer)
+    engine["policy"] = policy
+
+    def push(policy):
+        engine["policy"] = policy
+        push_weights(engine, policy)
+
+    def sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
+        if not prompt_ids:
+            return empty_rollout()
+        if engine["asleep"]:  # asleep after a sample with no push since (a validation between two steps)
+            if engine["sleep_level"] == 1:
+                llm.wake_up()
+                engine["asleep"] = False
+            else:  # level 2 dropped the weights: the same ones again
+                push_weights(engine, engine["policy"])
+        out = generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed, eos=eos)
+        vllm_sleep(engine)
+        return out
+
+    return {"sample": sample, "push": push, "sleep": lambda: vllm_sleep(engine), "llm": llm}
+
+
+def engine_state(llm, *, dtype, sleep_level, tied):
+    """What the engine's sample, sleep and push share, as a dict: "llm"; "asleep" (False: a new
+    engine is awake); "sleep_mode" (the platform has one: vLLM's CUDA / ROCm / XPU builds, not
+    vLLM-CPU; sleep_mode_available), "sleep_level" (rollout.vllm_sleep_level); "dtype" (torch dtype
+    of the engine's weights, from model.dtype: "float32" | "bfloat16" | "float16"); "tied" (the
+    policy's lm_head is its input embedding: vLLM holds one tensor); "expected", the checkpoint
+    names a push must hold exactly (engine_checkpoint_names)."""
+    return {"llm": llm, "asleep": False, "sleep_mode": sleep_mode_available(), "sleep_level": sleep_level,
+            "dtype": rollout.DTYPES[dtype], "tied": tied, "expected": engine_checkpoint_names(llm)}
+
+
+def engine_note(engine, memory_share):
+    """The start line's words about the engine's platform and memory (vLLM's own log says more)."""
+    if engine["sleep_mode"]:
+        return (f"engine on the GPU: {memory_share} of its memory; sleeps at level {engine['sleep_level']} "
+                f"between sampling and the next weight push (rollout.vllm_sleep_level)")
+    return (f"engine on the CPU (vLLM-CPU): {memory_share} of the node's RAM (the process's own memory included: "
+            f"rollout.vllm_gpu_memory_utilization); this platform has no sleep mode, so the engine keeps it "
+            f"while rewards and the update run")
+
+
+def sleep_mode_available():
+    """True where vLLM's sleep mode exists (CUDA, ROCm, XPU builds): vllm.platforms.current_platform's
+    own answer. vLLM-CPU refuses enable_sleep_mode=True ("Sleep mode is not supported on current platform")."""
+    from vllm.platforms import current_platform
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def vllm_request_seeds(seed, n_prompts):
@@ -142,17 +275,20 @@ def _free_port():
 
 
 def make_vllm_engine(model_path, dtype, gpu_memory_utilization, max_model_len, enforce_eager=False, seed=0):
-    """One in-process vLLM engine for this rank (docs/method.md §7).
+    """One in-process vLLM engine for this rank (docs/scale-out.md "Rollout engines").
 
     `distributed_executor_backend="external_launcher"` runs the engine inside this torchrun
-    process (no extra workers): with tensor_parallel_size=1 every rank holds one full engine
-    and samples its own prompts. Sleep mode lets training reuse the engine's GPU memory;
-    `processed_logprobs` returns log-probs after temperature scaling (what the trainer
-    computes). Outside torchrun the launcher variables are filled in for a 1-process world.
+    process (no extra workers; VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps its engine core here too):
+    with tensor_parallel_size=1 every rank holds one full engine and samples its own prompts. Under
+    torchrun the process group exists before the engine (plumbing.scale.setup_distributed runs
+    first), outside it the launcher variables are filled in for a 1-process world. Sleep mode is
+    turned on where the platform has it (sleep_mode_available: GPUs, not vLLM-CPU).
+    `processed_logprobs` returns log-probs after temperature scaling (what the trainer computes).
 
     Args:
         model_path: a plain HF folder (resolve_model_path converts GGUF).
-        gpu_memory_utilization: share of the GPU this engine may take (weights + KV cache).
+        gpu_memory_utilization: the engine's share of memory for its weights + KV cache: of the GPU,
+            or on vLLM-CPU of the node's RAM, the process's own memory (the trainer's) included.
         max_model_len: prompt + completion tokens per sequence (bounds the KV cache).
     Returns:
         vllm.LLM
@@ -163,7 +299,7 @@ def make_vllm_engine(model_path, dtype, gpu_memory_utilization, max_model_len, e
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     from vllm import LLM
     return LLM(model=model_path, tokenizer=model_path, dtype=dtype, tensor_parallel_size=1,
-               distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+               distributed_executor_backend="external_launcher", enable_sleep_mode=sleep_mode_available(),
                logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True,
                seed=seed)
@@ -192,72 +328,123 @@ def generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temper
                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def vllm_model(llm):
-    """The engine's torch module (in-process engine only, i.e. external_launcher)."""
-    try:
-        worker = llm.llm_engine.model_executor.driver_worker
-        return getattr(worker, "worker", worker).model_runner.model
-    except AttributeError:  # engine internals moved: ask the worker through the RPC path
-        return llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
-
-
 def vllm_sleep(engine):
-    """Free the engine's GPU memory for reward scoring and the update (docs/method.md §7): level 1 keeps a
-    CPU copy of the weights, level 2 drops them (they are overwritten by the next push anyway).
-    engine: dict {"llm", "asleep", "sleep_level", "tied"} (make_rollout_engine)."""
-    if not engine["asleep"]:
+    """Free the engine's GPU memory for reward scoring and the update (docs/scale-out.md): level 1 keeps a
+    host copy of the weights, level 2 drops them (the next push overwrites them anyway). A no-op where
+    the platform has no sleep mode (engine["sleep_mode"] False: vLLM-CPU) or the engine already sleeps."""
+    if engine["sleep_mode"] and not engine["asleep"]:
         engine["llm"].sleep(level=engine["sleep_level"])
         engine["asleep"] = True
 
 
-def vllm_push_weights(engine, named_tensors):
-    """Load the trainer's current weights into the engine, then drop its prefix cache (docs/method.md §7).
+def push_weights(engine, policy):
+    """After the update: the policy's weights into the vLLM engine (vllm_push_weights): gathered from
+    FSDP2 shards one tensor at a time (plumbing.scale.full_state_items), under LoRA merged into the
+    base weights (plumbing.scale.merged_state_items)."""
+    vllm_push_weights(engine, push_names(policy),
+                      merged_state_items(policy) if is_lora(policy) else full_state_items(policy))
 
-    Empties torch's CUDA cache, then wakes the weights first and the KV cache only after the load, so the peak is weights + one
-    bucket + one gathered tensor, not weights + KV cache + tensor. `named_tensors` yields (HF name,
-    full tensor) one at a time (full_state_items: gathered from FSDP2 shards); each is cast to the
-    engine's dtype (its parameters', e.g. bfloat16: half the bytes of our float32 masters) and
-    they go to `load_weights` in buckets of up to engine["bucket_bytes"] (rollout.vllm_push_bucket_mb;
-    `weight_buckets`): a few large calls instead of one per tensor, and never a second copy of the model.
+
+def push_names(policy):
+    """The names push_weights sends, in its order, read from the state dict's keys (no tensor is
+    gathered): full_state_items' keys, or merged_state_items' under LoRA (adapters dropped, peft's
+    prefix and ".base_layer" removed; tests/plumbing/test_vllm.py checks the two agree)."""
+    keys = list(policy.state_dict())
+    if not is_lora(policy):
+        return keys
+    return [k.removeprefix("base_model.model.").replace(".base_layer.", ".") for k in keys
+            if ".lora_A." not in k and ".lora_B." not in k]
+
+
+def vllm_push_weights(engine, names, named_tensors):
+    """Load the trainer's current weights into the engine, then drop its prefix cache (docs/scale-out.md).
+
+    One call of vLLM's reload API, `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`
+    (the worker's reload_weights: vllm/v1/worker/gpu_model_runner.py, also vLLM-CPU's runner), with
+    the WHOLE model: vLLM reloads layer by layer (model_loader/reload/layerwise.py): it puts each
+    layer's parameters back in checkpoint form, waits until all of that layer's weights came, then
+    redoes its post-load processing (on vLLM-CPU the oneDNN repacking of every linear weight). A
+    layer that gets some but not all of its weights is processed with the rest UNINITIALISED, and
+    vLLM only logs a warning; one call per bucket is exactly that (issue 33: log-probs off by up to
+    19.8). So the push is checked twice: before anything loads, `names` (after vllm_weight_name)
+    must be exactly the engine's checkpoint names (check_push_names; a ValueError leaves the
+    engine as it was), and after, every named tensor must have been consumed (a RuntimeError).
+
+    The tensors stream (the iterator is consumed once, in this process: in-process engine), each
+    cast to the engine's dtype (e.g. bfloat16: half the bytes of our float32 masters); vLLM holds
+    one layer of them at a time. Where the engine sleeps, torch's cached CUDA blocks go back first,
+    then its weights wake, and its KV cache only after the load (peak: weights + one layer).
+
+    Args:
+        engine: engine_state's dict. names: list[str], our state-dict names of `named_tensors`, in order.
+        named_tensors: iterable of (name, full tensor), consumed one at a time (full_state_items).
+    Raises:
+        ValueError: `names` is not what the engine holds (missing or unknown weights; nothing loaded).
+        RuntimeError: `named_tensors` ended before `names` did (the engine now holds a partial push).
     """
-    llm = engine["llm"]
+    tied, llm = engine["tied"], engine["llm"]
+    check_push_names([vllm_weight_name(n, tied) for n in names], engine["expected"])
+    sent = [0]
+
+    def weights():
+        for name, t in named_tensors:
+            name = vllm_weight_name(name, tied)
+            if name is not None:
+                sent[0] += 1
+                yield name, t.detach().to(engine["dtype"])
+
     if engine["asleep"]:
         if torch.cuda.is_available():
             # the trainer's cached free blocks (the reward / update peaks, docs/scale-out.md "Memory plan")
             # back to the driver, so the engine's share (rollout.vllm_gpu_memory_utilization) can be mapped again
             torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
-    model = vllm_model(llm)
-    p = next(model.parameters())
-    named = ((n, t) for n, t in ((vllm_weight_name(n, engine["tied"]), t) for n, t in named_tensors) if n is not None)
-    for bucket in weight_buckets(named, dtype=p.dtype, device=p.device, bucket_bytes=engine.get("bucket_bytes", 512 << 20)):
-        model.load_weights(bucket)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies above are asynchronous
+    want = len(engine["expected"])
+    if sent[0] != want:
+        raise RuntimeError(f"weight push: {sent[0]} of the engine's {want} weights were sent; the engine holds a "
+                           f"partial push (vLLM processes a layer with missing weights uninitialised)")
     if engine["asleep"]:
         llm.wake_up(tags=["kv_cache"])
         engine["asleep"] = False
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
-def weight_buckets(named_tensors, dtype, device, bucket_bytes):
-    """(name, tensor) pairs cast to `dtype` on `device`, grouped into lists whose tensors hold at most
-    `bucket_bytes` bytes together (a tensor larger than a bucket travels alone), in order.
+def engine_checkpoint_names(llm):
+    """The checkpoint (Hugging Face) names the engine's parameters load from: each vLLM parameter
+    name, with a fused module (the model's packed_modules_mapping, e.g. qkv_proj <- q_proj, k_proj,
+    v_proj; gate_up_proj <- gate_proj, up_proj) replaced by its parts; a tied lm_head is the
+    embedding's one tensor (named_parameters lists it once). Read once at engine start through
+    `llm.apply_model` (vLLM's API to run a function on the worker's model). Returns set[str]."""
+    params, packed = llm.apply_model(lambda model: ([n for n, _ in model.named_parameters()],
+                                                    dict(getattr(model, "packed_modules_mapping", None) or {})))[0]
+    return checkpoint_names(params, packed)
 
-    Args:
-        named_tensors: iterable of (str, Tensor), consumed one at a time (full_state_items).
-        dtype: the engine's parameter dtype. device: the engine's device. bucket_bytes: int > 0.
-    Yields:
-        list[(str, Tensor)], each a vLLM `load_weights` call (tests/plumbing/test_scale.py).
-    """
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        t = t.to(device=device, dtype=dtype, non_blocking=True)
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+def checkpoint_names(params, packed):
+    """checkpoint names from vLLM parameter names and a packed_modules_mapping (engine_checkpoint_names).
+
+    Args: params: iterable of str; packed: dict fused module name -> list of its checkpoint module names.
+    Returns: set[str]."""
+    out = set()
+    for name in params:
+        parts = name.split(".")
+        hit = next((i for i, p in enumerate(parts) if p in packed), None)
+        if hit is None:
+            out.add(name)
+        else:
+            out.update(".".join(parts[:hit] + [src] + parts[hit + 1:]) for src in packed[parts[hit]])
+    return out
+
+
+def check_push_names(names, expected):
+    """A push must carry exactly the engine's weights (vllm_push_weights): ValueError (one line naming
+    a few) when one is missing (vLLM would process its layer uninitialised) or unknown (vLLM's
+    load_weights would fail half-way). `names`: pushed names, None for skipped ones (vllm_weight_name)."""
+    got = {n for n in names if n is not None}
+    missing, unknown = sorted(expected - got), sorted(got - expected)
+    if missing or unknown:
+        raise ValueError(f"weight push: {len(missing)} of the engine's {len(expected)} weights missing "
+                         f"{missing[:3]}, {len(unknown)} it does not hold {unknown[:3]}; nothing was loaded")

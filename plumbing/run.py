@@ -36,14 +36,14 @@ from plumbing.guards import (apply_optim_settings, check_free_space, check_resum
                              record_resume, run_interruptible, stop_together, write_failure, LOCK_NAME)
 from plumbing.data import (keep_short, load_model, load_nlhf_items, load_nlhf_val_items, load_train_items,
                            load_val_items, policy_chat, prompt_token_limit, resolve_model_path)
-from plumbing.engine import make_rollout_engine, push_weights
+from plumbing.engine import as_generate, engine_prompt_limit, rollout_backend
 from plumbing.scale import (BaseModelView, apply_lora, check_checkpoint_kind, save_merged, setup_distributed,
                             shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 import evaluate
 import reward as R
 from plumbing.plan import check_memory_plan
-from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb, unsharded
+from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb
 import time
 
 
@@ -55,13 +55,14 @@ def setup(cfg, passes):
     guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
     it with model.lora, apply_lora), prompts over the
-    length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
+    length limit dropped, the wrapped model, the rollout engine (HF or vLLM), evaluators, the GRPO reference,
     AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf), the
     free space the checkpoints need (guards.check_free_space), then the run folder.
 
     Returns:
         dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
-        wrapper or the FSDP2-sharded policy), tokenizer, chat, engine (None for HF), evaluators,
+        wrapper or the FSDP2-sharded policy), tokenizer, chat, rollout (the rollout engine,
+        plumbing/engine.py's {"sample", "push", "sleep", "llm"}), evaluators,
         ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), lock (rank 0),
         checkpoint_bytes, the streaks emit and step_metrics count (no_signal_streak,
         skipped_streak), and the data: items (rlme) or judge, dh_items, do_items (rm_nlhf).
@@ -156,14 +157,17 @@ def start_run(cfg, passes, rank, world, device):
     elif cfg["nlhf"]["val"] == "holdout":  # from the D_H pairs that fit, so none is dropped; D_H keeps the rest
         state["val_items"], state["dh_items"] = load_nlhf_val_items(cfg, state["dh_items"])
 
-    # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
+    # models: the wrapped policy, the rollout engine, evaluators, the GRPO reference
     model = wrap_policy(policy, tc["parallel"], world, device, dtype=cfg["model"]["dtype"],
                         cpu_offload=tc["cpu_offload"], gradient_checkpointing=cfg["model"]["gradient_checkpointing"],
                         reduce_every_micro_batch=tc["fsdp_reduce_every_micro_batch"])
-    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
-             engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
-    if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
-        push_weights(state["engine"], policy)
+    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat)
+    # the rollout engine (rollout.backend; plumbing/engine.py): every large generation of the run samples through it
+    state["rollout"] = rollout_backend(cfg, policy=policy, model=model, tokenizer=tokenizer, generate=passes["generate"],
+                                       context=functools.partial(compute_context, cfg["model"]["dtype"], tc["parallel"], device),
+                                       model_path=ckpt if ckpt and not lora else cfg["model"]["policy"], rank=rank)
+    if lora and ckpt:  # a vLLM engine started from the base: the resumed adapters, merged, go in now
+        state["rollout"]["push"](policy)
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, passes, remote=state["remote"]) if rlme else []
     state["ref_model"] = None
@@ -1051,10 +1055,9 @@ def validation_step(state, cfg, step, records, reward_step):
     inject = "{answer}" in d["prompt_template"]
     prompts = [rollout.policy_prompt_ids(tok, val[k], state["chat"], d["prompt_template"],
                                          answer=wrong_answer(val, k) if inject else None) for k in mine]
-    policy = state["policy"]
-    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
-        greedy = state["passes"]["generate"](policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
-                                             temperature=0.0, seed=0) if prompts else {"completions": []}
+    # through the run's rollout engine (plumbing/engine.py); every rank calls it, with or without prompts
+    greedy = state["rollout"]["sample"](prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
+                                        temperature=0.0, seed=0)
     items = [val[k] for k in mine]
     rew = reward_step(items, greedy["completions"])
     n = all_sum(len(items), world)
@@ -1103,18 +1106,26 @@ def nlhf_validation_step(state, cfg, step):
     t0 = time.perf_counter()
     nl, ro, rank, world = cfg["nlhf"], cfg["rollout"], state["rank"], state["world"]
     mine = state["val_items"][rank::world]
+    # Through the run's rollout engine (plumbing/engine.py), ONE sample call per rank: the judge gets
+    # all 2 x len(mine) prompts in one batch (the engine micro-batches: rollout.micro_batch_size), and
+    # a rank that had nothing to generate calls it once with no prompts, because the HF backend's
+    # sample gathers FSDP2 shards (a collective every rank joins).
+    calls = []
+
+    def sample(prompt_ids, **kw):
+        calls.append(len(prompt_ids))
+        return state["rollout"]["sample"](prompt_ids, **kw)
+
     judge = evaluate.make_grm_judge(state["policy"], state["tokenizer"], max_new_tokens=nl["val_max_new_tokens"],
-                                    batch_size=ro["micro_batch_size"] or max(1, 2 * len(mine)), chat=state["chat"],
-                                    max_prompt_tokens=None,  # model context - budget; longer: a format error
-                                    style=nl["grm_prompt"], generate=state["passes"]["generate"],
+                                    batch_size=max(1, 2 * len(mine)), chat=state["chat"],
+                                    max_prompt_tokens=engine_prompt_limit(cfg, nl["val_max_new_tokens"]),
+                                    style=nl["grm_prompt"], generate=as_generate(sample),
                                     temperature=nl["val_temperature"], top_p=1.0,
                                     seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
                                     max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
-    records = []
-    if mine:
-        with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"],
-                                                        state["policy"].device):
-            _, records = evaluate.pairwise_accuracy(mine, judge)
+    records = evaluate.pairwise_accuracy(mine, judge)[1] if mine else []
+    if not calls:
+        sample([], group_size=1, max_new_tokens=1)
     n = all_sum(len(mine), world)
     right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
     right_ba = all_sum(sum(r["ba"]["right"] for r in records), world)
