@@ -59,6 +59,38 @@ def rollout_backend(cfg, *, policy, model, tokenizer, generate, context, model_p
     return vllm_backend(engine, tokenizer, policy)
 
 
+def evaluation_sampler(model_path, dtype, *, memory_share, max_model_len=None, seed=0):
+    """A vLLM engine on `model_path` for evaluate.py's --backend vllm, as (sample, tokenizer, model):
+    `sample` the vLLM backend's (it never sleeps here: nothing else needs the memory), `model` a
+    stand-in holding the HF config and generation config only (what eos_ids and make_grm_judge
+    read: its max_position_embeddings is the engine's context), the weights being the engine's.
+
+    Args:
+        model_path: checkpoint folder, hub id or gguf:<pkg>/<file> (resolve_model_path).
+        dtype: "float32" | "bfloat16" | "float16". memory_share: vLLM's gpu_memory_utilization
+            (of the GPU; on vLLM-CPU of the node's RAM, this process included).
+        max_model_len: the engine's context, prompt + completion (None: the model's own).
+    """
+    from types import SimpleNamespace
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    path = resolve_model_path(model_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:  # as plumbing.data.load_model
+        tok.pad_token = tok.eos_token
+    conf = AutoConfig.from_pretrained(path)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = GenerationConfig.from_model_config(conf)
+    conf.max_position_embeddings = max_model_len or conf.max_position_embeddings
+    model = SimpleNamespace(config=conf, generation_config=gen)
+    llm = make_vllm_engine(path, dtype, gpu_memory_utilization=memory_share, max_model_len=conf.max_position_embeddings,
+                           seed=seed)
+    engine = engine_state(llm, dtype=dtype, sleep_level=1, tied=bool(getattr(conf, "tie_word_embeddings", False)))
+    engine["sleep_mode"] = False
+    return vllm_backend(engine, tok, model)["sample"], tok, model
+
+
 def hf_backend(policy, model, tokenizer, *, generate, context, micro_batch_size=None):
     """The HF backend: `generate` (fast.generate / rollout.generate) on the policy, every rank
     gathering its FSDP2 shards inside `unsharded` (a collective: every rank calls sample, with or

@@ -72,17 +72,23 @@ def main():
 
     # perturb every weight by 5% of its own spread (seeded), push, compare; then restore
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+
+    def perturb():  # the same perturbation each time (seed 0; the spread of the original weights)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(original[n] + 0.05 * original[n].std() * torch.randn(p.shape, generator=g))
+
+    def restore():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(original[n])
+
+    perturb()
     backend["push"](model)
-    perturbed = {n: p.detach().clone() for n, p in model.named_parameters()}
     rp = sample(1)
     res["gap_perturbed"] = max_gap(model, tok, rp, 1.0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(original[n])
+    restore()
     res["gap_stale"] = max_gap(model, tok, rp, 1.0)
     backend["push"](model)
     back = sample(1)
@@ -100,20 +106,18 @@ def main():
     res["partial_unchanged"] = torch.equal(after["completion_ids"], r1["completion_ids"]) and torch.equal(after["logprobs"], r1["logprobs"])
 
     # the trap: vLLM's reload_weights once per half of the model (what one call per bucket does)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(perturbed[n])
-    sd = [(E.vllm_weight_name(n, engine["tied"]), t) for n, t in model.state_dict().items()]
-    sd = [(n, t.detach().clone()) for n, t in sd if n is not None]
-    half = len(sd) // 2 + 4  # inside a decoder layer, as a bucket boundary falls (9 tensors a layer)
+    perturb()
+    sd = [(E.vllm_weight_name(n, engine["tied"]), t.detach()) for n, t in model.state_dict().items()]
+    sd = [(n, t) for n, t in sd if n is not None]
+    # a boundary inside a fused module, as a bucket boundary falls: layer 15's q_proj and k_proj in the
+    # first call, its v_proj in the second (HF order: 1 embedding, then 9 tensors a layer, q, k, v first)
+    half = 1 + 15 * 9 + 2
     for bucket in (sd[:half], sd[half:]):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
     E.refresh_tied_head(llm)  # as vllm_push_weights does: the trap measured is the buckets' alone
     llm.reset_prefix_cache()
     res["bucketed_gap"] = max_gap(model, tok, sample(1), 1.0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(original[n])
+    restore()
     backend["push"](model)
     fixed = sample(1)
     res["bucketed_restored"] = torch.equal(fixed["completion_ids"], r1["completion_ids"]) and torch.equal(fixed["logprobs"], r1["logprobs"])
