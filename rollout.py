@@ -14,7 +14,7 @@ What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
   token ratio r_{i,t}) (`completion_logprobs`; fast.completion_logprobs runs a group's prompt once).
 
 Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that `generate`
-returns; fast.generate and the vLLM backend (plumbing/scale.py) return the same:
+returns; fast.generate and the vLLM backend (plumbing/engine.py) return the same:
 
     rollout = {
         "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G

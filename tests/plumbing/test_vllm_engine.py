@@ -138,3 +138,31 @@ def test_two_steps_of_cpu_rm_nlhf_on_vllm_with_validation(vllm_cpu, tmp_path):
     metrics = _metrics(out)
     _check_gap(metrics, 2)
     assert all(m["val/n"] == 2 and 0.0 <= m["val/pairwise_accuracy"] <= 1.0 for m in metrics)
+
+
+# --- evaluate.py's large generations on the engine (--backend vllm) -------------------------------------
+
+@pytest.mark.slow
+def test_evaluate_math_pairwise_and_bon_with_backend_vllm(vllm_cpu, tmp_path):
+    """`evaluate.py math`, `pairwise` and `bon` with --backend vllm end to end, each its own engine
+    (one process a command): math's greedy and sampled answers graded, pairwise's both orders judged,
+    bon's tournaments judged over math's samples."""
+    def run(*args):
+        return _run([sys.executable, os.path.join(REPO, "evaluate.py"), *map(str, args), "--backend", "vllm",
+                     "--out", str(tmp_path)])
+    run("math", "--model", SMOLLM2, "--data", data_path("gsm8k", "test.jsonl"), "--n-problems", 2, "--n-samples", 2,
+        "--max-new-tokens", 16)
+    with open(tmp_path / "math_gsm8k-test.json") as f:
+        assert json.load(f)["n_problems"] == 2
+    with open(tmp_path / "math_gsm8k-test.items.jsonl") as f:
+        items = [json.loads(line) for line in f]
+    assert len(items) == 2 and all(it["greedy"]["completion"] and len(it["samples"]) == 2 for it in items)
+    run("pairwise", "--model", SMOLLM2, "--benchmarks", "helpsteer3", "--source",
+        f"helpsteer3={os.path.join(REPO, 'tests', 'fixtures', 'helpsteer3_sample.jsonl')}", "--n", 2,
+        "--protocol", "greedy256", "--max-new-tokens", 16)
+    with open(tmp_path / "pairwise.json") as f:
+        assert [r["n"] for r in json.load(f)["files"]] == [2]
+    run("bon", "--judge", SMOLLM2, "--samples", tmp_path / "math_gsm8k-test.items.jsonl", "--ns", "1,2",
+        "--methods", "knockout", "--protocol", "greedy256", "--judge-max-new-tokens", 16)
+    with open(tmp_path / "bon.json") as f:
+        assert [r["N"] for r in json.load(f)["rows"]] == [1, 2]
