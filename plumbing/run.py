@@ -37,7 +37,7 @@ from metarm import raw_outputs
 import reward
 import rollout
 
-from plumbing.cold_start import cold_start_settings, hf_sample, record_cold_start, run_cold_start
+from plumbing.cold_start import cold_start_settings, record_cold_start, run_cold_start
 from plumbing.config import check_evaluator_paths, check_scale_config, check_single_pass, validate_config
 from plumbing.guards import (apply_optim_settings, check_free_space, check_resume, checkpoint_bytes,
                              checkpoints_at_peak, deferred_interrupts, finite_or_none, lock_out_dir, no_signal_note,
@@ -46,14 +46,15 @@ from plumbing.items import load_train_items, load_val_items
 from plumbing.models import load_model, resolve_model_path
 from plumbing.pairwise import load_nlhf_items, load_nlhf_val_items
 from plumbing.prompts import keep_short, policy_chat, prompt_token_limit
-from plumbing.scale import (BaseModelView, apply_lora, broadcast_parameters, check_checkpoint_kind, make_rollout_engine,
-                            metarm_seams, push_weights, save_merged, setup_distributed, shard_frozen, wrap_policy)
+from plumbing.engine import as_generate, engine_prompt_limit, rollout_backend
+from plumbing.scale import (BaseModelView, apply_lora, broadcast_parameters, check_checkpoint_kind, metarm_seams,
+                            save_merged, setup_distributed, shard_frozen, wrap_policy)
 from plumbing.services import load_evaluators, make_judge, remote_evaluators
 from plumbing.sharded_load import load_sharded_model
 import evaluate
 import reward as R
 from plumbing.plan import check_memory_plan
-from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb, unsharded
+from plumbing.scale import all_max, all_sum, compute_context, gather_records, peak_memory_mb
 import time
 
 
@@ -65,13 +66,14 @@ def setup(cfg, passes):
     guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
     it with model.lora, apply_lora), prompts over the
-    length limit dropped, the wrapped model, the vLLM engine, evaluators, the GRPO reference,
+    length limit dropped, the wrapped model, the rollout engine (HF or vLLM), evaluators, the GRPO reference,
     AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf), the
     free space the checkpoints need (guards.check_free_space), then the run folder.
 
     Returns:
         dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
-        wrapper or the FSDP2-sharded policy), tokenizer, chat, engine (None for HF), evaluators,
+        wrapper or the FSDP2-sharded policy), tokenizer, chat, rollout (the rollout engine,
+        plumbing/engine.py's {"sample", "push", "sleep", "llm"}), evaluators,
         ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), lock (rank 0),
         checkpoint_bytes, the streaks emit and step_metrics count (no_signal_streak,
         skipped_streak), and the data: items (rlme) or judge, dh_items, do_items (rm_nlhf).
@@ -175,12 +177,15 @@ def start_run(cfg, passes, rank, world, device):
     elif cfg["nlhf"]["val"] == "holdout":  # from the D_H pairs that fit, so none is dropped; D_H keeps the rest
         state["val_items"], state["dh_items"] = load_nlhf_val_items(cfg, state["dh_items"])
 
-    # models: the wrapped policy, the vLLM engine, evaluators, the GRPO reference
+    # models: the wrapped policy, the rollout engine, evaluators, the GRPO reference
     model = policy if tc["parallel"] == "fsdp2" else wrap(policy)  # fsdp2: sharded as it loaded
-    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat,
-             engine=make_rollout_engine(cfg, ckpt if ckpt and not lora else cfg["model"]["policy"], policy, rank))
-    if lora and ckpt:  # the engine started from the base: the resumed adapters, merged, go in now
-        push_weights(state["engine"], policy)
+    state.update(policy=policy, model=model, tokenizer=tokenizer, chat=chat)
+    # the rollout engine (rollout.backend; plumbing/engine.py): every large generation of the run samples through it
+    state["rollout"] = rollout_backend(cfg, policy=policy, model=model, tokenizer=tokenizer, generate=passes["generate"],
+                                       context=functools.partial(compute_context, cfg["model"]["dtype"], tc["parallel"], device),
+                                       model_path=ckpt if ckpt and not lora else cfg["model"]["policy"], rank=rank)
+    if lora and ckpt:  # a vLLM engine started from the base: the resumed adapters, merged, go in now
+        state["rollout"]["push"](policy)
     rlme = task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid")
     state["evaluators"] = load_evaluators(cfg, policy, tokenizer, device, passes, remote=state["remote"]) if rlme else []
     state["ref_model"] = None
@@ -214,9 +219,8 @@ def start_run(cfg, passes, rank, world, device):
         apply_optim_settings(state["optimizer"], state["scheduler"], o)  # the config's lr / betas, not the saved ones
     state["mrm"], mrm_source, cold = None, None, None
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
-        sample = hf_sample(model, policy, tokenizer, generate=passes["generate"], micro_batch_size=ro["micro_batch_size"],
-                           context=functools.partial(compute_context, cfg["model"]["dtype"], tc["parallel"], device))
-        state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, tokenizer, sample=sample, dh=state["dh_items"],
+        # the cold start samples through the run's rollout engine (rollout.backend: HF decode or vLLM)
+        state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, tokenizer, sample=state["rollout"]["sample"], dh=state["dh_items"],
                                                       judge=state["judge"], device=device, rank=rank, world=world)
 
     # free space for the checkpoints still to come, before the first step (every rank stops alike)
@@ -1121,10 +1125,9 @@ def validation_step(state, cfg, step, records, reward_step):
     inject = "{answer}" in d["prompt_template"]
     prompts = [rollout.policy_prompt_ids(tok, val[k], state["chat"], d["prompt_template"],
                                          answer=wrong_answer(val, k) if inject else None) for k in mine]
-    policy = state["policy"]
-    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], policy.device):
-        greedy = state["passes"]["generate"](policy, tok, prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
-                                             temperature=0.0, seed=0) if prompts else {"completions": []}
+    # through the run's rollout engine (plumbing/engine.py); every rank calls it, with or without prompts
+    greedy = state["rollout"]["sample"](prompts, group_size=1, max_new_tokens=cfg["rollout"]["max_new_tokens"],
+                                        temperature=0.0, seed=0)
     items = [val[k] for k in mine]
     rew = reward_step(items, greedy["completions"])
     n = all_sum(len(items), world)
@@ -1173,18 +1176,28 @@ def nlhf_validation_step(state, cfg, step):
     t0 = time.perf_counter()
     nl, ro, rank, world = cfg["nlhf"], cfg["rollout"], state["rank"], state["world"]
     mine = state["val_items"][rank::world]
+    # Through the run's rollout engine (plumbing/engine.py), in sample calls of at most a rollout's rows
+    # per rank (`chunk`: the whole file, nlhf.val_size 0, never holds more rows at once than a training
+    # step; --plan counts it so), the same number of calls on every rank: a rank with fewer prompts
+    # calls it with none, because the HF backend's sample gathers FSDP2 shards (a collective all join).
+    chunk = max(1, ro["prompts_per_step"] * ro["group_size"] // world)
+    n_calls = -(-2 * -(-len(state["val_items"]) // world) // chunk)  # rank 0 holds the most pairs
+    calls = []
+
+    def sample(prompt_ids, **kw):
+        calls.append(len(prompt_ids))
+        return state["rollout"]["sample"](prompt_ids, **kw)
+
     judge = evaluate.make_grm_judge(state["policy"], state["tokenizer"], max_new_tokens=nl["val_max_new_tokens"],
-                                    batch_size=ro["micro_batch_size"] or max(1, 2 * len(mine)), chat=state["chat"],
-                                    max_prompt_tokens=None,  # model context - budget; longer: a format error
-                                    style=nl["grm_prompt"], generate=state["passes"]["generate"],
+                                    batch_size=chunk, chat=state["chat"],
+                                    max_prompt_tokens=engine_prompt_limit(cfg, nl["val_max_new_tokens"]),
+                                    style=nl["grm_prompt"], generate=as_generate(sample),
                                     temperature=nl["val_temperature"], top_p=1.0,
                                     seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
                                     max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
-    records = []
-    # every rank, also one with no pair (nlhf.val_size < world): under FSDP2 the gather is a collective
-    with unsharded(state["model"]), compute_context(cfg["model"]["dtype"], cfg["train"]["parallel"], state["policy"].device):
-        if mine:
-            _, records = evaluate.pairwise_accuracy(mine, judge)
+    records = evaluate.pairwise_accuracy(mine, judge)[1] if mine else []
+    for _ in range(n_calls - len(calls)):
+        sample([], group_size=1, max_new_tokens=1)
     n = all_sum(len(mine), world)
     right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
     right_ba = all_sum(sum(r["ba"]["right"] for r in records), world)

@@ -51,7 +51,8 @@ from plumbing.items import load_dataset_rows
 from plumbing.models import load_model, resolve_model_path
 from plumbing.prompts import use_chat_template
 from plumbing.run import latest_checkpoint
-from plumbing.scale import compute_context, generate_vllm, keep_matmul_outputs, make_vllm_engine, peak_memory_mb, vllm_push_weights, vllm_sleep, vllm_token_logprobs, wrap_policy
+from plumbing.engine import engine_state, generate_vllm, make_vllm_engine, push_names, vllm_push_weights, vllm_sleep, vllm_token_logprobs
+from plumbing.scale import compute_context, keep_matmul_outputs, peak_memory_mb, wrap_policy
 
 GIB = 2**30
 
@@ -130,10 +131,10 @@ def engine_checks(model_path, out_path):
                 p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.1 * p.float().std().to(p.dtype))
         perturbed = trainer_score(model, ids, start)
         res["gap_sync_skipped"] = float((vllm_score(llm, ids, start) - perturbed).abs().mean())
-        engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": bool(model.config.tie_word_embeddings)}
+        engine = engine_state(llm, dtype="bfloat16", sleep_level=1, tied=bool(model.config.tie_word_embeddings))
         vllm_sleep(engine)
         t = time.perf_counter()
-        vllm_push_weights(engine, model.state_dict().items())
+        vllm_push_weights(engine, push_names(model), model.state_dict().items())
         res["push_s"] = time.perf_counter() - t
         res["gap_after_sync"] = float((vllm_score(llm, ids, start) - perturbed).abs().mean())
     res["checks"] = {"sync_below_0.02": res["gap_after_sync"] < 0.02 and res["gap_same_weights"] < 0.02,

@@ -22,6 +22,7 @@ import train as T  # noqa: E402
 from conftest import REPO, data_path, reward_kwargs  # noqa: E402
 from plumbing import cli  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
+from plumbing.engine import hf_backend  # noqa: E402
 from plumbing.run import rlme_step_metrics, validation_step  # noqa: E402
 
 
@@ -233,7 +234,7 @@ def test_validation_accuracy_uses_the_evaluation_grade(tiny_model_path):
             assert group_size == 1 and len(prompts) == len(completions)
             return {"completions": completions}
         state = {"rank": 0, "world": 1, "tokenizer": tok, "val_items": val, "chat": False, "policy": model,
-                 "model": model, "passes": {"generate": generate}}
+                 "model": model, "rollout": hf_backend(model, model, tok, generate=generate, context=contextlib.nullcontext)}
         step = functools.partial(T.rlme_reward_step, **reward_kwargs(cfg, evaluators=[],
                                                                      context=contextlib.nullcontext, world=1))
         return validation_step(state, cfg, 2, [], step), step(val, completions)

@@ -11,7 +11,7 @@ from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
 from plumbing.models import load_model
 from plumbing.pairwise import load_pairwise
-from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, push_weights, vllm_weight_name, wrap_policy
+from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, wrap_policy
 from plumbing.services import load_evaluators
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}
@@ -94,33 +94,6 @@ def test_merged_state_items_equal_peft_merge_and_unload(tiny_model_path):
     assert set(ours) == set(merged)
     for k in merged:
         assert torch.allclose(ours[k], merged[k], atol=1e-6), k
-
-
-def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
-    """plumbing.scale.push_weights into a stand-in vLLM engine (the attribute path and load_weights that
-    vllm_push_weights uses): under LoRA it sends the plain model's weights under vLLM's
-    names (no lora_A / lora_B, no base_layer) with the adapters merged in, so a plain model given
-    exactly those weights computes what the adapted policy computes."""
-    from types import SimpleNamespace
-    import rollout
-    policy, _ = lora_policy(tiny_model_path)
-    loaded = {}
-    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]),
-                            load_weights=lambda ws: [loaded.__setitem__(n, t.clone()) for n, t in ws])
-    runner = SimpleNamespace(model=inner)
-    llm = SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
-    tied = bool(policy.config.tie_word_embeddings)
-    push_weights({"llm": llm, "asleep": False, "sleep_level": 1, "tied": tied}, policy)
-    plain, _ = load_model(tiny_model_path)
-    assert set(loaded) == {vllm_weight_name(n, tied) for n in plain.state_dict()} - {None}
-    plain.load_state_dict(loaded, strict=False)  # strict=False: buffers vLLM computes itself
-    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
-    with torch.no_grad(), rollout.eval_mode(policy):
-        want, got = policy(input_ids=ids).logits, plain.eval()(input_ids=ids).logits
-        base = load_model(tiny_model_path)[0].eval()(input_ids=ids).logits
-    assert torch.allclose(got, want, atol=1e-5)
-    assert (base - want).abs().max() > 1e-3  # the adapters weigh: an unmerged push would fail
 
 
 # ---- the base model with adapters off == a separately loaded frozen copy -------------------------

@@ -1,11 +1,10 @@
 """Scale-out (docs/scale-out.md): FSDP2 vs one process (update, grad norm, generation), layout-agnostic
-checkpoints both ways, per-rank seeds, config errors, and the pure parts of the vLLM backend
-(with plain stand-in objects: vLLM itself is never imported here). GPU tests at the end are
-marked `gpu` and skipped without CUDA (and without vllm)."""
+checkpoints both ways, per-rank seeds, config errors. The vLLM backend's tests are in
+tests/plumbing/test_vllm.py (pure parts) and test_vllm_engine.py (the real engine). GPU tests are
+marked `gpu` and skipped without CUDA."""
 import contextlib
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +21,7 @@ import train as T
 from plumbing.benchmarks import REPO
 from plumbing.models import load_model
 from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
-from plumbing.scale import (all_sum, full_state_items, generate_vllm, logp_gap, make_vllm_engine, unsharded,
-                            vllm_outputs_to_rollout, vllm_push_weights, vllm_request_seeds, vllm_sampling_kwargs,
-                            vllm_sleep, vllm_token_logprobs, vllm_weight_name, wrap_policy)
+from plumbing.scale import all_sum, full_state_items, logp_gap, unsharded, wrap_policy
 from plumbing import config
 
 
@@ -228,24 +225,14 @@ def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
     assert torch.equal(a, again) and not torch.equal(a, b)
 
 
-def test_vllm_request_seeds_distinct():
-    a = vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
-    b = vllm_request_seeds(T.sampling_seed(0, 0, 1), 64)
-    assert len(set(a) | set(b)) == 128 and a == vllm_request_seeds(T.sampling_seed(0, 0, 0), 64)
-    assert all(0 <= s < 2**31 for s in a + b)
-
-
 # --- config errors (docs/method.md §3) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, device, message", [
     (["train.cpu_offload=true", "train.parallel=ddp"], "cpu", "config key train.cpu_offload=true needs train.parallel=fsdp2"),
     (["train.cpu_offload=true", "train.parallel=fsdp2"], "cpu", "config key train.cpu_offload=true needs a CUDA device"),
-    (["rollout.backend=vllm"], "cpu", "config key rollout.backend=vllm needs a CUDA device"),
     (["train.fsdp_reduce_every_micro_batch=true", "train.parallel=ddp"], "cpu",
      "config key train.fsdp_reduce_every_micro_batch=true needs train.parallel=fsdp2"),
     (["train.fsdp_reduce_every_micro_batch=1"], "cpu", "config key train.fsdp_reduce_every_micro_batch: expected bool, got 1"),
-    (["rollout.vllm_sleep_level=3"], "cpu", "config key rollout.vllm_sleep_level: 3 is not one of"),
-    (["rollout.vllm_push_bucket_mb=0"], "cpu", "config key rollout.vllm_push_bucket_mb: must be > 0 (MB per load_weights call), got 0"),
 ])
 def test_scale_config_errors_are_one_line(overrides, device, message):
     with pytest.raises(SystemExit) as e:
@@ -265,180 +252,7 @@ def test_logp_gap():
     assert count == 4 and total == pytest.approx(0.1 + 0.0 + 0.5 + 0.25) and worst == pytest.approx(0.5)
 
 
-# --- vLLM backend, pure parts (stand-in objects with the fields vLLM's outputs have) --------------
-
-EOS = 2
-
-
-def _lp(ids, values):
-    """vLLM's per-position logprobs: a dict {token id: Logprob(logprob=...)} per position."""
-    return [{t: SimpleNamespace(logprob=v, rank=1), 999: SimpleNamespace(logprob=-9.0, rank=2)}
-            for t, v in zip(ids, values)]
-
-
-def _completion(ids, values, finish):
-    return SimpleNamespace(token_ids=list(ids), logprobs=_lp(ids, values), finish_reason=finish, text="")
-
-
-def test_vllm_outputs_to_rollout_pad_equals_eos():
-    # pad id == EOS id (SmolLM2): the mask comes from lengths, never from `ids != pad`
-    outputs = [
-        SimpleNamespace(outputs=[_completion([5, 6, EOS], [-0.1, -0.2, -0.3], "stop"),
-                                 _completion([7, 8, 9, 4], [-1.0, -1.1, -1.2, -1.3], "length")]),
-        SimpleNamespace(outputs=[_completion([EOS], [-0.5], "stop"),
-                                 _completion([3, 3], [-2.0, -2.5], "length")]),  # context limit hit early
-    ]
-    decoded = []
-    r = vllm_outputs_to_rollout(outputs, [[1, 10], [1, 11, 12]], 2, pad_id=EOS, eos=[EOS],
-                                        decode=lambda ids: decoded.append(ids) or f"<{len(ids)}>")
-    assert r["prompt_ids"] == [[1, 10], [1, 10], [1, 11, 12], [1, 11, 12]]
-    assert r["completion_ids"].tolist() == [[5, 6, EOS, EOS], [7, 8, 9, 4], [EOS, EOS, EOS, EOS], [3, 3, EOS, EOS]]
-    assert r["completion_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
-    assert r["truncated"].tolist() == [False, True, False, True]
-    lp = r["logprobs"]
-    assert lp.dtype == torch.float32 and lp.shape == (4, 4)
-    assert lp[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
-    assert lp[1].tolist() == pytest.approx([-1.0, -1.1, -1.2, -1.3])
-    assert lp[3].tolist() == pytest.approx([-2.0, -2.5, 0.0, 0.0])
-    # text is decoded from the masked ids (EOS included; the tokenizer drops special tokens)
-    assert decoded == [[5, 6, EOS], [7, 8, 9, 4], [EOS], [3, 3]] and r["completions"][1] == "<4>"
-
-
-def test_vllm_outputs_to_rollout_cuts_after_first_eos_and_checks_groups():
-    # an EOS id that is not the engine's own stop token still ends the loss mask (docs/method.md §4.1)
-    outputs = [SimpleNamespace(outputs=[_completion([5, EOS, 6], [-0.1, -0.2, -0.3], "stop")])]
-    r = vllm_outputs_to_rollout(outputs, [[1]], 1, pad_id=0, eos=[EOS], decode=str)
-    assert r["completion_mask"].tolist() == [[1, 1, 0]] and r["truncated"].tolist() == [False]
-    with pytest.raises(ValueError, match="expected 2 completions per prompt, got 1"):
-        vllm_outputs_to_rollout(outputs, [[1]], 2, pad_id=0, eos=[EOS], decode=str)
-
-
-def test_vllm_logprob_values_accepts_plain_floats_and_flat_rows():
-    # some vLLM versions give floats, some Logprob objects; a missing sampled token is an error
-    assert vllm_token_logprobs([4, 5], [{4: -0.5}, {5: SimpleNamespace(logprob=-0.25)}]) == [-0.5, -0.25]
-    with pytest.raises(ValueError, match="no log-prob for sampled token 5 at position 1"):
-        vllm_token_logprobs([4, 5], [{4: -0.5}, {6: -1.0}])
-    with pytest.raises(ValueError, match="logprobs"):
-        vllm_token_logprobs([4], None)
-
-
-@pytest.mark.parametrize("name, tied, expected", [
-    ("model.layers.0.self_attn.q_proj.weight", False, "model.layers.0.self_attn.q_proj.weight"),
-    ("module.model.norm.weight", False, "model.norm.weight"),                       # DDP wrapper
-    ("_orig_mod.model.embed_tokens.weight", True, "model.embed_tokens.weight"),     # torch.compile
-    ("model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight", False, "model.layers.1.mlp.up_proj.weight"),
-    ("lm_head.weight", True, None),    # tied to the embeddings: vLLM shares them
-    ("lm_head.weight", False, "lm_head.weight"),
-    ("model.rotary_emb.inv_freq", False, None),  # a buffer vLLM computes itself
-])
-def test_vllm_weight_name(name, tied, expected):
-    assert vllm_weight_name(name, tied) == expected
-
-
-def test_vllm_sampling_kwargs():
-    kw = vllm_sampling_kwargs(group_size=4, max_new_tokens=32, temperature=0.7, top_p=1.0, top_k=0,
-                                      seed=123, eos=[2, 7])
-    assert kw == {"n": 4, "max_tokens": 32, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "seed": 123,
-                  "logprobs": 0, "stop_token_ids": [2, 7], "detokenize": False}
-    assert vllm_sampling_kwargs(1, 8, 1.0, 0.9, 50, 0, [2])["top_k"] == 50
-
-
-def test_vllm_sleep_and_push_order():
-    # the engine's calls around a weight push, recorded on a stand-in engine object
-    calls, loaded = [], {}
-    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]),
-                            load_weights=lambda ws: [loaded.__setitem__(n, t.clone()) for n, t in ws])
-    llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
-                          wake_up=lambda tags=None: calls.append(("wake_up", tuple(tags))),
-                          reset_prefix_cache=lambda: calls.append(("reset_prefix_cache",)),
-                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
-    engine = {"llm": llm, "asleep": False, "sleep_level": 2, "tied": True}
-    vllm_sleep(engine)
-    vllm_sleep(engine)  # already asleep: no second call
-    weights = [("model.embed_tokens.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2)),
-               ("model.norm.weight", torch.full((2,), 3.0))]
-    vllm_push_weights(engine, iter(weights))
-    assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
-    assert sorted(loaded) == ["model.embed_tokens.weight", "model.norm.weight"]  # tied lm_head skipped
-    assert loaded["model.norm.weight"].tolist() == [3.0, 3.0] and not engine["asleep"]
-    vllm_push_weights(engine, iter(weights))  # awake engine: no wake-ups, cache still reset
-    assert calls[4:] == [("reset_prefix_cache",)]
-
-
-def test_vllm_wake_empties_the_torch_cuda_cache_first(monkeypatch):
-    """Issue 26: before a sleeping engine wakes, the trainer's cached free CUDA blocks go back
-    (torch.cuda.empty_cache), else the reward / update peaks stay reserved beside the engine's share."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), load_weights=lambda ws: None)
-    llm = SimpleNamespace(wake_up=lambda tags=None: calls.append(("wake_up", tuple(tags))),
-                          reset_prefix_cache=lambda: calls.append(("reset_prefix_cache",)),
-                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
-    vllm_push_weights({"llm": llm, "asleep": True, "sleep_level": 1, "tied": False}, iter([("model.norm.weight", torch.ones(2))]))
-    assert calls == [("empty_cache",), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
-
-
-def test_vllm_push_in_bfloat16_buckets():
-    """The push casts our float32 weights to the engine's dtype (its parameters': bfloat16 here) and
-    groups them into load_weights calls of at most bucket_bytes. By hand, in bf16 bytes (2 a number):
-    embed 6x4 = 48 B, q 4x4 = 32 B, norm 4 = 8 B, lm_head (tied: skipped), k 4x4 = 32 B, big 40 B
-    with a 64-byte bucket: [embed 48] (+ q 32 > 64), [q 32, norm 8] (+ k 32 > 64), [k 32] (+ big 40 > 64),
-    [big 40]: 4 calls of 48, 40, 32, 40 bytes; a tensor over the bucket (embed with 40 B buckets)
-    travels alone. The engine then holds the weights rounded to bf16."""
-    calls, loaded = [], {}
-
-    def load_weights(ws):
-        ws = list(ws)
-        calls.append([(n, t.dtype, t.numel() * t.element_size()) for n, t in ws])
-        loaded.update((n, t.clone()) for n, t in ws)
-
-    inner = SimpleNamespace(parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)]), load_weights=load_weights)
-    llm = SimpleNamespace(sleep=lambda level: None, wake_up=lambda tags=None: None, reset_prefix_cache=lambda: None,
-                          llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-                              driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=inner))))))
-    g = torch.Generator().manual_seed(0)
-    weights = [("model.embed_tokens.weight", torch.randn(6, 4, generator=g)), ("model.q.weight", torch.randn(4, 4, generator=g)),
-               ("model.norm.weight", torch.randn(4, generator=g)), ("lm_head.weight", torch.randn(6, 4, generator=g)),
-               ("module.model.k.weight", torch.randn(4, 4, generator=g)), ("model.big", torch.randn(20, generator=g))]
-    engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": True, "bucket_bytes": 64}
-    vllm_push_weights(engine, iter(weights))
-    assert [[n for n, _, _ in c] for c in calls] == [["model.embed_tokens.weight"], ["model.q.weight", "model.norm.weight"],
-                                                     ["model.k.weight"], ["model.big"]]
-    assert [sum(b for _, _, b in c) for c in calls] == [48, 40, 32, 40]
-    assert {d for c in calls for _, d, _ in c} == {torch.bfloat16}
-    for name, t in weights:
-        if name != "lm_head.weight":
-            assert torch.equal(loaded[name.removeprefix("module.")], t.to(torch.bfloat16))
-    calls.clear()
-    vllm_push_weights({**engine, "bucket_bytes": 40}, iter(weights))
-    assert [sum(b for _, _, b in c) for c in calls] == [48, 40, 32, 40]  # embed (48 > 40) alone, the rest as before
-    calls.clear()
-    vllm_push_weights({**engine, "bucket_bytes": 1 << 20}, iter(weights))
-    assert len(calls) == 1 and sum(b for _, _, b in calls[0]) == 160  # everything in one call
-    assert config.load_config([], [])["rollout"]["vllm_push_bucket_mb"] == 512
-
-
-def test_importing_the_stages_never_imports_vllm():
-    # a fresh interpreter: on a GPU machine with vllm installed this fails if a module-level
-    # `import vllm` creeps in (docs/scale-out.md: nothing may need it to import)
-    import subprocess
-    import sys
-    code = "import sys, rollout, train, reward; sys.exit('vllm' in sys.modules)"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO)
-    assert p.returncode == 0
-
-
 # --- GPU (skipped here: no CUDA) ------------------------------------------------------------------
-
-def _need_vllm():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("vllm")
-
 
 @pytest.mark.gpu
 def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
@@ -455,24 +269,6 @@ def test_gpu_fsdp2_bf16_mixed_precision_step(tiny_model_path):
     ref = _plain_update(tiny_model_path, 8, "seq_sum")
     assert next(policy.parameters()).dtype == torch.float32  # master weights stay float32
     assert upd["grad_norms"][0] == pytest.approx(ref["grad_norm"], rel=2e-2)  # bf16 compute
-
-
-@pytest.mark.gpu
-def test_gpu_vllm_generate_and_weight_sync(smollm2_path):
-    _need_vllm()
-    llm = make_vllm_engine(smollm2_path, "bfloat16", 0.3, 1024, enforce_eager=True, seed=0)
-    model, tok = load_model(smollm2_path, "bfloat16", "cuda")
-    prompt = rollout.build_prompt_ids(tok, "What is 2 + 3?", True)
-    r = generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
-    assert r["completion_ids"].shape[0] == 4 and r["logprobs"].shape == r["completion_ids"].shape
-    trainer = fast.completion_logprobs(model, r["prompt_ids"], r["completion_ids"].cuda(), tok.pad_token_id).cpu()
-    m = r["completion_mask"]
-    assert ((trainer - r["logprobs"]).abs() * m).sum() / m.sum() < 0.02
-    engine = {"llm": llm, "asleep": False, "sleep_level": 1, "tied": bool(model.config.tie_word_embeddings)}
-    vllm_sleep(engine)
-    vllm_push_weights(engine, model.state_dict().items())
-    again = generate_vllm(llm, tok, [prompt], 4, 32, seed=1, eos=rollout.eos_ids(model, tok))
-    assert again["completion_ids"].shape[0] == 4
 
 
 # --- end to end: the real loop under torchrun, FSDP2 vs DDP, resumed in one process ---------------

@@ -18,6 +18,7 @@ from plumbing.items import load_train_items, load_val_items
 from plumbing.models import load_model
 from plumbing import config
 from plumbing.pairwise import load_nlhf_val_items, load_pairwise
+from plumbing.engine import hf_backend
 from plumbing.run import early_stop, monitor, nlhf_validation_step, rlme_step_metrics, validation_step, wrong_answer
 
 
@@ -264,7 +265,7 @@ def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
             return "[[B]]" if text.index("beta1") > text.index("alpha1") else "[[A]]"
         return "no verdict" if text.index("alpha2") < text.index("beta2") else "[[B]]"
 
-    def generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k, seed):
+    def generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k, seed, micro_batch_size):
         calls.append({"rows": len(prompt_ids), "max_new_tokens": max_new_tokens, "temperature": temperature,
                       "top_p": top_p, "seed": seed})
         outs = []
@@ -277,7 +278,8 @@ def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
     from types import SimpleNamespace
     policy = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(max_position_embeddings=10 ** 6))
     state = {"rank": 0, "world": 1, "policy": policy, "model": policy, "tokenizer": tok, "chat": False,
-             "passes": {"generate": generate}, "val_items": [pair(0, "A"), pair(1, "B"), pair(2, "A")]}
+             "rollout": hf_backend(policy, policy, tok, generate=generate, context=contextlib.nullcontext),
+             "val_items": [pair(0, "A"), pair(1, "B"), pair(2, "A")]}
     out = validation_step(state, cfg, 4, records=None, reward_step=None)  # dispatches on the task
     assert out["val/n"] == 3 and out["step"] == 4
     assert out["val/pairwise_accuracy"] == pytest.approx(4 / 6)
