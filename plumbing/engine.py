@@ -24,7 +24,7 @@ import torch
 
 import rollout
 
-from plumbing.data import resolve_model_path
+from plumbing.models import resolve_model_path
 from plumbing.scale import full_state_items, is_lora, merged_state_items, unsharded
 
 
@@ -75,7 +75,7 @@ def evaluation_sampler(model_path, dtype, *, memory_share, max_model_len=None, s
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     path = resolve_model_path(model_path)
     tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:  # as plumbing.data.load_model
+    if tok.pad_token_id is None:  # as plumbing.models.load_model
         tok.pad_token = tok.eos_token
     conf = AutoConfig.from_pretrained(path)
     try:

@@ -28,7 +28,9 @@ sys.path.insert(0, ROOT)
 def prompts(n):
     import train
     import rollout
-    from plumbing.data import load_model, load_train_items, policy_chat
+    from plumbing.items import load_train_items
+    from plumbing.models import load_model
+    from plumbing.prompts import policy_chat
     cfg = train.load_config([os.path.join(ROOT, "configs", "cpu.yaml")], [])
     _, tok = load_model(cfg["model"]["policy"])
     chat = policy_chat(tok, cfg["model"])
@@ -45,7 +47,7 @@ def child(backend, n_prompts, group_size, max_new_tokens, repeats, threads):
     t = time.perf_counter()
     if backend == "hf":
         import fast
-        from plumbing.data import load_model
+        from plumbing.models import load_model
         model, tok = load_model(cfg["model"]["policy"])
         model.eval()
 
@@ -54,7 +56,7 @@ def child(backend, n_prompts, group_size, max_new_tokens, repeats, threads):
                 return fast.generate(model, tok, ids, seed=seed, **kw)
     else:
         import rollout
-        from plumbing.data import load_model, resolve_model_path
+        from plumbing.models import load_model, resolve_model_path
         from plumbing.engine import generate_vllm, make_vllm_engine
         path = resolve_model_path(cfg["model"]["policy"])
         llm = make_vllm_engine(path, "float32", gpu_memory_utilization=0.2, max_model_len=2048, seed=0)

@@ -13,7 +13,8 @@ import fast
 import train as T
 
 from plumbing import config, engine as E
-from plumbing.data import load_model, REPO
+from plumbing.benchmarks import REPO
+from plumbing.models import load_model
 from plumbing.engine import (check_push_names, checkpoint_names, vllm_outputs_to_rollout, vllm_request_seeds,
                              vllm_sampling_kwargs, vllm_token_logprobs, vllm_weight_name)
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import rollout  # noqa: E402
 from plumbing import engine as E  # noqa: E402
-from plumbing.data import load_model  # noqa: E402
+from plumbing.models import load_model  # noqa: E402
 
 
 def max_gap(model, tok, r, temperature):
