@@ -436,4 +436,92 @@ def save_merged(policy, tokenizer, folder):
     tokenizer.save_pretrained(folder)
 
 
-# =======================================================================================
+# ==============================================================================================
+# The MetaRM over ranks: metarm.py's seams (RM-NLHF Algorithm 1, steps 3-4 under torchrun;
+# docs/scale-out.md "The MetaRM's placement"). metarm.py's loop is one process's; load_metarm
+# (plumbing/run.py) puts metarm_seams(...) at mrm["seams"], and metarm.online_update / predict /
+# fit call these where the ranks must meet.
+
+
+def broadcast_parameters(model, src=0):
+    """Copy rank `src`'s parameters and buffers into every rank's model (in place); FSDP2 shards: nothing."""
+    for t in [] if rollout.is_fsdp(model) else list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src)
+
+
+def gather_pairs(items, samples, world):
+    """Every rank's (item, sample) pairs, in rank order (all_gather_object): online_update trains on all of them."""
+    parts = [None] * world
+    dist.all_gather_object(parts, list(zip(items, samples)))
+    return [p[0] for part in parts for p in part], [p[1] for part in parts for p in part]
+
+
+def rank0_metrics(metrics, updates):
+    """Rank 0's update metrics and update count on every rank (broadcast_object_list)."""
+    box = [metrics, updates]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def forwards_alike(raw_outputs):
+    """raw_outputs (metarm.py's signature) for an FSDP2-sharded MetaRM, each rank on its own texts: FSDP2
+    all-gathers the weights in every forward (a collective), so every rank runs as many batches as the rank
+    with the most, the extra ones on a dummy text whose outputs are dropped."""
+    def outputs(model, tokenizer, texts, *, batch_size, **kw):
+        mine = -(-len(texts) // batch_size)
+        n = torch.tensor(mine, device=next(model.parameters()).device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        out = raw_outputs(model, tokenizer, texts, batch_size=batch_size, **kw)
+        for _ in range(int(n) - mine):
+            raw_outputs(model, tokenizer, ["."], batch_size=batch_size, **kw)
+        return out
+    return outputs
+
+
+def split_outputs(outputs, rank, world):
+    """raw outputs for texts that every rank holds alike (metarm.update's agreement, on the gathered D_H
+    samples), sharded: rank r runs texts[r::world] (`outputs`: forwards_alike), then all of them in order."""
+    def run(model, tokenizer, texts, **kw):
+        parts = [None] * world
+        dist.all_gather_object(parts, outputs(model, tokenizer, texts[rank::world], **kw))
+        return [parts[i % world][i // world] for i in range(len(texts))]
+    return run
+
+
+def batch_share(rank, world):
+    """metarm.fit's `share` under FSDP2: rank r's part of a batch, texts[r::world] (none: one dummy text),
+    and its weight len(mine) * world / len(batch), so that the ranks' gradient mean (FSDP2's reduce-scatter)
+    is the whole batch's mean-loss gradient (RM-NLHF Eq. 7), as in one process."""
+    def share(texts, rewards):
+        mine_t, mine_r = texts[rank::world], rewards[rank::world]
+        return mine_t or ["."], mine_r or [0.0], len(mine_t) * world / len(texts)
+    return share
+
+
+def mean_over_ranks(world):
+    """metarm.fit's `mean` under FSDP2: the batch's mean loss from each rank's weighted share (batch_share)."""
+    def mean(loss):
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        return (loss / world).item()
+    return mean
+
+
+def metarm_seams(raw_outputs, rank, world, sharded):
+    """mrm["seams"], what metarm.py calls where the ranks meet (None where one process needs nothing):
+      gather(items, samples), sync(metrics, updates), broadcast(model)   world > 1: online_update trains every
+                         rank on all ranks' D_H pairs, then takes rank 0's metrics (and, for a replica, weights)
+      outputs, all_outputs   raw_outputs for this rank's texts (predict) / for texts all ranks hold (update's
+                         agreement): raw_outputs itself, or under FSDP2 forwards_alike / split_outputs
+      share, mean            fit's batch share and loss mean under FSDP2 (batch_share, mean_over_ranks)
+    raw_outputs: metarm.raw_outputs; sharded: the MetaRM is FSDP2-sharded (load_metarm)."""
+    seams = {"gather": None, "sync": None, "broadcast": None, "outputs": raw_outputs, "all_outputs": raw_outputs,
+             "share": None, "mean": None}
+    if world > 1:
+        seams.update(gather=functools.partial(gather_pairs, world=world), sync=rank0_metrics,
+                     broadcast=broadcast_parameters)
+    if sharded:
+        alike = forwards_alike(raw_outputs)
+        seams.update(outputs=alike, all_outputs=split_outputs(alike, rank, world), share=batch_share(rank, world),
+                     mean=mean_over_ranks(world))
+    return seams
