@@ -338,7 +338,7 @@ def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.max_new_tokens=4096"], "config key rollout.max_new_tokens=4096: the vLLM engine's context, "
                                       "rollout.vllm_max_model_len=4096, must hold the prompt and these new tokens; raise it"),
-    (["task=rm_nlhf", "run.eval_every=1", "nlhf.val=holdout", "nlhf.val_max_new_tokens=8192"],
+    (["task=rm_nlhf", "run.eval_every=1", "nlhf.val=holdout", "nlhf.val_size=4", "nlhf.val_max_new_tokens=8192"],
      "config key nlhf.val_max_new_tokens=8192: the vLLM engine's context"),
     (["rollout.vllm_sleep_level=3"], "config key rollout.vllm_sleep_level: 3 is not one of"),
     (["rollout.vllm_gpu_memory_utilization=1.0"], "config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)"),
