@@ -243,6 +243,10 @@ def test_vllm_backend_samples_sleeps_and_wakes_on_push(monkeypatch):
     backend2["sample"]([[1]], group_size=1, max_new_tokens=4)  # level 2 dropped the weights: pushed again
     assert engine2["llm"].calls == [("generate",), ("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",),
                                     ("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",), ("sleep", 2)]
+    # a rank with no prompts (validation items split over ranks) goes through the same states, without generating
+    backend2["sample"]([], group_size=1, max_new_tokens=4)
+    assert engine2["llm"].calls[-5:] == [("wake_up", ("weights",)), ("reload_weights",), ("wake_up", ("kv_cache",)),
+                                         ("reset_prefix_cache",), ("sleep", 2)]
 
 
 def test_vllm_backend_without_sleep_mode_never_sleeps(monkeypatch):
