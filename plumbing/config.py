@@ -570,6 +570,8 @@ def check_scale_config(cfg, device):
         raise SystemExit("config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)")
     if ro["backend"] == "vllm":
         check_vllm_build(vllm_build(), device)
+        if device.type == "cpu":
+            check_cpu_memory_share(ro["vllm_gpu_memory_utilization"], *vllm_cpu_memory())
         for key, n in (("rollout.max_new_tokens", ro["max_new_tokens"]),
                        ("nlhf.val_max_new_tokens", cfg["nlhf"]["val_max_new_tokens"] if cfg["task"] == "rm_nlhf" and cfg["run"]["eval_every"] else 0)):
             if n >= ro["vllm_max_model_len"]:
@@ -589,6 +591,25 @@ def vllm_build():
         except PackageNotFoundError:
             pass
     return None
+
+
+def vllm_cpu_memory():
+    """(total, available) bytes of the memory vLLM-CPU's engine will draw on: its own reading
+    (vllm.utils.cpu_resource_utils: the NUMA node of the first allowed core, clamped to a
+    container's limit), which imports vllm (a vllm run imports it anyway)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+    info = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+    return info.total_memory, info.available_memory
+
+
+def check_cpu_memory_share(share, total, available):
+    """On vLLM-CPU rollout.vllm_gpu_memory_utilization is a share of the node's RAM, and the engine
+    refuses to start when share x RAM is more than is free (vllm/v1/worker/cpu_worker.py, with a
+    stack trace after the models loaded): said here first, in one line."""
+    if share * total > available:
+        raise SystemExit(f"config key rollout.vllm_gpu_memory_utilization={share}: on the CPU it is a share of the "
+                         f"node's RAM, {share} x {total / 2**30:.1f} GiB = {share * total / 2**30:.1f} GiB, more than the "
+                         f"{available / 2**30:.1f} GiB free now; lower it (configs/cpu*.yaml: 0.2)")
 
 
 def check_vllm_build(build, device, what="config key rollout.backend=vllm"):

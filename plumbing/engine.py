@@ -155,16 +155,17 @@ def vllm_backend(engine, tokenizer, policy):
         push_weights(engine, policy)
 
     def sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
-        if not prompt_ids:
-            return empty_rollout()
+        # the same wake / sleep steps with or without prompts: under FSDP2 the level-2 push gathers the
+        # shards (a collective), so every rank's engine must go through the same states
         if engine["asleep"]:  # asleep after a sample with no push since (a validation between two steps)
             if engine["sleep_level"] == 1:
                 llm.wake_up()
                 engine["asleep"] = False
             else:  # level 2 dropped the weights: the same ones again
                 push_weights(engine, engine["policy"])
-        out = generate_vllm(llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed, eos=eos)
+        out = empty_rollout() if not prompt_ids else generate_vllm(
+            llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, eos=eos)
         vllm_sleep(engine)
         return out
 

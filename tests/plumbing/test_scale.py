@@ -241,7 +241,7 @@ def test_scale_config_errors_are_one_line(overrides, device, message):
 
 
 def test_scale_config_ok_on_cpu():
-    config.check_scale_config(T.load_config([], ["train.parallel=fsdp2"]), CPU)  # no exception
+    config.check_scale_config(T.load_config([], ["train.parallel=fsdp2", "rollout.backend=hf"]), CPU)  # no exception
 
 
 def test_logp_gap():

@@ -47,7 +47,7 @@ def test_single_pass_stops_the_run_before_a_model_loads(tmp_path):
     p.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(5)))
     with pytest.raises(SystemExit, match=r"3 x 2 = 6 prompts, more than 1 pass\(es\) over the 5 training items"):
         T.main([f"data.train={p}", "run.total_steps=3", "rollout.prompts_per_step=2", "model.policy=/nonexistent",
-                f"run.out_dir={tmp_path / 'out'}", "train.device=cpu", "train.parallel=ddp"])
+                f"run.out_dir={tmp_path / 'out'}", "train.device=cpu", "train.parallel=ddp", "rollout.backend=hf"])
 
 
 # ---- prompts: {context}, {answer}, the wrong answer of the counterfactual test ------------------------
@@ -195,7 +195,7 @@ def test_monitor_warns_when_reward_rises_while_accuracy_falls():
 def run_args(tmp_path, model, *extra):
     return [f"model.policy={model}", f"run.out_dir={tmp_path / 'run'}", f"data.train={data_path('gsm8k', 'train.jsonl')}",
             "run.total_steps=4", "run.save_every=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=8", "train.device=cpu", "train.parallel=ddp", "model.dtype=float32",
+            "rollout.max_new_tokens=8", "train.device=cpu", "train.parallel=ddp", "model.dtype=float32", "rollout.backend=hf",
             f"data.val={data_path('gsm8k', 'test.jsonl')}", "data.val_size=3", *extra]
 
 

