@@ -134,7 +134,8 @@ def test_two_steps_of_cpu_rm_nlhf_on_vllm_with_validation(vllm_cpu, tmp_path):
     _run([sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml"),
           "rollout.backend=vllm", f"model.policy={SMOLLM2}", f"run.out_dir={out}", "run.total_steps=2",
           f"nlhf.dh={data_path('mr_ben_math', 'math.jsonl')}", f"nlhf.do={data_path('hh_rlhf_harmless_base', 'test.jsonl')}",
-          "rollout.max_new_tokens=16", "metarm.max_new_tokens=16", "run.eval_every=1", "nlhf.val=holdout"])
+          "rollout.max_new_tokens=16", "metarm.max_new_tokens=16", "run.eval_every=1", "nlhf.val=holdout",
+          "nlhf.val_size=2"])
     metrics = _metrics(out)
     _check_gap(metrics, 2)
     assert all(m["val/n"] == 2 and 0.0 <= m["val/pairwise_accuracy"] <= 1.0 for m in metrics)
