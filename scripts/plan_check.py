@@ -36,6 +36,7 @@ The run stops inside --budget-s: a stage that would start with less than --stage
 skipped, and a timer interrupts a stage that overruns; the JSON is rewritten after every stage.
 """
 import argparse
+import functools
 import copy
 import gc
 import json
@@ -179,11 +180,14 @@ def decode(model, *, rows, group, micro, prompt_tokens, new_tokens, vocab, conte
 
 def metarm_dict(model, cfg, world, vocab):
     """mrm as plumbing/run.py load_metarm returns it, its tokenizer a RandomTokenizer."""
+    import metarm
+    from plumbing.scale import metarm_seams
     mr = cfg["metarm"]
     return {"model": model, "shard": (0, world), "tokenizer": RandomTokenizer(vocab, mr["max_length"]), "optimizer": None,
             "mode": mr["mode"], "lam": cfg["nlhf"]["lam"], "batch_size": mr["batch_size"], "max_length": mr["max_length"],
             "online_lr": mr["online_lr"], "online_epochs": mr["online_epochs"], "truncated": 0,
-            "weight_decay": mr["weight_decay"], "updates": 0, "dtype": mr["dtype"]}
+            "weight_decay": mr["weight_decay"], "updates": 0, "dtype": mr["dtype"],
+            "seams": metarm_seams(metarm.raw_outputs, 0, world, sharded=True)}
 
 
 def host_hwm_reset():
@@ -362,7 +366,8 @@ def run_preset(files, *, res, save, dev, world, smoke, tmp, t0, budget_s, stage_
         def metarm_fit():
             opt = mrm["optimizer"] or torch.optim.AdamW(mrm["model"].parameters(), lr=mr["online_lr"],
                                                        weight_decay=mr["weight_decay"])
-            metarm.fit(mrm, examples, opt, epochs=1, seed=0)
+            metarm.fit(mrm["model"], mrm["tokenizer"], examples, opt, **metarm.settings(mrm), epochs=1, seed=0,
+                       share=mrm["seams"]["share"], mean=mrm["seams"]["mean"])
             mrm["optimizer"] = opt
 
         # a fresh run: the cold start comes before any AdamW state exists
@@ -393,7 +398,9 @@ def run_preset(files, *, res, save, dev, world, smoke, tmp, t0, budget_s, stage_
 
         stage("reward", reward if task == "rlme" and cfg["reward"]["kind"] in ("rlme", "hybrid") else lambda: None)
         stage("MetaRM update", metarm_fit)
-        stage("MetaRM predict", lambda: metarm.raw_outputs(mrm, ["."] * mr["batch_size"]))
+        stage("MetaRM predict", lambda: mrm["seams"]["outputs"](mrm["model"], mrm["tokenizer"], ["."] * mr["batch_size"],
+                                                                 mode=mrm["mode"], batch_size=mrm["batch_size"],
+                                                                 max_length=mrm["max_length"], dtype=mrm["dtype"]))
 
         def update():
             n = G * -(-2 * mb // G)  # whole groups, at least 2 micro-batches (FSDP2's accumulation shows)
@@ -404,12 +411,23 @@ def run_preset(files, *, res, save, dev, world, smoke, tmp, t0, budget_s, stage_
                      "completion_mask": torch.ones(n, tn), "advantages": adv - adv.view(-1, G).mean(-1).repeat_interleave(G)}
             if ro["backend"] == "vllm":
                 batch["rollout_logprobs"] = torch.zeros(n, tn)  # the behaviour pass that logs vLLM's gap runs
-            settings = train.update_settings(cfg, train.fast_or_plain(t["fast_paths"], t["logprob_chunk_tokens"]), dev)
-            train.update_policy(policy, policy, state["opt"], batch, **settings, world=world, pad_id=0, ref_model=state.get("ref"))
+            passes = train.fast_or_plain(t["fast_paths"], t["logprob_chunk_tokens"])
+            a = cfg["algo"]  # bound as train.train binds them
+            loss_fn = (functools.partial(train.cispo_loss, eps_low=a["eps_low"], eps_high=a["eps_high"], ratio=a["ratio"],
+                                         aggregation=a["aggregation"]) if a["loss"] == "cispo" else
+                       functools.partial(train.grpo_loss, clip_eps=a["clip_eps"], kl_coef=a["kl_coef"], aggregation=a["aggregation"]))
+            logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"], pad_id=0)
+            train.update_policy(policy, policy, state["opt"], batch, loss_fn=loss_fn, aggregation=a["aggregation"],
+                                max_new_tokens=tn, updates_per_batch=a["updates_per_batch"], minibatches=a["minibatches"],
+                                group_size=G, micro_batch_size=t["micro_batch_size"], grad_clip=cfg["optim"]["grad_clip"],
+                                logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"], context=ctx, world=world,
+                                device=dev, ref_model=state.get("ref"), scaler=None)
 
         stage("update", update)
         if task == "rm_nlhf":
-            vr, vn = 2 * -(-cfg["nlhf"]["val_size"] // world), cfg["nlhf"]["val_max_new_tokens"]
+            vs = cfg["nlhf"]["val_size"]  # 0: the whole file, in calls of a rollout's rows (plumbing/run.py)
+            vr, vn = (min(2 * -(-vs // world), ro["prompts_per_step"] * G // world) if vs else ro["prompts_per_step"] * G // world,
+                      cfg["nlhf"]["val_max_new_tokens"])
         else:
             vr, vn = -(-cfg["data"]["val_size"] // world), tn
         stage("validation", lambda: decode(policy, rows=vr, group=1, micro=ro["micro_batch_size"] if task == "rm_nlhf" else 0,

@@ -136,7 +136,7 @@ def test_micro_batch_token_mean_is_the_released_verl_token_mean():
 
     def loss(aggregation, packing):
         logp = torch.zeros(5, 16, requires_grad=True)
-        fn = T.loss_function(dict(ALGO, loss="grpo", clip_eps=0.2, kl_coef=0.0, aggregation=aggregation))
+        fn = loss_fn(dict(ALGO, loss="grpo", clip_eps=0.2, kl_coef=0.0, aggregation=aggregation))
         total = sum(fn(logp[rows], None, adv[rows], mask[rows])[0] for rows in packing)
         out = total / T.loss_normaliser(aggregation, 5, int(mask.sum()), 16)
         out.backward()
