@@ -13,7 +13,8 @@ from plumbing.pairwise import load_nlhf_val_items
 
 
 def cfg_with(*overrides):
-    return T.load_config([], list(overrides))
+    # config.yaml's defaults roll out with vLLM (the GPU node's); these tiny-model runs use our decode
+    return T.load_config([], ["rollout.backend=hf", *overrides])
 
 
 def write_jsonl(path, rows):
@@ -65,7 +66,7 @@ def test_paper_presets_validate_the_whole_file_before_training():
 def run_args(tmp_path, model, *extra):
     return [f"model.policy={model}", f"run.out_dir={tmp_path / 'run'}", f"data.train={data_path('gsm8k', 'train.jsonl')}",
             "run.total_steps=2", "run.save_every=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=8", "train.device=cpu", "train.parallel=ddp", "model.dtype=float32",
+            "rollout.max_new_tokens=8", "train.device=cpu", "train.parallel=ddp", "model.dtype=float32", "rollout.backend=hf",
             f"data.val={data_path('gsm8k', 'test.jsonl')}", "data.val_size=3", "run.eval_every=1", *extra]
 
 
