@@ -43,8 +43,8 @@ from plumbing.jsonl import jsonl_rows, not_utf8, read_jsonl
 from plumbing.models import load_model
 from plumbing.pairwise import load_dh_items
 from plumbing.prompts import parse_json_object, use_chat_template
-from plumbing.engine import as_generate, evaluation_sampler
-from plumbing.cold_start import cold_start_settings, hf_sample, run_cold_start
+from plumbing.engine import as_generate, evaluation_sampler, hf_backend
+from plumbing.cold_start import cold_start_settings, run_cold_start
 from plumbing.run import load_metarm, save_metarm
 from plumbing.services import checked_template, load_evaluator, make_judge, remote_evaluator
 from plumbing import config
@@ -270,8 +270,8 @@ def metarm_main(argv=None):
                       weight_decay=m["weight_decay"])
     generate = fast.generate if cfg["train"]["fast_paths"] else rollout.generate  # the one switch, as train.py
     grm, tok = load_model(cfg["model"]["policy"])
-    sample = hf_sample(grm, grm, tok, generate=generate, micro_batch_size=cfg["rollout"]["micro_batch_size"],
-                       context=lambda: rollout.autocast(cfg["model"]["dtype"], "cpu"))
+    sample = hf_backend(grm, grm, tok, generate=generate, micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
+                        context=lambda: rollout.autocast(cfg["model"]["dtype"], "cpu"))["sample"]
     # examples in <run.out_dir>/cold_start/ as they are made: a killed cold start resumes there
     stats = run_cold_start(mrm, items, sample=sample, judge=judge, **cold_start_settings(cfg, tok),
                            folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print)

@@ -5,8 +5,6 @@ waiting in a collective, a batch judged while the next one samples.
 
     run_cold_start            the batches dealt to the ranks, examples to files as they are made,
                               a killed cold start resumed, the exchange through the files, the fit
-    hf_sample                 the HF rollout backend as a `sample` callable (the vLLM engine's
-                              sample has the same signature)
     cold_start_settings       run_cold_start's keyword arguments from the config
     record_cold_start         the set's size: cold_start.json, one line, first-step metrics
 
@@ -20,7 +18,7 @@ Ranks. Batch b goes to rank b % world, in rounds: in round k rank r runs batch k
 judging (the judge's requests, Eq. 4-5, and the examples) runs in a thread while the rank samples
 its next batch: the judge server and the GPU work at once. Every rank calls sample() once a round,
 with no prompt when its batch is past the end or already on disk, because HF decode of an FSDP2
-policy (hf_sample) gathers the weights, a collective every rank must join; a rank then waits at
+policy (plumbing/engine.py hf_backend) gathers the weights, a collective every rank must join; a rank then waits at
 most one batch of another rank there. Nothing else in the sampling
 is a collective: the examples are exchanged through the files (wait_for_batches), where a rank
 waits with a deadline (train.dist_timeout_s without any rank finishing a batch) and one line.
@@ -49,38 +47,10 @@ import torch
 import metarm
 import reward
 from plumbing.prompts import policy_chat
-from plumbing.scale import unsharded
 
 
 # ----------------------------------------------------------------------------------------------
 # The sampler
-
-
-def empty_rollout():
-    """rollout.py's rollout dict with no row."""
-    return {"prompt_ids": [], "completion_ids": torch.zeros(0, 0, dtype=torch.long), "completion_mask": torch.zeros(0, 0),
-            "truncated": torch.zeros(0, dtype=torch.bool), "completions": []}
-
-
-def hf_sample(model, policy, tokenizer, *, generate, context, micro_batch_size=0):
-    """The HF rollout backend as a callable sample(prompt_ids, *, group_size, max_new_tokens,
-    temperature=1.0, top_p=1.0, top_k=0, seed=0) -> rollout dict: `generate` (passes["generate"]:
-    rollout.generate or fast.generate) on `policy` inside unsharded(model) (FSDP2: every layer
-    gathered once a call, a collective, and freed on return: no full copy outlives the call) and
-    context() (compute_context's mixed precision), micro_batch_size rows per generate call
-    (rollout.micro_batch_size; 0 = every row of the call). An empty prompt list joins the gather
-    and returns empty_rollout().
-
-    Args: model: what train.py runs forward on (the FSDP2-sharded policy or its DDP wrapper);
-        policy: the unwrapped policy; context: a callable returning a context manager."""
-    def sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
-        with unsharded(model), context():
-            if not prompt_ids:
-                return empty_rollout()
-            return generate(policy, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            micro_batch_size=micro_batch_size or None)
-    return sample
 
 
 def batch_seed(seed, batch):

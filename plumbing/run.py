@@ -806,7 +806,7 @@ def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world
     Args:
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
         tokenizer: the GRM's (its prompts). sample: the rollout backend, sample(prompt_ids, *,
-        group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (hf_sample, or
+        group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (plumbing/engine.py hf_backend, or
         the vLLM engine's). dh: D_H items. judge: the judge (make_judge).
     Returns:
         (mrm dict or None, source str, cold-start stats dict or None).
