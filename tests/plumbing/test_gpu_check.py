@@ -204,10 +204,16 @@ def test_plan_check_smoke_runs_every_stage_of_the_plan(tmp_path):
 def test_plan_check_stops_inside_its_budget(tmp_path):
     """A budget shorter than the presets' stages: the timer interrupts whatever runs at 3 s (model
     building or a stage), the run writes what it has and exits 0 right after. A stage that would
-    start with less than --stage-min-s left is skipped and reported as such."""
+    start with less than --stage-min-s left is skipped and reported as such. A fast CPU may finish
+    a small stage or two inside the 3 s: those come first, measured, inside the budget."""
     res, out = _plan_check(tmp_path, "--budget-s", "3", timeout=300)
     assert res["stopped"] and res["seconds"] < 3 + 2  # the timer fires at 3 s; writing the file is all that follows
-    assert all(r["status"] in ("stopped: budget", "skipped: budget") for r in res["rows"])
+    status = [r["status"] for r in res["rows"]]
+    done = len([s for s in status if s.startswith("measured")])
+    assert all(s.startswith("measured") for s in status[:done]), status  # measured ones first, then ...
+    assert status[done:done + 1] in (["stopped: budget"], ["skipped: budget"]), status  # ... the one the timer cut (or the next)
+    assert all(s == "skipped: budget" for s in status[done + 1:]), status  # ... and the rest skipped
+    assert sum(r["seconds"] for r in res["rows"][:done]) < 3, res["rows"][:done]
     res, out = _plan_check(tmp_path, "--budget-s", "300", "--stage-min-s", "300", "--preset", "configs/rm_nlhf.yaml", timeout=300)
     assert len(res["rows"]) == 10 and all(r["status"] == "skipped: budget" for r in res["rows"]) and not res["stopped"]
 

@@ -21,7 +21,7 @@ ranks), 3 steps, train.device cpu, and:
 Checked: both runs exit 0; the kill left a complete checkpoint whose optimizer/ holds one
 torch.distributed.checkpoint shard per saving rank (and complete.json says the world size); the
 resumed run said it resumed from that checkpoint, on the new world size; metrics.jsonl holds steps
-1..3 once each, finite; the last checkpoint has one optimizer shard per rank of the resumed run.
+1..3 once each, finite (and the presets with run.eval_at_start a step-0 validation line, once); the last checkpoint has one optimizer shard per rank of the resumed run.
 """
 import json
 import math
@@ -52,6 +52,14 @@ def rehearsal_args(name, cfg, model, out, judge):
     if cfg["rollout"]["backend"] == "vllm":
         args += ["rollout.backend=hf"]
     return args
+
+
+def effective_run(args):
+    """The run section the rehearsal's command line resolves to (its --config layers and overrides)."""
+    import train
+    paths = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
+    overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+    return train.load_config(paths, overrides)["run"]
 
 
 def launch(nproc, args, log, env):
@@ -153,9 +161,12 @@ def test_preset_rehearsal_4_ranks_kill_resume_on_fewer(name, request, tmp_path):
     text = tail(log2, 10**6)
     assert p.returncode == 0, f"resume on {world} ranks: exit {p.returncode}\n{text[-4000:]}"
     assert f"| world {world} | resuming from {ckpts[-1]}" in text, text[-4000:]
-    steps = [m["step"] for m in read_jsonl(os.path.join(out, "metrics.jsonl"))]
-    assert steps == list(range(1, STEPS + 1)), steps  # contiguous, none twice
-    for m in read_jsonl(os.path.join(out, "metrics.jsonl")):
+    lines = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    # run.eval_at_start: one step-0 validation line before training, not written again on resume
+    at_start = [0] if effective_run(args)["eval_at_start"] and effective_run(args)["eval_every"] else []
+    steps = [m["step"] for m in lines]
+    assert steps == at_start + list(range(1, STEPS + 1)), steps  # contiguous, none twice
+    for m in lines[len(at_start):]:
         for k in ("reward/mean", "loss", "grad_norm"):
             assert isinstance(m[k], (int, float)) and math.isfinite(m[k]), (m["step"], k, m[k])
     last = complete_checkpoints(out)[-1]

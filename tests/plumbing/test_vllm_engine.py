@@ -149,7 +149,7 @@ def test_evaluate_math_pairwise_and_bon_with_backend_vllm(vllm_cpu, tmp_path):
     (one process a command): math's greedy and sampled answers graded, pairwise's both orders judged,
     bon's tournaments judged over math's samples."""
     def run(*args):
-        return _run([sys.executable, os.path.join(REPO, "evaluate.py"), *map(str, args), "--backend", "vllm",
+        return _run([sys.executable, "-m", "plumbing.cli", "evaluate", *map(str, args), "--backend", "vllm",
                      "--out", str(tmp_path)])
     run("math", "--model", SMOLLM2, "--data", data_path("gsm8k", "test.jsonl"), "--n-problems", 2, "--n-samples", 2,
         "--max-new-tokens", 16)
