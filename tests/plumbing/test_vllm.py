@@ -35,7 +35,7 @@ def test_hf_backend_samples_what_generate_samples(tiny_model_path):
         return fast.generate(policy, tokenizer, prompt_ids, **kw)
 
     backend = E.hf_backend(model, model, tok, generate=generate, context=contextlib.nullcontext, micro_batch_size=3)
-    assert set(backend) == {"sample", "push", "sleep", "llm"} and backend["llm"] is None
+    assert set(backend) == {"sample", "push", "sleep", "awake", "llm"} and backend["llm"] is None
     prompts = [[1, 50, 60], [1, 70]]
     got = backend["sample"](prompts, group_size=2, max_new_tokens=5, temperature=1.0, seed=7)
     want = fast.generate(model, tok, prompts, 2, 5, temperature=1.0, seed=7, micro_batch_size=3)
@@ -44,6 +44,8 @@ def test_hf_backend_samples_what_generate_samples(tiny_model_path):
     empty = backend["sample"]([], group_size=1, max_new_tokens=5)
     assert empty["completions"] == [] and empty["completion_ids"].shape[0] == 0 and seen == [3]
     assert backend["push"](model) is None and backend["sleep"]() is None
+    with backend["awake"]():
+        assert backend["sample"]([[1, 5]], group_size=1, max_new_tokens=2)["completion_ids"].shape[0] == 1
 
 
 def test_as_generate_passes_the_sampling_settings_through():
@@ -249,6 +251,34 @@ def test_vllm_backend_samples_sleeps_and_wakes_on_push(monkeypatch):
     backend2["sample"]([], group_size=1, max_new_tokens=4)
     assert engine2["llm"].calls[-5:] == [("wake_up", ("weights",)), ("reload_weights",), ("wake_up", ("kv_cache",)),
                                          ("reset_prefix_cache",), ("sleep", 2)]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_awake_keeps_the_engine_awake_between_sample_calls(monkeypatch, level):
+    """Inside awake() the sample calls do not sleep: an asleep engine wakes once (level 1 wake_up,
+    level 2 a push) at the first call, and leaving the outermost awake() sleeps once. Without it
+    each call sleeps and the next one wakes (or pushes) again. An empty call (a rank with nothing)
+    goes through the same states."""
+    engine = _engine(True, level, EXPECTED)
+    backend = _backend(monkeypatch, engine)
+    llm = engine["llm"]
+    engine["asleep"] = True
+    wake = [("wake_up", None)] if level == 1 else [("wake_up", ("weights",)), ("reload_weights",),
+                                                   ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    with backend["awake"]():
+        backend["sample"]([[1]], group_size=1, max_new_tokens=4)
+        with backend["awake"]():  # nested: the outer one decides
+            backend["sample"]([], group_size=1, max_new_tokens=4)
+        backend["sample"]([[1]], group_size=1, max_new_tokens=4)
+        assert llm.calls == wake + [("generate",)] * 2 and not engine["asleep"]
+    assert llm.calls == wake + [("generate",)] * 2 + [("sleep", level)] and engine["asleep"]
+    llm.calls.clear()
+    backend["sample"]([[1]], group_size=1, max_new_tokens=4)  # outside: sleeps after the call, as before
+    assert llm.calls == wake + [("generate",), ("sleep", level)]
+    cpu = _engine(False, level, EXPECTED)  # vLLM-CPU: no sleep mode, nothing to wake
+    with _backend(monkeypatch, cpu)["awake"]():
+        pass
+    assert cpu["llm"].calls == []
 
 
 def test_vllm_backend_without_sleep_mode_never_sleeps(monkeypatch):
