@@ -389,6 +389,17 @@ def test_every_shipped_config_is_listed():
         assert f"--config {PAPER} --config {TABLE10['qwen7b']} --config configs/paper/ablations/{name}.yaml" in header
 
 
+def test_the_cpu_presets_roll_out_with_hf_and_the_node_presets_with_vllm():
+    """config.yaml's rollout.backend is vllm (the GPU node's, issue 33), so every CPU preset must say
+    hf itself (configs/cpu.yaml, cpu_rm_nlhf.yaml; cpu_learn / cpu_lora layer on cpu.yaml) or a
+    user's first CPU command would need vLLM; configs/gpu_bare.yaml (a GPU without vLLM) too."""
+    backend = {name: shipped_cfg(name)["rollout"]["backend"] for name in PRESETS if "+" not in name}
+    assert {n for n, b in backend.items() if b == "hf"} == {
+        "configs/cpu.yaml", "configs/cpu_learn.yaml", "configs/cpu_lora.yaml", "configs/cpu_rm_nlhf.yaml",
+        "configs/gpu_bare.yaml"}, backend
+    assert backend["config.yaml"] == backend["configs/rm_nlhf.yaml"] == backend[PAPER] == "vllm"
+
+
 def test_table10_presets_are_app_f_setup():
     """RM-NLHF App. F: 150 steps, HelpSteer3 split 1:1 into D_H and D_O; the Llama-8B block's base model."""
     for block, policy in [("qwen7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
