@@ -34,6 +34,7 @@ before the rank appends again. The folder stays after the cold start: the record
 was first trained on (with cold_start.json).
 """
 import concurrent.futures
+import contextlib
 import functools
 import glob
 import hashlib
@@ -65,7 +66,7 @@ def batch_seed(seed, batch):
 
 def run_cold_start(mrm, dh_items, *, sample, judge, prompt, parse, score, folder, identity, batch_size, rollouts_per_prompt,
                    max_new_tokens, temperature, epochs, lr, warmup_frac, weight_decay, seed, rank=0, world=1,
-                   timeout_s=1800.0, log=None, poll_s=1.0):
+                   timeout_s=1800.0, log=None, poll_s=1.0, awake=contextlib.nullcontext):
     """The MetaRM cold start over `world` ranks (the module docstring says how): every rank samples
     (metarm.cold_start_sample) and judges (metarm.cold_start_examples, in a thread while the next
     batch samples) its batches, appending each to its file in `folder`, then reads every
@@ -77,6 +78,11 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, parse, score, folder
     Args:
         mrm: the fresh MetaRM (equal on every rank). dh_items: the D_H items, the same list on every rank.
         sample, judge, prompt, parse, score: metarm.cold_start_sample's and cold_start_examples'. folder: where the files go.
+        awake: the rollout engine's (plumbing/engine.py): a context manager factory inside which
+            `sample` keeps a vLLM engine awake between its calls; every batch samples inside one, so
+            the engine wakes (or, at rollout.vllm_sleep_level 2, is pushed the policy) at most once
+            for the whole cold start, not once a batch, and sleeps before the MetaRM's fit. Default:
+            nothing (the HF backend's; a stand-in sampler).
         identity: dict of the settings, besides the numbers here, that make an example (the model,
             judge and nlhf keys: cold_start_settings); a file written with others stops the run.
         batch_size: metarm.cold_start_batch_size; the rest: metarm.* (sampling, train_metarm), run.seed.
@@ -106,18 +112,21 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, parse, score, folder
                                                     rollouts_per_prompt=rollouts_per_prompt)
             write_batch(f, b, ex, counts)
 
-        for k in range(rounds):
-            b = k * world + rank
-            items = dh_items[b * batch_size:(b + 1) * batch_size] if b < n_batches and b not in view["done"] else []
-            completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt, max_new_tokens=max_new_tokens,
-                                                   rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
-                                                   seed=batch_seed(seed, b))
-            if judged is not None:  # the previous batch, judged while this one sampled, is on disk first
-                judged.result()
-            judged = judging.submit(judge_and_write, b, items, completions) if items else None
-            if log and ((k + 1) % max(1, rounds // 20) == 0 or k + 1 == rounds):  # ~20 lines in all
-                log(f"metarm cold start: round {k + 1}/{rounds} ({world} batches of {batch_size} D_H prompts x "
-                    f"{rollouts_per_prompt} rollouts a round), {time.time() - t0:.0f} s")
+        # a vLLM engine stays awake from the first batch to the last (one wake, not one per batch;
+        # plumbing/engine.py vllm_backend) and sleeps on leaving, before the fit below
+        with awake():
+            for k in range(rounds):
+                b = k * world + rank
+                items = dh_items[b * batch_size:(b + 1) * batch_size] if b < n_batches and b not in view["done"] else []
+                completions = metarm.cold_start_sample(items, sample=sample, prompt=prompt, max_new_tokens=max_new_tokens,
+                                                       rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
+                                                       seed=batch_seed(seed, b))
+                if judged is not None:  # the previous batch, judged while this one sampled, is on disk first
+                    judged.result()
+                judged = judging.submit(judge_and_write, b, items, completions) if items else None
+                if log and ((k + 1) % max(1, rounds // 20) == 0 or k + 1 == rounds):  # ~20 lines in all
+                    log(f"metarm cold start: round {k + 1}/{rounds} ({world} batches of {batch_size} D_H prompts x "
+                        f"{rollouts_per_prompt} rollouts a round), {time.time() - t0:.0f} s")
         if judged is not None:
             judged.result()
     if torch.cuda.is_available():

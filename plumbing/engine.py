@@ -7,17 +7,20 @@ start, `evaluate.py ... --backend vllm`) takes one callable of one signature,
         -> the rollout dict at the top of rollout.py (vLLM adds "logprobs": the engine's own)
 
 built here by `rollout_backend` (config key rollout.backend) with its companions, one dict
-{"sample", "push", "sleep", "llm"}:
+{"sample", "push", "sleep", "awake", "llm"}:
   hf    passes["generate"] (fast.generate; plain twin rollout.generate) on the policy itself: under
         FSDP2 its layers gathered once per call (plumbing.scale.unsharded), in the compute dtype
-        (plumbing.scale.compute_context), rollout.micro_batch_size rows per decode batch. push and
-        sleep do nothing (it samples from the weights being trained); llm is None.
+        (plumbing.scale.compute_context), rollout.micro_batch_size rows per decode batch. push,
+        sleep and awake do nothing (it samples from the weights being trained); llm is None.
   vllm  one in-process vLLM engine per rank (make_vllm_engine). sample samples, then sleeps (on a
         GPU the engine's memory goes to reward scoring and the update; on the CPU there is no
         sleep mode and it keeps its memory); push(policy) wakes it with the updated weights,
-        through vLLM's reload API in one call (vllm_push_weights); llm is the vllm.LLM.
+        through vLLM's reload API in one call (vllm_push_weights); `with awake():` keeps it awake
+        across the sample calls inside (a stage that samples in batches: the MetaRM cold start,
+        the RM-NLHF validation) and sleeps once on leaving; llm is the vllm.LLM.
 vllm is imported only when a vLLM engine is made: the stages import and run without it.
 """
+import contextlib
 import os
 
 import torch
@@ -29,7 +32,7 @@ from plumbing.scale import full_state_items, is_lora, merged_state_items, unshar
 
 
 def rollout_backend(cfg, *, policy, model, tokenizer, generate, context, model_path, rank=0):
-    """This run's rollout engine (rollout.backend): {"sample", "push", "sleep", "llm"} (module docstring).
+    """This run's rollout engine (rollout.backend): {"sample", "push", "sleep", "awake", "llm"} (module docstring).
 
     Args:
         cfg: the run's config (rollout.*, model.dtype, run.seed are read).
@@ -41,7 +44,7 @@ def rollout_backend(cfg, *, policy, model, tokenizer, generate, context, model_p
             resumed, else model.policy; under LoRA the base: setup pushes the adapters after).
         rank: this process's rank (the engine's seed; rank 0 prints the engine's start line).
     Returns:
-        dict {"sample", "push", "sleep", "llm"}.
+        dict {"sample", "push", "sleep", "awake", "llm"}.
     """
     ro = cfg["rollout"]
     if ro["backend"] == "hf":
@@ -95,7 +98,8 @@ def hf_backend(policy, model, tokenizer, *, generate, context, micro_batch_size=
     """The HF backend: `generate` (fast.generate / rollout.generate) on the policy, every rank
     gathering its FSDP2 shards inside `unsharded` (a collective: every rank calls sample, with or
     without prompts), in the compute context, `micro_batch_size` rows per decode batch (None = all).
-    Returns {"sample", "push", "sleep", "llm"}; push and sleep do nothing, llm is None."""
+    Returns {"sample", "push", "sleep", "awake", "llm"}; push, sleep and awake (a context of nothing)
+    do nothing, llm is None."""
     def sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0):
         with unsharded(model), context():
             if not prompt_ids:
@@ -103,7 +107,8 @@ def hf_backend(policy, model, tokenizer, *, generate, context, micro_batch_size=
             return generate(policy, tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             micro_batch_size=micro_batch_size)
-    return {"sample": sample, "push": lambda policy: None, "sleep": lambda: None, "llm": None}
+    return {"sample": sample, "push": lambda policy: None, "sleep": lambda: None, "awake": contextlib.nullcontext,
+            "llm": None}
 
 
 def as_generate(sample):
@@ -138,17 +143,28 @@ def vllm_backend(engine, tokenizer, policy):
     sample: wakes the engine if a sample call left it asleep with no push since (sleep level 1:
     vLLM restores the weights it kept in host memory; level 2 dropped them: the last pushed policy
     is pushed again), samples (generate_vllm), then sleeps (vllm_sleep: a no-op where the platform
-    has no sleep mode). push(policy): vllm_push_weights of the policy's current weights (merged
-    under LoRA), which wakes the engine. sleep: vllm_sleep.
+    has no sleep mode) unless inside `awake`. push(policy): vllm_push_weights of the policy's current
+    weights (merged under LoRA), which wakes the engine. sleep: vllm_sleep.
+
+    awake(): a context manager. The sample calls inside it do not sleep after sampling: a stage that
+    samples in many calls (the MetaRM cold start's batches, a validation's chunks) wakes the engine
+    once (the first call, if it was asleep), not once per call: per call that is a wake (level 1:
+    the weights copied back from host RAM, the KV cache mapped again) or, at level 2, a whole push
+    (the policy's FSDP2 shards gathered and reloaded) for each batch. On leaving it sleeps once
+    (what the stage's last call would have done), so the memory is free for what follows (the
+    MetaRM's fit, the update). Nested ones sleep when the outermost ends. Every rank goes through
+    the same states as long as every rank calls sample the same number of times inside (the cold
+    start and the validation do: a rank with nothing calls it with no prompt).
 
     Args:
-        engine: engine_state's dict (the three share it). tokenizer: the policy's.
+        engine: engine_state's dict (the four share it). tokenizer: the policy's.
         policy: the weights a level-2 wake pushes until push is called.
     Returns:
-        dict {"sample", "push", "sleep", "llm"}.
+        dict {"sample", "push", "sleep", "awake", "llm"}.
     """
     llm, eos = engine["llm"], rollout.eos_ids(policy, tokenizer)
     engine["policy"] = policy
+    held = [0]  # open awake() contexts
 
     def push(policy):
         engine["policy"] = policy
@@ -166,10 +182,21 @@ def vllm_backend(engine, tokenizer, policy):
         out = empty_rollout() if not prompt_ids else generate_vllm(
             llm, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, eos=eos)
-        vllm_sleep(engine)
+        if not held[0]:
+            vllm_sleep(engine)
         return out
 
-    return {"sample": sample, "push": push, "sleep": lambda: vllm_sleep(engine), "llm": llm}
+    @contextlib.contextmanager
+    def awake():
+        held[0] += 1
+        try:
+            yield
+        finally:
+            held[0] -= 1
+            if not held[0]:
+                vllm_sleep(engine)
+
+    return {"sample": sample, "push": push, "sleep": lambda: vllm_sleep(engine), "awake": awake, "llm": llm}
 
 
 def engine_state(llm, *, dtype, sleep_level, tied):

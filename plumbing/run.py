@@ -73,7 +73,7 @@ def setup(cfg, passes):
     Returns:
         dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
         wrapper or the FSDP2-sharded policy), tokenizer, chat, rollout (the rollout engine,
-        plumbing/engine.py's {"sample", "push", "sleep", "llm"}), evaluators,
+        plumbing/engine.py's {"sample", "push", "sleep", "awake", "llm"}), evaluators,
         ref_model, optimizer, scheduler, scaler, start_step, mrm, pbar (rank 0), lock (rank 0),
         checkpoint_bytes, the streaks emit and step_metrics count (no_signal_streak,
         skipped_streak), and the data: items (rlme) or judge, dh_items, do_items (rm_nlhf).
@@ -221,7 +221,8 @@ def start_run(cfg, passes, rank, world, device):
     if task == "rm_nlhf":  # the MetaRM (RM-NLHF §3.2): restored with the checkpoint, loaded, or cold-started
         # the cold start samples through the run's rollout engine (rollout.backend: HF decode or vLLM)
         state["mrm"], mrm_source, cold = setup_metarm(cfg, ckpt, tokenizer, sample=state["rollout"]["sample"], dh=state["dh_items"],
-                                                      judge=state["judge"], device=device, rank=rank, world=world)
+                                                      judge=state["judge"], device=device, rank=rank, world=world,
+                                                      awake=state["rollout"]["awake"])
 
     # free space for the checkpoints still to come, before the first step (every rank stops alike)
     state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
@@ -791,7 +792,7 @@ def check_wandb_credentials():
                          "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally")
 
 
-def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world):
+def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world, awake=contextlib.nullcontext):
     """The MetaRM of an rm_nlhf run, or None for metarm.mode none. Taken from, in order:
     (1) the copy saved inside the GRM checkpoint being resumed; (2) a saved MetaRM at metarm.path
     (default <out_dir>/metarm, e.g. written by `python -m plumbing.cli metarm cold-start`); (3) a cold start
@@ -807,7 +808,8 @@ def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world
         cfg: the full config. ckpt: the checkpoint folder being resumed, or None.
         tokenizer: the GRM's (its prompts). sample: the rollout backend, sample(prompt_ids, *,
         group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (plumbing/engine.py hf_backend, or
-        the vLLM engine's). dh: D_H items. judge: the judge (make_judge).
+        the vLLM engine's). dh: D_H items. judge: the judge (make_judge). awake: the engine's awake
+        (a vLLM engine stays awake across the cold start's batches; plumbing/cold_start.py).
     Returns:
         (mrm dict or None, source str, cold-start stats dict or None).
     Raises:
@@ -838,7 +840,7 @@ def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world
         items = dh[:m["cold_start_items"]] if m["cold_start_items"] else dh
         stats = run_cold_start(mrm, items, sample=sample, judge=judge, **cold_start_settings(cfg, tokenizer),
                                folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), rank=rank, world=world,
-                               timeout_s=cfg["train"]["dist_timeout_s"],
+                               timeout_s=cfg["train"]["dist_timeout_s"], awake=awake,
                                log=lambda s: print(f"[train] {s}", flush=True) if rank == 0 else None)
         if not stats["examples"] and rank == 0:  # a MetaRM trained on nothing: its D_O bonus is a random head's
             print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
@@ -1195,9 +1197,10 @@ def nlhf_validation_step(state, cfg, step):
                                     temperature=nl["val_temperature"], top_p=1.0,
                                     seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
                                     max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
-    records = evaluate.pairwise_accuracy(mine, judge)[1] if mine else []
-    for _ in range(n_calls - len(calls)):
-        sample([], group_size=1, max_new_tokens=1)
+    with state["rollout"]["awake"]():  # vLLM: one wake for all the calls, asleep after (plumbing/engine.py)
+        records = evaluate.pairwise_accuracy(mine, judge)[1] if mine else []
+        for _ in range(n_calls - len(calls)):
+            sample([], group_size=1, max_new_tokens=1)
     n = all_sum(len(mine), world)
     right_ab = all_sum(sum(r["ab"]["right"] for r in records), world)
     right_ba = all_sum(sum(r["ba"]["right"] for r in records), world)

@@ -55,15 +55,16 @@
 #
 # ---- Plan mode: the memory plan measured (issue 34), one GPU with torch + CUDA, ~9 minutes ---------------
 #
-#   bash scripts/gpu_check.sh --plan [OUT] [--budget-s 540] [--preset FILE[+FILE]]... [--wheels DIR] [--device cpu --smoke]
+#   bash scripts/gpu_check.sh --plan [OUT] [--budget-s 540] [--preset FILE[+FILE][+KEY=VALUE]]... [--wheels DIR] [--device cpu --smoke]
 #       OUT          default runs/gpu_check_plan: plan_check.json (rewritten after every stage) and plan_check.log
 #   One process is rank 0 of a world-8 run through torch's fake process group: the presets' models are
 #   built on the meta device, sharded by the project's own wrapping (FSDP2: 1/8 shards, gathered layers,
 #   reduce-scatter buffers as a GPU of the node holds them), and every stage of `train.py --plan` runs
 #   through the project's code (HF decode, metarm.fit / raw_outputs, train.update_policy, the broadcast
 #   load, the full-state gather); per stage and preset it prints the plan's torch share next to
-#   torch.cuda.max_memory_allocated and their ratio (scripts/plan_check.py). Presets: configs/rm_nlhf.yaml,
-#   the paper preset, config.yaml, Table 10's Llama-8B, the RLME crowd, in that order; the run stops inside
+#   torch.cuda.max_memory_allocated and their ratio (scripts/plan_check.py). Presets: configs/rm_nlhf.yaml with
+#   rollout.backend=hf (every stage through HF decode: the shipped presets' vLLM pool is not measured), the paper
+#   preset, config.yaml, Table 10's Llama-8B, the RLME crowd, in that order; the run stops inside
 #   --budget-s (a stage with under 25 s left is skipped, one that overruns is interrupted). Needs no data,
 #   no tokenizer, no vLLM, no hub (the shapes are in plumbing/model_configs/). Device tool: timeout_s 600.
 set -uo pipefail

@@ -1,6 +1,6 @@
 """The memory plan measured on ONE GPU as rank 0 of a world-8 run (issue 34; docs/scale-out.md "GPU check").
 
-    python scripts/gpu_check.py plan-check --out plan_check.json [--budget-s 540] [--world 8] [--preset FILE[+FILE]]...
+    python scripts/gpu_check.py plan-check --out plan_check.json [--budget-s 540] [--world 8] [--preset FILE[+FILE][+KEY=VALUE]]...
     python scripts/gpu_check.py plan-check --smoke --device cpu --out x.json      # tiny shapes (tests/plumbing/test_gpu_check.py)
 
 torch's fake process group (`init_process_group("fake")`: every collective returns at once, its
@@ -54,11 +54,15 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GIB = 2**30
 PAPER = "configs/paper/rm_nlhf_qwen7b.yaml"
-# in order of what they prove: every RM-NLHF stage through HF decode (4B), the paper preset (7B,
-# vLLM), RLME (4B, HF, the evaluator's scoring), Llama-8B, the RLME crowd's frozen evaluators
-PRESETS = [["configs/rm_nlhf.yaml"], [PAPER], [], [PAPER, "configs/paper/table10/llama8b.yaml"],
+# A preset: config files layered over config.yaml, and key=value overrides after them. In order of
+# what they prove: every RM-NLHF stage through HF decode (4B; rollout.backend=hf, the fallback one key
+# away: the shipped presets roll out with vLLM, whose stages hold the engine's pool, not measured
+# here), the paper preset (7B, vLLM), RLME as shipped (4B, vLLM: the evaluator's scoring and the
+# update), Llama-8B, the RLME crowd's frozen evaluators
+HF = "rollout.backend=hf"
+PRESETS = [["configs/rm_nlhf.yaml", HF], [PAPER], [], [PAPER, "configs/paper/table10/llama8b.yaml"],
            ["configs/paper/rlme/crowd.yaml"]]
-SMOKE_PRESETS = [["configs/rm_nlhf.yaml"], [PAPER], []]
+SMOKE_PRESETS = [["configs/rm_nlhf.yaml", HF], [PAPER], []]
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512)
 SMOKE = ["rollout.max_new_tokens=16", "rollout.prompts_per_step=16", "data.max_prompt_tokens=24", "nlhf.max_prompt_tokens=24",
@@ -89,16 +93,19 @@ def tiny_copy(path, out_dir):
     return folder
 
 
-def preset_config(files, smoke, tmp):
-    """The loaded config of a preset (files layered over config.yaml); smoke: tiny models and lengths."""
+def preset_config(preset, smoke, tmp):
+    """The loaded config of a preset (its files layered over config.yaml, then its key=value
+    entries as overrides); smoke: tiny models and lengths."""
     from plumbing.config import load_config
-    cfg = load_config([os.path.join(ROOT, f) for f in files], [])
+    files = [os.path.join(ROOT, f) for f in preset if "=" not in f]
+    keys = [f for f in preset if "=" in f]
+    cfg = load_config(files, keys)
     if not smoke:
         return cfg
-    over = list(SMOKE) + [f"model.policy={tiny_copy(cfg['model']['policy'], tmp)}"]
+    over = keys + list(SMOKE) + [f"model.policy={tiny_copy(cfg['model']['policy'], tmp)}"]
     if cfg["metarm"]["model"]:
         over.append(f"metarm.model={tiny_copy(cfg['metarm']['model'], tmp)}")
-    return load_config([os.path.join(ROOT, f) for f in files], over)
+    return load_config(files, over)
 
 
 def fill(model):
@@ -458,9 +465,10 @@ def main(argv=None):
                     help="skip a stage that would start with less than this left (default 25 s on a GPU, 0 in --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes of each preset's architecture and lengths (the CPU test)")
     ap.add_argument("--preset", action="append", default=None,
-                    help="config files joined by '+' (layered over config.yaml); 'config.yaml' alone = the defaults; repeatable")
+                    help="config files joined by '+' (layered over config.yaml), then key=value overrides, e.g. "
+                         "configs/rm_nlhf.yaml+rollout.backend=hf; 'config.yaml' alone = the defaults; repeatable")
     a = ap.parse_args(argv)
-    presets = ([[] if p == "config.yaml" else p.split("+") for p in a.preset] if a.preset
+    presets = ([[f for f in p.split("+") if f != "config.yaml"] for p in a.preset] if a.preset
                else SMOKE_PRESETS if a.smoke else PRESETS)
     res = run(presets, out=a.out, device=a.device, world=a.world, budget_s=a.budget_s, smoke=a.smoke,
               stage_min_s=a.stage_min_s if a.stage_min_s is not None else (0.0 if a.smoke else 25.0))

@@ -148,6 +148,40 @@ def test_a_batch_is_judged_while_the_next_one_samples(tiny_model_path, tmp_path,
     assert calls == [2, 2] and overlapped == [True, True] and stats["batches"] == 2
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_vllm_engine_wakes_once_for_all_the_batches_and_sleeps_before_the_fit(tiny_model_path, tmp_path, monkeypatch,
+                                                                                level):
+    """The cold start through plumbing/engine.py's vLLM backend (its real sample / awake / push glue)
+    over tests/plumbing/test_vllm.py's stand-in LLM, which records the calls, with sleep mode on as on
+    a GPU; generate_vllm answers with fake_sample's completions. 7 D_H items in batches of 2: 4
+    sample calls. The engine starts asleep (as after a validation), so the first call wakes it:
+    level 1 wake_up, level 2 a push (the policy's weights reloaded in one call). Then the batches
+    sample with no sleep, wake or push between them, and it sleeps once, before the MetaRM's fit.
+    Before: a sleep after every batch and a wake before the next, at level 2 a whole push per batch
+    (the FSDP2 shards gathered and reloaded 4 times; the CPU engine never sleeps, so only this shows it)."""
+    from plumbing import engine as E
+    from test_vllm import EXPECTED, _backend, _engine
+    eng = _engine(True, level, EXPECTED)
+    backend = _backend(monkeypatch, eng)
+    eng["asleep"] = True
+    llm, (inner, calls) = eng["llm"], fake_sample()
+
+    def generate(llm_, tok, ids, group_size, max_new_tokens, *, seed, **kw):
+        llm.calls.append(("generate",))
+        return inner(ids, group_size=group_size, max_new_tokens=max_new_tokens, seed=seed)
+    monkeypatch.setattr(E, "generate_vllm", generate)
+    at_fit, fit = [], metarm.fit_cold_start
+    monkeypatch.setattr(metarm, "fit_cold_start", lambda *a, **kw: at_fit.append((eng["asleep"], list(llm.calls)))
+                        or fit(*a, **kw))
+    _, stats = cold(tiny_model_path, str(tmp_path / "v"), [pair(i) for i in range(7)], backend["sample"],
+                    awake=backend["awake"])
+    assert calls == [2, 2, 2, 1] and stats["batches"] == 4 and stats["examples"] > 0
+    wake = [("wake_up", None)] if level == 1 else [("wake_up", ("weights",)), ("reload_weights",),
+                                                   ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert llm.calls == wake + [("generate",)] * 4 + [("sleep", level)]
+    assert at_fit == [(True, llm.calls)]  # asleep when the MetaRM trains, and nothing after
+
+
 def test_the_method_computes_the_rewards_by_hand(tiny_model_path):
     """metarm.cold_start_sample and cold_start_examples on known completions: the real prompt building of the tiny GRM, the
     proxy F1 of a copied human critique line: right + matched -> 1 + λ·1[F1 > 0.5], wrong -> 0,

