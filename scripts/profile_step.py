@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -310,35 +311,42 @@ def matmul_shape(model):
     Returns:
         dict: layer_params (elements of every nn.Linear weight but the LM head's: the decoder
         layers' q, k, v, o, gate, up, down), head_params (the LM head's weight, V x d; tied to the
-        embedding in SmolLM2, whose lookup is no matmul), attn_width (query heads x head dim),
-        n_layers.
+        embedding in SmolLM2, whose lookup is no matmul), last_layer_params and last_kv_params
+        (the last decoder layer's linear weights, and of those its k_proj + v_proj; where a model
+        names none so, all of the layer's), attn_width (query heads x head dim), n_layers.
     """
     head = model.get_output_embeddings()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]  # transformers' decoder layers
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return {"layer_params": sum(m.weight.numel() for m in linears), "head_params": head.weight.numel(),
-            "attn_width": c.num_attention_heads * head_dim, "n_layers": c.num_hidden_layers}
+    layer_params = sum(m.weight.numel() for m in linears)
+    last = ({n: m.weight.numel() for n, m in layers[-1].named_modules() if isinstance(m, torch.nn.Linear)}
+            if layers else {"": layer_params // c.num_hidden_layers})
+    kv = sum(v for n, v in last.items() if n.endswith(("k_proj", "v_proj"))) or sum(last.values())
+    return {"layer_params": layer_params, "head_params": head.weight.numel(), "last_layer_params": sum(last.values()),
+            "last_kv_params": kv, "attn_width": c.num_attention_heads * head_dim, "n_layers": c.num_hidden_layers}
 
 
 def logprob_passes(prompt_ids, width, shared_prompt):
     """The forward passes one micro-batch's log-probs run (train.rows_logprobs), as
-    (rows, context, new, head) tuples: `rows` sequences each run `new` tokens after `context`
-    cached ones, the LM head on `head` of them; lengths padded as the kernels see them.
+    (rows, context, new, head, cache_only) tuples: `rows` sequences each run `new` tokens after
+    `context` cached ones, the LM head on `head` of them; lengths padded as the kernels see them;
+    cache_only: only the pass's KV cache reaches the loss.
 
     shared_prompt (train.fast_paths, fast.completion_logprobs): when some rows share a prompt and
-    no prompt is one token, each distinct prompt but its last token runs once, left-padded (its
-    one kept logit gets no gradient and is left out), then every row runs `width` tokens (the
-    prompt's last and the completion's first width - 1) after that cache, the head on all `width`.
-    Otherwise (rollout.completion_logprobs, and the fast twin's fallback): every row runs
-    [left-padded prompt | width completion tokens], the head on the last width + 1.
+    no prompt is one token, each distinct prompt but its last token runs once, left-padded, its
+    head on one position (cache_only: the loss sees its K/V, not its logits), then every row runs
+    `width` tokens (the prompt's last and the completion's first width - 1) after that cache, the
+    head on all `width`. Otherwise (rollout.completion_logprobs, and the fast twin's fallback):
+    every row runs [left-padded prompt | width completion tokens], the head on the last width + 1.
     """
     n = len(prompt_ids)
     distinct, _ = fast.prompt_runs(prompt_ids)
     if shared_prompt and len(distinct) < n and min(map(len, distinct)) > 1:
         context = max(map(len, distinct)) - 1
-        return [(len(distinct), 0, context, 0), (n, context, width, width)]
-    return [(n, 0, max(map(len, prompt_ids)) + width, width + 1)]
+        return [(len(distinct), 0, context, 1, True), (n, context, width, width, False)]
+    return [(n, 0, max(map(len, prompt_ids)) + width, width + 1, False)]
 
 
 def update_passes(prompt_ids, completion_mask, *, micro_batch_size, updates_per_batch, minibatches, group_size,
@@ -366,33 +374,48 @@ def update_passes(prompt_ids, completion_mask, *, micro_batch_size, updates_per_
     return with_grad, no_grad
 
 
-def update_flops(with_grad, no_grad, *, layer_params, head_params, attn_width, n_layers):
-    """Model FLOPs of the update: the matmuls of its forwards and backwards, from the model's shape
-    and the token counts of its passes (`update_passes`). One forward pass (rows, context, new,
-    head) costs
+def update_flops(with_grad, no_grad, *, layer_params, head_params, last_layer_params, last_kv_params, attn_width,
+                 n_layers):
+    """Model FLOPs of the update: the matrix products of its forwards and backwards, from the
+    model's shape (`matmul_shape`) and the token counts of its passes (`update_passes`).
+
+    A forward pass (rows, context, new, head, cache_only) costs
 
         F = rows * (2 * layer_params * new + 2 * head_params * head + 4 * n_layers * attn_width * pairs),
         pairs = new * context + new * (new + 1) / 2
 
-    (a weight element does one multiply-add per token; attention's QK^T and PV do one per query-key
-    pair and channel, causally: the i-th new token sees the context and i new tokens). A backward
-    costs 2 F (gradients w.r.t. the inputs and the weights: twice the forward's products), so
+    (a weight element does one multiply-add per token; attention's QK^T and PV one per query-key
+    pair and channel, causally: the i-th new token sees the context and i new tokens). Its
+    backward costs B = 2 F (gradients w.r.t. the inputs and the weights: twice the forward's
+    products), except for a cache_only pass (the shared prompt): only its K/V reach the loss, so
+    its head and its last layer's q, o, MLP and attention get no gradient:
 
-        update = 3 * sum F(with_grad) + sum F(no_grad).
+        B = 2 * rows * (2 * (layer_params - last_layer_params + last_kv_params) * new
+                        + 4 * (n_layers - 1) * attn_width * pairs).
 
+    update = sum (F + B) over the passes with grad + sum F over the no-grad (behaviour) passes.
     Counted as the kernels run them (padding included), without recomputation (activation
     checkpointing, the chunked LM head's backward): "model FLOPs". Norms, activations, the
-    embedding lookup and the softmax are left out (elementwise, < 1% of the matmuls here).
+    embedding lookup and the softmax are left out (elementwise).
 
     Returns:
         dict of FLOPs: "matmul" (the linear layers and the LM head), "attention", "total".
     """
-    def forward(passes):
-        lin = sum(r * (2 * layer_params * new + 2 * head_params * head) for r, _, new, head in passes)
-        att = sum(r * 4 * n_layers * attn_width * (new * ctx + new * (new + 1) // 2) for r, ctx, new, _ in passes)
+    def count(passes, backward):
+        lin = att = 0
+        for rows, ctx, new, head, cache_only in passes:
+            pairs = new * ctx + new * (new + 1) // 2
+            lin += rows * (2 * layer_params * new + 2 * head_params * head)
+            att += rows * 4 * n_layers * attn_width * pairs
+            if backward and cache_only:
+                lin += 2 * rows * 2 * (layer_params - last_layer_params + last_kv_params) * new
+                att += 2 * rows * 4 * (n_layers - 1) * attn_width * pairs
+            elif backward:
+                lin += 2 * rows * (2 * layer_params * new + 2 * head_params * head)
+                att += 2 * rows * 4 * n_layers * attn_width * pairs
         return lin, att
-    (lg, ag), (ln, an) = forward(with_grad), forward(no_grad)
-    out = {"matmul": 3 * lg + ln, "attention": 3 * ag + an}
+    (lg, ag), (ln, an) = count(with_grad, True), count(no_grad, False)
+    out = {"matmul": lg + ln, "attention": ag + an}
     out["total"] = out["matmul"] + out["attention"]
     return out
 
