@@ -159,11 +159,13 @@ def test_breakdown_other_is_wall_minus_categorised():
 def test_profiled_splits_a_real_call():
     """The categories of one real profiled call: its matmul and its labelled gradient norm land in
     their categories, and the parts add up to the wall time."""
-    x = torch.randn(256, 256)
-    norm = ps.labelled(lambda: torch.linalg.vector_norm(x), ps.GRAD_NORM)
-    out, wall, split, table, top = ps.profiled(lambda: (x @ x, norm()), top=3)
-    assert out[0].shape == (256, 256) and "aten::mm" in table and "aten::mm" in top
-    assert split["matmul"] > 0 and split["grad_norm"] > 0 and split["attention"] == 0
+    x, g = torch.randn(256, 256), torch.randn(1 << 22)
+    norm = ps.labelled(lambda: torch.linalg.vector_norm(g), ps.GRAD_NORM)
+    out, wall, split, table, top = ps.profiled(lambda: (x @ x, norm()), top=20)
+    assert out[0].shape == (256, 256) and "aten::mm" in table
+    assert split["matmul"] >= top["aten::mm"] > 0 and split["attention"] == 0
+    # the norm op inside the label counts as the label's (its enclosing range decides)
+    assert split["grad_norm"] >= top["aten::linalg_vector_norm"] > 0
     assert sum(split[c] for c in ps.CATEGORIES) + split["other"] == pytest.approx(wall, rel=1e-9)
     assert split["wall"] == wall
 
