@@ -151,10 +151,10 @@ def main(argv=None):
           + f", step {sum(times.values()):.1f}; rollout {tokens / times['rollout']:.0f} generated tokens/s")
     f1 = flops(timed_step["batch"])
     print(f"update: {f1['total'] / 1e9:.1f} GFLOP (matmul {f1['matmul'] / 1e9:.1f}, attention {f1['attention'] / 1e9:.1f}) "
-          f"in {times['update']:.2f} s = {f1['total'] / times['update'] / 1e9:.1f} GFLOP/s, "
-          f"{100 * f1['total'] / times['update'] / 1e9 / peak:.0f}% of the matmul peak")
+          f"in {times['update']:.2f} s = {rate(f1['total'], times['update']):.1f} GFLOP/s, "
+          f"{100 * rate(f1['total'], times['update']) / peak:.0f}% of the matmul peak")
     report.update(stage_s=times, rollout_tokens_per_s=tokens / times["rollout"], update_flops=f1,
-                  update_gflops=f1["total"] / times["update"] / 1e9)
+                  update_gflops=rate(f1["total"], times["update"]))
 
     prof_step = step(2, profiler=True)
     for name, table in prof_step["ops"].items():
@@ -180,6 +180,8 @@ def main(argv=None):
         base = base or dt
         report["reward_vs_K_s"][k] = dt
         print(f"  K={k}: {dt:.1f} s  ({dt / base:.2f} x K={a.K[0]})")
+    report["load_average_end"] = os.getloadavg()
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in report['load_average_end'])}")
     if a.json:
         import json
         with open(a.json, "w") as f:
@@ -460,7 +462,8 @@ def machine_info():
     blas = [ln.strip(" -") for ln in show.splitlines()
             if any(k in ln for k in ("Math Kernel", "MKL-DNN", "oneDNN", "OpenBLAS", "CPU capability"))]
     blas += re.findall(r"\b(?:BLAS_INFO|LAPACK_INFO|USE_MKL|USE_MKLDNN|USE_OPENMP)=[^,\s]*", show)
-    return {"cpu": cpu, "cpu_flags": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags),
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
+            "cpu": cpu, "cpu_flags": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags),
             "os_cpus": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "num_threads": torch.get_num_threads(),
             "num_interop_threads": torch.get_num_interop_threads(),
@@ -471,6 +474,7 @@ def machine_info():
 
 
 def print_machine(m):
+    print(f"{m['date']}, load average (1, 5, 15 min) {' '.join(f'{x:.1f}' for x in m['load_average'])}")
     print(f"CPU: {m['cpu']} ({m['os_cpus']} CPUs, {m['affinity_cpus']} in this process's affinity; {m['cpu_flags']})")
     print(f"torch {m['torch']}: {m['num_threads']} threads, {m['num_interop_threads']} inter-op; "
           f"mkldnn {m['mkldnn']}, mkl {m['mkl']}, CPU capability {m['cpu_capability']}")
