@@ -274,6 +274,14 @@ def profiled(fn, top):
         t = time.perf_counter()
         out = fn()
         wall = time.perf_counter() - t
+    averages = sorted(prof.key_averages(), key=lambda x: -x.self_cpu_time_total)[:top]
+    return (out, wall, breakdown(categorised_ops(prof), wall),
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top),
+            {x.key: x.self_cpu_time_total / 1e6 for x in averages})
+
+
+def categorised_ops(prof):
+    """(op_category, self seconds) of every op a finished torch.profiler.profile recorded."""
     ops = []
     for e in prof.events():
         chain, up = [e.name], e.cpu_parent
@@ -281,9 +289,7 @@ def profiled(fn, top):
             chain.append(up.name)
             up = up.cpu_parent
         ops.append((op_category(chain), e.self_cpu_time_total / 1e6))
-    averages = sorted(prof.key_averages(), key=lambda x: -x.self_cpu_time_total)[:top]
-    return (out, wall, breakdown(ops, wall), prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top),
-            {x.key: x.self_cpu_time_total / 1e6 for x in averages})
+    return ops
 
 
 def labelled(fn, label):
@@ -517,12 +523,17 @@ def repeat_update(update, runs, *, profile, flops, peak):
     print(header + ("  " + "  ".join(f"{c:>9}" for c in [*CATEGORIES, "other"]) if profile else ""))
     rows = []
     for i in range(runs):
-        before = counters()
-        split = profiled(update, 0)[2] if profile else None
-        if not profile:
+        if profile:  # the counters inside the profile: its start, stop and the op walk are not the run's
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                before = counters()
+                update()
+                after = counters()
+        else:
+            before = counters()
             update()
-        after = counters()
+            after = counters()
         wall, cpu, steal, csw = (b - a for a, b in zip(before, after))
+        split = breakdown(categorised_ops(prof), wall) if profile else None
         row = {"wall_s": wall, "cpu_s": cpu, "steal_s": steal, "involuntary_csw": csw, "gflops": rate(flops, wall),
                "split": split}
         rows.append(row)
