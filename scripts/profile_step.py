@@ -28,6 +28,7 @@ import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -254,12 +255,14 @@ def breakdown(ops, wall_s):
     Returns:
         dict: seconds of each of CATEGORIES; "other_ops" (the self time of uncategorised ops);
         "untraced" = wall - the self time of all ops (Python, the framework, waiting);
-        "other" = wall - the categorised self time = other_ops + untraced; "wall".
+        "other" = wall - the categorised self time = other_ops + untraced; "wall"; "ops" (how many:
+        a cost paid per op, such as a thread pool's barrier, grows with it).
     """
     out = dict.fromkeys(CATEGORIES, 0.0)
-    out["other_ops"] = 0.0
+    out["other_ops"], out["ops"] = 0.0, 0
     for category, seconds in ops:
         out["other_ops" if category == "other" else category] += seconds
+        out["ops"] += 1
     categorised = sum(out[c] for c in CATEGORIES)
     out["untraced"] = wall_s - categorised - out["other_ops"]
     out["other"] = wall_s - categorised
@@ -303,10 +306,10 @@ def labelled(fn, label):
 def format_breakdown(splits):
     """`breakdown`s by stage as a table: seconds and % of the stage's wall time."""
     cols = [*CATEGORIES, "other"]
-    lines = [f"{'stage':<8} {'wall s':>7}  " + "  ".join(f"{c:>16}" for c in cols) + f"  {'(untraced)':>16}"]
+    lines = [f"{'stage':<8} {'wall s':>7}  " + "  ".join(f"{c:>16}" for c in cols) + f"  {'(untraced)':>16}  {'ops':>7}"]
     for stage, d in splits.items():
         cell = [f"{d[c]:7.2f} ({100 * d[c] / d['wall']:3.0f}%)" for c in [*cols, "untraced"]]
-        lines.append(f"{stage:<8} {d['wall']:7.2f}  " + "  ".join(f"{x:>16}" for x in cell))
+        lines.append(f"{stage:<8} {d['wall']:7.2f}  " + "  ".join(f"{x:>16}" for x in cell) + f"  {d['ops']:7d}")
     return "\n".join(lines)
 
 
@@ -455,36 +458,75 @@ THREAD_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "DNNL_", "ONEDNN_", "ATEN_", "TOR
 
 def machine_info():
     """The CPU and torch's threading / BLAS / oneDNN settings, as a dict of strings and numbers."""
-    cpu, flags = "unknown", ""
+    cpus = []  # one {field: value} per logical CPU of /proc/cpuinfo
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and cpu == "unknown":
-                    cpu = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.split()
+            for block in f.read().strip().split("\n\n"):
+                cpus.append({k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in block.splitlines())})
+    first = cpus[0] if cpus else {}
+    flags = first.get("flags", "").split()
     show = torch.__config__.show()
     blas = [ln.strip(" -") for ln in show.splitlines()
             if any(k in ln for k in ("Math Kernel", "MKL-DNN", "oneDNN", "OpenBLAS", "CPU capability"))]
     blas += re.findall(r"\b(?:BLAS_INFO|LAPACK_INFO|USE_MKL|USE_MKLDNN|USE_OPENMP)=[^,\s]*", show)
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
-            "cpu": cpu, "cpu_flags": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags),
+            "cpu": first.get("model name", "unknown"), "vendor": first.get("vendor_id"),
+            "family_model": f"{first.get('cpu family')}/{first.get('model')}", "mhz": first.get("cpu MHz"),
+            "cache": first.get("cache size"),
+            "physical_cores": len({(c.get("physical id"), c.get("core id")) for c in cpus}),
+            "cpu_flags": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags),
             "os_cpus": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "num_threads": torch.get_num_threads(),
             "num_interop_threads": torch.get_num_interop_threads(),
             "mkldnn": torch.backends.mkldnn.is_available(), "mkl": torch.backends.mkl.is_available(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas, **kernel_libraries(),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(THREAD_ENV)},
             "parallel_info": torch.__config__.parallel_info()}
 
 
+def kernel_libraries():
+    """Which library runs an fp32 torch.mm, and the code path MKL and oneDNN pick on this CPU, from
+    their own verbose lines (MKL's names the ISA branch it dispatched to; on a CPU it does not
+    recognise it says only "Intel(R) Architecture processors"; oneDNN's says "isa:...")."""
+    def stdout_of(fn):  # the C libraries print to file descriptor 1
+        with tempfile.TemporaryFile() as f:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            os.dup2(f.fileno(), 1)
+            try:
+                fn()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+            f.seek(0)
+            return f.read().decode(errors="replace")
+
+    def mm():
+        with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+            torch.mm(torch.randn(64, 64), torch.randn(64, 64))
+
+    def onednn():
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            torch.nn.functional.linear(torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16))
+    out = {"fp32_mm": "unknown", "mkl_code_path": None, "onednn_isa": None}
+    if torch.backends.mkl.is_available():
+        text = stdout_of(mm)
+        out["fp32_mm"] = "MKL sgemm" if "SGEMM" in text else "not MKL (no MKL_VERBOSE SGEMM line)"
+        out["mkl_code_path"] = next((ln.split(" for ", 1)[-1] for ln in text.splitlines() if "oneMKL" in ln or "Intel(R) MKL" in ln), None)
+    if torch.backends.mkldnn.is_available():
+        out["onednn_isa"] = next((ln.split("isa:", 1)[1] for ln in stdout_of(onednn).splitlines() if "isa:" in ln), None)
+    return out
+
+
 def print_machine(m):
     print(f"{m['date']}, load average (1, 5, 15 min) {' '.join(f'{x:.1f}' for x in m['load_average'])}")
-    print(f"CPU: {m['cpu']} ({m['os_cpus']} CPUs, {m['affinity_cpus']} in this process's affinity; {m['cpu_flags']})")
+    print(f"CPU: {m['cpu']} ({m['vendor']}, family/model {m['family_model']}, {m['mhz']} MHz, cache {m['cache']}; "
+          f"{m['os_cpus']} logical CPUs on {m['physical_cores']} cores, {m['affinity_cpus']} in this process's affinity; "
+          f"{m['cpu_flags']})")
     print(f"torch {m['torch']}: {m['num_threads']} threads, {m['num_interop_threads']} inter-op; "
           f"mkldnn {m['mkldnn']}, mkl {m['mkl']}, CPU capability {m['cpu_capability']}")
     print("BLAS / oneDNN: " + "; ".join(m["blas"]))
+    print(f"fp32 torch.mm runs on: {m['fp32_mm']}; MKL's code path: {m['mkl_code_path']}; oneDNN's ISA: {m['onednn_isa']}")
     print("env: " + (" ".join(f"{k}={v}" for k, v in m["env"].items()) or "no OMP_/MKL_/KMP_/DNNL_ variables set"))
     print(m["parallel_info"].rstrip())
 

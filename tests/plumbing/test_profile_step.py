@@ -153,7 +153,7 @@ def test_breakdown_other_is_wall_minus_categorised():
     assert out["other_ops"] == 0.75  # the uncategorised ops' self time
     assert out["other"] == 6.0 - 4.25  # wall - categorised
     assert out["untraced"] == 6.0 - 4.25 - 0.75  # wall - every op's self time
-    assert out["wall"] == 6.0
+    assert out["wall"] == 6.0 and out["ops"] == 6
 
 
 def test_profiled_splits_a_real_call():
