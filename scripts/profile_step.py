@@ -14,8 +14,8 @@ Runs the three stages of train.py's step on one batch with the same functions tr
      "other" = wall - the categorised ops' self times (the other ops, plus the Python and
      framework time the profiler records no op for: "untraced");
   5. the update's model FLOPs (`update_flops`) per second against this machine's measured fp32
-     matmul peak (`matmul_peak`), printed with the CPU model, torch's threads and its BLAS / oneDNN
-     settings (`machine_info`);
+     matmul peak (`matmul_peak`: torch.mm's, and oneDNN's on the same product), printed with the
+     CPU model, torch's threads, its BLAS / oneDNN settings and code paths (`machine_info`);
   6. with `--runs N`: the update stage N more times on one batch, each run's seconds, process CPU
      seconds, the machine's steal time (/proc/stat) and involuntary context switches, and the
      spread (`--profile-runs`: each run profiled and split as in 4).
@@ -127,8 +127,10 @@ def main(argv=None):
     machine = machine_info()
     print_machine(machine)
     peak = matmul_peak(a.peak_size)
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({a.peak_size}^3 x 2 FLOP, best of 5, {torch.get_num_threads()} threads)")
-    report = {"machine": machine, "matmul_peak_gflops": peak, "peak_size": a.peak_size,
+    onednn = matmul_peak(a.peak_size, library="onednn") if torch.backends.mkldnn.is_available() else None
+    print(f"fp32 matmul peak: torch.mm {peak:.1f} GFLOP/s" + (f", oneDNN {onednn:.1f} GFLOP/s" if onednn else "")
+          + f" ({a.peak_size}^3 x 2 FLOP, best of 5, {torch.get_num_threads()} threads)")
+    report = {"machine": machine, "matmul_peak_gflops": peak, "onednn_peak_gflops": onednn, "peak_size": a.peak_size,
               "config": {"P": ro["prompts_per_step"], "G": ro["group_size"], "N": ro["max_new_tokens"],
                          "train_micro_batch": cfg["train"]["micro_batch_size"],
                          "reward_micro_batch": rw["micro_batch_size"], "fast_paths": cfg["train"]["fast_paths"],
@@ -153,7 +155,8 @@ def main(argv=None):
     f1 = flops(timed_step["batch"])
     print(f"update: {f1['total'] / 1e9:.1f} GFLOP (matmul {f1['matmul'] / 1e9:.1f}, attention {f1['attention'] / 1e9:.1f}) "
           f"in {times['update']:.2f} s = {rate(f1['total'], times['update']):.1f} GFLOP/s, "
-          f"{100 * rate(f1['total'], times['update']) / peak:.0f}% of the matmul peak")
+          f"{100 * rate(f1['total'], times['update']) / peak:.0f}% of torch.mm's peak"
+          + (f", {100 * rate(f1['total'], times['update']) / onednn:.0f}% of oneDNN's" if onednn else ""))
     report.update(stage_s=times, rollout_tokens_per_s=tokens / times["rollout"], update_flops=f1,
                   update_gflops=rate(f1["total"], times["update"]))
 
@@ -436,16 +439,31 @@ def rate(flops, seconds):
     return flops / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def matmul_peak(n=2048, repeats=5):
+def matmul_peak(n=2048, repeats=5, library="torch.mm"):
     """This machine's fp32 matmul rate on torch's current threads: GFLOP/s of the best of `repeats`
-    [n, n] @ [n, n] products (2 n^3 FLOPs each), after one untimed."""
+    [n, n] @ [n, n] products (2 n^3 FLOPs each), after one untimed.
+
+    library: "torch.mm" (what the model's matmuls call: MKL's sgemm in the CPU wheels,
+    `kernel_libraries`), or "onednn" (torch.ops.aten.mkldnn_linear on oneDNN tensors, fp32, the
+    same IEEE arithmetic): MKL and oneDNN pick their code paths per CPU vendor, so on one CPU the
+    two can differ by far (issue 36 asks about the dispatch on AMD).
+    """
     x, y = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(x, y, out=out)
+    if library == "onednn":
+        xm, wm = x.to_mkldnn(), y.t().contiguous().to_mkldnn()  # x @ y = linear(x, y^T)
+
+        def run():
+            return torch.ops.aten.mkldnn_linear(xm, wm)
+    else:
+        out = torch.empty(n, n)
+
+        def run():
+            return torch.mm(x, y, out=out)
+    run()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.mm(x, y, out=out)
+        run()
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
 
@@ -584,7 +602,7 @@ def repeat_update(update, runs, *, profile, flops, peak):
     s = spread([r["wall_s"] for r in rows])
     print(f"spread: min {s['min']:.2f} s, median {s['median']:.2f} s, max {s['max']:.2f} s "
           f"((max - min) / median {100 * s['range_over_median']:.0f}%); median {rate(flops, s['median']):.1f} GFLOP/s "
-          f"= {100 * rate(flops, s['median']) / peak:.0f}% of the matmul peak")
+          f"= {100 * rate(flops, s['median']) / peak:.0f}% of torch.mm's peak")
     return {"runs": rows, "spread": s}
 
 
