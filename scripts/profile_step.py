@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py                         # configs/cpu.yaml: P=4, G=4, N=128, SmolLM2 fp32
     python scripts/profile_step.py --K 1 4 --ops 8 rollout.max_new_tokens=64
+    python scripts/profile_step.py --runs 5 --profile-runs --json prof.json  # the update's spread (issue 36)
 
 Runs the three stages of train.py's step on one batch with the same functions train.py calls
 (fast.generate, reward.rlme_reward, train.update_policy), after one untimed warm-up step:
