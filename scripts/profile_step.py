@@ -578,12 +578,16 @@ def counters():
 def repeat_update(update, runs, *, profile, flops, peak):
     """Run update() `runs` times; print and return each run's figures and the spread of its seconds.
     A run whose CPU seconds / wall stay near the thread count but whose wall grows lost time to
-    other guests (steal) or processes; one whose CPU seconds grow with its wall did more work or spun."""
+    other guests (steal) or processes; one whose CPU seconds grow with its wall did more work or spun.
+    Before each run a small matmul probe (`matmul_peak` at n = 1024, best of 3, ~0.05 s) says
+    whether the machine itself was slower then (frequency, neighbours) or only the update."""
     print(f"\nupdate stage x {runs} (same batch; the optimizer steps each time):")
-    header = f"{'run':>3} {'wall s':>7} {'cpu s':>7} {'cpu/wall':>8} {'steal s':>7} {'inv. csw':>8} {'GFLOP/s':>7}"
+    header = (f"{'run':>3} {'wall s':>7} {'cpu s':>7} {'cpu/wall':>8} {'steal s':>7} {'inv. csw':>8} {'GFLOP/s':>7} "
+              f"{'probe':>7}")
     print(header + ("  " + "  ".join(f"{c:>9}" for c in [*CATEGORIES, "other"]) if profile else ""))
     rows = []
     for i in range(runs):
+        probe = matmul_peak(1024, repeats=3)
         if profile:  # the counters inside the profile: its start, stop and the op walk are not the run's
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 before = counters()
@@ -596,9 +600,9 @@ def repeat_update(update, runs, *, profile, flops, peak):
         wall, cpu, steal, csw = (b - a for a, b in zip(before, after))
         split = breakdown(categorised_ops(prof), wall) if profile else None
         row = {"wall_s": wall, "cpu_s": cpu, "steal_s": steal, "involuntary_csw": csw, "gflops": rate(flops, wall),
-               "split": split}
+               "probe_gflops": probe, "split": split}
         rows.append(row)
-        line = f"{i + 1:>3} {wall:7.2f} {cpu:7.2f} {cpu / wall:8.2f} {steal:7.2f} {csw:8d} {row['gflops']:7.1f}"
+        line = f"{i + 1:>3} {wall:7.2f} {cpu:7.2f} {cpu / wall:8.2f} {steal:7.2f} {csw:8d} {row['gflops']:7.1f} {probe:7.1f}"
         print(line + ("  " + "  ".join(f"{split[c]:9.2f}" for c in [*CATEGORIES, "other"]) if profile else ""))
     s = spread([r["wall_s"] for r in rows])
     print(f"spread: min {s['min']:.2f} s, median {s['median']:.2f} s, max {s['max']:.2f} s "
