@@ -111,7 +111,8 @@ def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature
     done = torch.zeros(attn.shape[0], dtype=torch.bool, device=device)
     tokens = []
     for t in range(max_new_tokens):
-        nxt = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+        with torch.profiler.record_function("sample_next"):  # its own category in scripts/profile_step.py
+            nxt = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
         done |= torch.isin(nxt, eos_t)
