@@ -35,7 +35,7 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
 metarm.train_on_do adds D_O verdicts with outcome-only labels (reward.do_training_samples).
 
 The functions take the MetaRM model, its tokenizer and numbers (metarm_loss, predict, fit, update);
-online_update and nlhf_reward_step keep its state, a plain dict (plumbing/metarm_setup.py's load_metarm):
+online_update and nlhf_reward_step keep its state, a plain dict (plumbing/metarm_setup.py load_metarm):
 {"model", "tokenizer", "optimizer" (online AdamW, made by the first update that trains), "mode",
 "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "dtype" (autocast's;
 parameters and AdamW state are float32), "updates", "truncated" (counts), "shard" ((rank, world):

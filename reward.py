@@ -391,7 +391,7 @@ def meta_question_dicts(meta_questions, target="Yes"):
 
 def logp_metric_name(evaluator, question):
     """The metric name of one evaluator's mean log p for one meta-question: the name train.py
-    writes to metrics.jsonl (plumbing/metrics.py's rlme_step_metrics), so TRL's logs read the same."""
+    writes to metrics.jsonl (plumbing/metrics.py rlme_step_metrics): TRL's logs read the same."""
     return f"rlme/{evaluator}/{question}/logp"
 
 

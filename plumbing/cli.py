@@ -11,8 +11,9 @@
                                              subcommand (plumbing/eval_commands.py cmd_*,
                                              plumbing/plots.py cmd_plot)
 
-Argument parsing, loading models and data, writing result files; the computations are the stage
-files' functions. They live here, not in the stage files' `__main__` blocks, because this module
+Argument parsing (ArgumentParser: one-line errors; DefaultsHelpFormatter), loading models and data
+(read_scoring_rows: reward's rows, checked before a model loads), writing result files; the
+computations are the stage files' functions. They live here, not in the stage files' `__main__` blocks, because this module
 imports the stage files: `python reward.py` importing it would load reward.py a second time (as
 `reward` beside `__main__`) and close an import circle (tests/plumbing/test_imports.py). Nothing
 in plumbing/ imports this module, so `python -m plumbing.cli` loads every file once.

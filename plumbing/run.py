@@ -2,7 +2,8 @@
 
     setup(cfg, passes)        models, data, optimizer, resume point: the `state` dict (its keys in
                               setup's docstring), every check that needs no model first
-                              (check_startup, free_space_problem)
+                              (check_startup, free_space_problem); start_run does the work once
+                              the run folder is locked
     update_kwargs(cfg, passes, device, ...), policy_loss(algo, ...)
                               train.update_policy's keyword arguments (the policy loss among
                               them) bound from a config as train.train binds them, for the
