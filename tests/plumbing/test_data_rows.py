@@ -9,7 +9,6 @@ import pytest
 
 from conftest import SMOLLM2, data_path
 import rollout
-import train as T
 
 from plumbing.config import load_config
 from plumbing.items import load_train_items, load_val_items
@@ -335,9 +334,9 @@ def test_split_one_dataset_into_dh_and_do(tmp_path):
     # without the key nothing is split, and the split needs nlhf.do: null
     cfg = load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null"])
     assert [len(x) if x is not None else None for x in load_nlhf_items(cfg)] == [7, 0, None]
-    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.split_dh_fraction=0.5"]) == (
+    assert refused(load_config, [], ["task=rm_nlhf", "nlhf.split_dh_fraction=0.5"]) == (
         "config key nlhf.split_dh_fraction=0.5 splits nlhf.dh into D_H and D_O: set nlhf.do: null (it is Anthropic/hh-rlhf)")
-    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.do=null", "nlhf.split_dh_fraction=1.0"]) == (
+    assert refused(load_config, [], ["task=rm_nlhf", "nlhf.do=null", "nlhf.split_dh_fraction=1.0"]) == (
         "config key nlhf.split_dh_fraction: must be in [0, 1) (0 = off; the share of nlhf.dh that becomes D_H), got 1.0")
     # D_O from the split counts as D_O: metarm_only is allowed
     load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", "nlhf.split_dh_fraction=0.5", "metarm.mode=metarm_only"])
