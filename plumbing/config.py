@@ -66,7 +66,7 @@ LIST_ITEM_KEYS = {
     "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": (str, type(None)),
                           "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
                           "system_prompt": (str, type(None)),
-                          # kind remote only (services.remote_evaluator; defaults: services.REMOTE_DEFAULTS)
+                          # kind remote only (evaluators.remote_evaluator; defaults: evaluators.REMOTE_DEFAULTS)
                           "base_url": str, "model": str, "api_key_env": (str, type(None)), "timeout_s": float,
                           "max_retries": int, "backoff_base_s": float, "backoff_max_s": float, "concurrency": int,
                           "batch_size": int, "max_tokens": int},

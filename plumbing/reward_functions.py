@@ -26,11 +26,12 @@ from plumbing.evaluators import checked_template, remote_evaluator
 # answers) is not possible from outside a trainer (scripts/bench_vs_trl.py shows a TRL-internal
 # workaround for benchmarking only).
 #
-#   from plumbing import services
-#   ev = services.load_evaluator("HuggingFaceTB/SmolLM2-135M-Instruct")
-#   fn = services.trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
+#   from plumbing.evaluators import load_evaluator
+#   from plumbing.reward_functions import trl_reward_function, verl_compute_score
+#   ev = load_evaluator("HuggingFaceTB/SmolLM2-135M-Instruct")
+#   fn = trl_reward_function([ev], ["Is the answer correct?"], problem_key="question")
 #   GRPOTrainer(model=..., reward_funcs=fn, ...)        # TRL: one call per generation batch
-#   compute_score = services.verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
+#   compute_score = verl_compute_score([ev], ["Is the answer correct?"])   # verl: per sample
 
 
 def _checked_setup(evaluators, meta_questions, template, transform):
