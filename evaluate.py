@@ -145,7 +145,7 @@ INJECT_CHOICES = ("none", "reference", "wrong")
 def wrong_answer(items, k):
     """The seeded wrong answer shown in place of item k's reference answer: NoCheat's
     counterfactual test (RLME §4, Fig. 7). The one rule for training validation
-    (plumbing/run.py's wrong_answer calls it) and `evaluate.py math --inject wrong`.
+    (plumbing/validation.py's wrong_answer calls it) and `evaluate.py math --inject wrong`.
 
         label a number (a str that reward.to_number reads) -> known_wrong_answer: label + 1
         otherwise (text labels, MATH expressions)          -> the next item's answer_text

@@ -12,12 +12,13 @@ where there are any). Timings: docs/performance.md.
                                                            chunk_tokens, the LM head + log-softmax over
                                                            chunks of positions (bounded logits memory)
     fast.score_targets        reward.score_targets         the evaluator prompts' prefix tree runs once
-    fast.score_remote         plumbing.services.score_remote  batched, concurrent requests
+    fast.score_remote         plumbing.evaluators.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
 
 Who imports this file: train.py, for the one switch (`fast_or_plain`), and plumbing/ (cli.py,
-services.py); rollout.py, reward.py, metarm.py and evaluate.py never do, so a reader of the method
-never needs it. It imports only rollout.py (tests/plumbing/test_layout.py, test_imports.py).
+eval_commands.py, evaluators.py); rollout.py, reward.py, metarm.py and evaluate.py never do, so a
+reader of the method never needs it. It imports only rollout.py (tests/plumbing/test_layout.py,
+test_imports.py).
 """
 import concurrent.futures
 import contextlib
@@ -652,12 +653,12 @@ def _right_pad(rows, pad_id, device):
 
 
 def score_remote(r, fulls):
-    """The numbers of its plain twin plumbing.services.score_remote, with batch_size texts per
+    """The numbers of its plain twin plumbing.evaluators.score_remote, with batch_size texts per
     request (vLLM answers them as one batch) and `concurrency` requests in flight. Pinned by
     tests/algorithm/test_fast.py::test_batched_requests_equal_one_request_per_prompt."""
     chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
-        out = list(pool.map(lambda c: r["request"](r, c), chunks))  # remote_request (plumbing/services.py)
+        out = list(pool.map(lambda c: r["request"](r, c), chunks))  # remote_request (plumbing/evaluators.py)
     return [v for o in out for v in o[0]], [w for o in out for w in o[1]]
 
 

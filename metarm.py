@@ -35,7 +35,7 @@ Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H)
 metarm.train_on_do adds D_O verdicts with outcome-only labels (reward.do_training_samples).
 
 The functions take the MetaRM model, its tokenizer and numbers (metarm_loss, predict, fit, update);
-online_update and nlhf_reward_step keep its state, a plain dict (plumbing/run.py's load_metarm):
+online_update and nlhf_reward_step keep its state, a plain dict (plumbing/metarm_setup.py load_metarm):
 {"model", "tokenizer", "optimizer" (online AdamW, made by the first update that trains), "mode",
 "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay", "dtype" (autocast's;
 parameters and AdamW state are float32), "updates", "truncated" (counts), "shard" ((rank, world):
@@ -395,7 +395,7 @@ def cold_start_sample(items, *, sample, prompt, rollouts_per_prompt, max_new_tok
 
 def cold_start_examples(mrm, items, completions, *, judge, parse, score, rollouts_per_prompt):
     """Algorithm 1, lines 5-7, on one batch: the rollouts' rewards R from the judge (Eq. 4-5; judge:
-    judge(pairs) -> list[dict], plumbing/services.py make_judge), the MetaRM examples (Eq. 6's input,
+    judge(pairs) -> list[dict], plumbing/judge.py make_judge), the MetaRM examples (Eq. 6's input,
     R the Eq. 7 target: examples_from_samples). items, completions: cold_start_sample's; parse:
     completion -> reward.parse_grm_output dict; score: (parsed, items, judge) -> reward.score_dh
     samples (both with the run's numbers bound: plumbing/cold_start.py cold_start_settings).

@@ -391,7 +391,7 @@ def meta_question_dicts(meta_questions, target="Yes"):
 
 def logp_metric_name(evaluator, question):
     """The metric name of one evaluator's mean log p for one meta-question: the name train.py
-    writes to metrics.jsonl (plumbing/run.py's rlme_step_metrics), so TRL's logs read the same."""
+    writes to metrics.jsonl (plumbing/metrics.py rlme_step_metrics): TRL's logs read the same."""
     return f"rlme/{evaluator}/{question}/logp"
 
 
@@ -647,7 +647,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     parsed: parse_grm_output dicts, one per completion; items: their pairwise dicts (an item
     repeated G times for a group); judge: a callable judge(pairs) -> list[dict], pairs a list of
     (human critique, GRM critique, item) tuples, each result {"f1", "precision", "recall", "why",
-    "attempts"} with f1 None on a failure (plumbing/services.py make_judge: the LLM judge or the
+    "attempts"} with f1 None on a failure (plumbing/judge.py make_judge: the LLM judge or the
     offline proxy; the item is what judge.variant meta_judge reads); on_failure (judge.on_failure):
     what a failed call gives, "mask" (ours: reward None, the sample is left out) or "zero" (the
     authors' released code: S = 0, so R_process = 0); similarity: which judge number is S(h, c)
@@ -757,7 +757,7 @@ def nlhf_step_metrics(records, step_metrics):
 #
 # S(h, c) = F1 of core arguments between the human critique h and the GRM critique c, decided by
 # an LLM behind any OpenAI-compatible server. score_dh calls it as a plain callable judge(pairs) ->
-# list[dict]; plumbing/services.py's make_judge builds it (the prompts and parsers below, requests
+# list[dict]; plumbing/judge.py's make_judge builds it (the prompts and parsers below, requests
 # judge.concurrency at a time, retries with backoff; after the last retry the result is f1=None
 # with the reason in `why`, never an exception into the training loop).
 
@@ -863,6 +863,7 @@ def parse_judge_output(text):
 
 
 # load_evaluator, remote_evaluator, trl_reward_function and verl_compute_score (they load models and
-# call servers; README, "The RLME reward in another trainer") are plumbing/services.py's.
+# call servers; README, "The RLME reward in another trainer") are in plumbing/evaluators.py
+# and plumbing/reward_functions.py.
 if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (reward_main)
     raise SystemExit("reward.py's command line: python -m plumbing.cli reward --help (from the repository root)")

@@ -40,12 +40,12 @@ import fast
 import metarm
 import reward as R
 import rollout
-from plumbing.cli import ArgumentParser
-from plumbing.config import load_config
-from plumbing.plan import add_plan_flags, print_plan
-from plumbing.run import emit, finish, run_interruptible, save_and_stop, setup, step_metrics, validate_at_start, validation_step
+from plumbing.cli import train_main
+from plumbing.evaluators import score_remote
+from plumbing.metrics import step_metrics
+from plumbing.run import emit, finish, save_and_stop, setup
 from plumbing.scale import all_sum, compute_context, grad_sync, logp_gap
-from plumbing.services import score_remote
+from plumbing.validation import validate_at_start, validation_step
 
 
 def train(cfg):
@@ -58,7 +58,8 @@ def train(cfg):
     algo, ro, rw, seed = cfg["algo"], cfg["rollout"], cfg["reward"], cfg["run"]["seed"]
     G, rank, world, device = ro["group_size"], state["rank"], state["world"], state["device"]
     # the forwards' mixed precision: a context (torch.autocast or none; plumbing/scale.py)
-    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device)
+    context = functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"],
+                                device)
     # The config, read once: each stage gets numbers and callables.
     # 3. RLME's reward (Eq. 2-3): the evaluators' log p(target) to the meta-questions in a template
     template = {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
@@ -68,7 +69,7 @@ def train(cfg):
         kind=rw["kind"], template=template, label_format=cfg["data"]["label_format"],
         qa_metric=rw["qa_metric"], rlvr_weight=rw["rlvr_weight"], renormalize=rw["renormalize"],
         nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"], context=context, world=world)
-    # 3. RM-NLHF's reward (Algorithm 1): the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM
+    # 3. RM-NLHF's reward (Alg. 1): the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM
     nl = cfg["nlhf"]
     nlhf_step = functools.partial(
         metarm.nlhf_reward_step, judge=state.get("judge"), mrm=state["mrm"], lam=nl["lam"],
@@ -96,14 +97,15 @@ def train(cfg):
         logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"], context=context, world=world,
         device=device, ref_model=state["ref_model"], scaler=state["scaler"])
     total, every = cfg["run"]["total_steps"], cfg["run"]["eval_every"]
-    sampling = {k: cfg["rollout"][k] for k in ("group_size", "max_new_tokens", "temperature", "top_p", "top_k")}
-    validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, the initial policy's held-out validation
+    sampling = {k: ro[k] for k in ("group_size", "max_new_tokens", "temperature", "top_p", "top_k")}
+    validate_at_start(state, cfg, reward_step)  # run.eval_at_start: step 0, before any update
     for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1-2. prompts and rollout: G completions for each of this rank's prompts (RLME Eq. 1)
         items, prompt_ids = step_prompts(state, cfg, step)
-        # rollout.backend's engine (plumbing/engine.py): HF decode on the policy, or vLLM (which then sleeps)
-        ro_out = state["rollout"]["sample"](prompt_ids, **sampling, seed=sampling_seed(seed, step, rank))
+        # rollout.backend (plumbing/engine.py): HF decode on the policy, or vLLM (which then sleeps)
+        ro_out = state["rollout"]["sample"](prompt_ids, **sampling,
+                                            seed=sampling_seed(seed, step, rank))
         samples = [it for it in items for _ in range(G)]  # the item of each completion
         t1 = time.perf_counter()
 
@@ -130,7 +132,7 @@ def train(cfg):
             # LoRA dropout draws from torch's RNG: seeded per step, so a resumed run draws alike
             torch.manual_seed(sampling_seed(seed, step, rank))
         upd = update(state["model"], state["policy"], state["optimizer"], batch)
-        state["rollout"]["push"](state["policy"])  # vLLM: the next rollout samples from the updated policy
+        state["rollout"]["push"](state["policy"])  # vLLM: the engine gets the updated weights
         state["scheduler"].step()
         t3 = time.perf_counter()
 
@@ -167,17 +169,18 @@ def fast_or_plain(fast_paths, logprob_chunk_tokens=0):
 
 
 def step_prompts(state, cfg, step):
-    """1. This rank's share of the step's prompts, as (items, prompt_ids): RLME's items x ~ D in the
-    policy's prompt template, or RM-NLHF's mix of D_H and D_O pairs (RM-NLHF §3.2) in the GRM prompt."""
+    """1. This rank's share of the step's prompts, as (items, prompt_ids): RLME's items x ~ D in
+    the policy's prompt template, or RM-NLHF's D_H / D_O mix (RM-NLHF §3.2) in the GRM prompt."""
     rank, world, tok, chat = state["rank"], state["world"], state["tokenizer"], state["chat"]
+    P, seed, nl = cfg["rollout"]["prompts_per_step"], cfg["run"]["seed"], cfg["nlhf"]
     if cfg["task"] == "rm_nlhf":
-        items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, prompts_per_step=cfg["rollout"]["prompts_per_step"],
-                                  dh_per_step=cfg["nlhf"]["dh_per_step"], seed=cfg["run"]["seed"], rank=rank, world=world)
-        fmt = dict(max_lines=cfg["nlhf"]["max_critique_lines"], style=cfg["nlhf"]["grm_prompt"])  # nlhf.*: the GRM prompt's
+        items = R.nlhf_step_items(state["dh_items"], state["do_items"], step, prompts_per_step=P,
+                                  dh_per_step=nl["dh_per_step"], seed=seed, rank=rank, world=world)
+        fmt = dict(max_lines=nl["max_critique_lines"], style=nl["grm_prompt"])  # the GRM prompt's
         return items, [R.grm_prompt_ids(tok, it, chat, **fmt) for it in items]
-    items = rollout.step_items(state["items"], step, cfg["rollout"]["prompts_per_step"], seed=cfg["run"]["seed"],
-                               rank=rank, world=world)
-    return items, [rollout.policy_prompt_ids(tok, it, chat, cfg["data"]["prompt_template"]) for it in items]
+    items = rollout.step_items(state["items"], step, P, seed=seed, rank=rank, world=world)
+    template = cfg["data"]["prompt_template"]
+    return items, [rollout.policy_prompt_ids(tok, it, chat, template) for it in items]
 
 
 def sampling_seed(run_seed, step, rank):
@@ -538,19 +541,9 @@ def clip_grad_norm(policy, max_norm):
 
 
 def main(argv=None):
-    ap = ArgumentParser(description="RLME / RLVR / RM-NLHF training (README; docs/method.md).")
-    ap.add_argument("--config", action="append", default=[],
-                    help="YAML file(s) over config.yaml; later ones override earlier ones (e.g. --config "
-                         "configs/cpu.yaml). Without one: config.yaml, the 8-GPU setup")
-    ap.add_argument("overrides", nargs="*",
-                    help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
-    # --plan [--world-size N] [--gpu-memory GiB]: plumbing/plan.py
-    a = add_plan_flags(ap).parse_args(argv)
-    cfg = load_config(a.config, a.overrides)
-    if a.plan:
-        print_plan(cfg, a.world_size, a.gpu_memory)
-    else:
-        run_interruptible(train, cfg)  # Ctrl-C: one line, exit 130
+    """`python train.py --config FILE ... [key.sub=value ...] [--plan]` (plumbing/cli.py train_main:
+    --plan prints the run's plan and trains nothing; Ctrl-C ends in one line, exit 130)."""
+    train_main(train, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import reward as R
 
 from plumbing.models import _gguf_location
 from plumbing.pairwise import PAIR_SCHEMAS
-from plumbing.services import REMOTE_DEFAULTS
+from plumbing.evaluators import REMOTE_DEFAULTS
 
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -57,7 +57,7 @@ CHOICES = {
     "nlhf.grm_prompt": list(R.GRM_PROMPT_STYLES),
     "nlhf.do_reward": list(R.DO_REWARD_FORMS),
     "judge.on_failure": ["mask", "zero"],
-    "judge.max_tokens_field": ["max_tokens", "max_completion_tokens"],  # plumbing/services.py MAX_TOKENS_FIELDS
+    "judge.max_tokens_field": ["max_tokens", "max_completion_tokens"],  # plumbing/judge.py MAX_TOKENS_FIELDS
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
 }
@@ -66,7 +66,7 @@ LIST_ITEM_KEYS = {
     "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": (str, type(None)),
                           "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
                           "system_prompt": (str, type(None)),
-                          # kind remote only (services.remote_evaluator; defaults: services.REMOTE_DEFAULTS)
+                          # kind remote only (evaluators.remote_evaluator; defaults: evaluators.REMOTE_DEFAULTS)
                           "base_url": str, "model": str, "api_key_env": (str, type(None)), "timeout_s": float,
                           "max_retries": int, "backoff_base_s": float, "backoff_max_s": float, "concurrency": int,
                           "batch_size": int, "max_tokens": int},
@@ -302,7 +302,7 @@ def validate_config(cfg, world_size=1):
         ev.setdefault("weight", 1.0)
         ev.setdefault("path", None)
         ev.setdefault("chat_template", "auto")
-        ev.setdefault("chat_template_kwargs", None)  # None: the policy's, for live / frozen_self (plumbing.services.load_evaluators)
+        ev.setdefault("chat_template_kwargs", None)  # None: the policy's, for live / frozen_self (plumbing.evaluators.load_evaluators)
         ev.setdefault("system_prompt", None)
         if ev["chat_template_kwargs"] is not None and not all(isinstance(k, str) for k in ev["chat_template_kwargs"]):
             raise SystemExit(f"config key reward.evaluators[{i}].chat_template_kwargs: expected a mapping of names to values")
@@ -395,7 +395,7 @@ def validate_config(cfg, world_size=1):
     for key, lo, hi in [("dh_per_step", 0.0, 1.0), ("threshold", 0.0, 1.0), ("lam", 0.0, 1.0)]:
         if not lo <= nl[key] <= hi:
             raise SystemExit(f"config key nlhf.{key}: must be in [{lo}, {hi}], got {nl[key]}")
-    j = cfg["judge"]  # null leaves the field out of the judge request (plumbing/services.py JUDGE_REQUEST_FIELDS)
+    j = cfg["judge"]  # null leaves the field out of the judge request (plumbing/judge.py JUDGE_REQUEST_FIELDS)
     if j["temperature"] is not None and j["temperature"] < 0:
         raise SystemExit(f"config key judge.temperature: must be >= 0 or null (not sent), got {j['temperature']}")
     if j["max_tokens"] is not None and j["max_tokens"] < 1:
@@ -486,7 +486,7 @@ def check_data_config(cfg):
                 if key == "nlhf.val_size" else ""))
 
 
-# run.report_to: the experiment trackers train.py can log to (plumbing.run.open_trackers); each name is
+# run.report_to: the experiment trackers train.py can log to (plumbing.tracking.open_trackers); each name is
 # also the package to install
 TRACKERS = ["tensorboard", "trackio", "wandb"]
 

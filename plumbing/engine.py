@@ -1,6 +1,6 @@
 """The rollout engines (docs/scale-out.md "Rollout engines"): what samples the completions of a run.
 
-Every sampler of a run (train.py's rollout, the validations in plumbing/run.py, the MetaRM cold
+Every sampler of a run (train.py's rollout, the validations in plumbing/validation.py, the MetaRM cold
 start, `evaluate.py ... --backend vllm`) takes one callable of one signature,
 
     sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0)

@@ -48,7 +48,7 @@ What is counted, per GPU, as rank 0 holds it (GiB = 2**30 bytes):
   - frozen copies in model.dtype: the GRPO reference (algo.kl_coef > 0; none under LoRA with
     fast paths; FSDP2-sharded as the policy under fsdp2, plumbing/scale.py shard_frozen),
     reward.evaluators of kind frozen (their own model) and frozen_self (the policy's);
-  - the MetaRM (rm_nlhf): a sequence classifier on metarm.model (plumbing/run.py load_metarm):
+  - the MetaRM (rm_nlhf): a sequence classifier on metarm.model (plumbing/metarm_setup.py load_metarm):
     under train.parallel fsdp2 with world > 1 FSDP2-sharded float32 master + gradients + AdamW,
     the root and two layers gathered in metarm.dtype, each rank training on its share of a batch,
     ceil(metarm.batch_size / world) x metarm.max_length tokens (metarm.py fit); else a float32
@@ -123,7 +123,7 @@ def model_config(path):
 
 def meta_model(config, num_labels=None):
     """The model of `config` on the meta device (shapes, no storage): a causal LM, or with
-    `num_labels` the sequence classifier the MetaRM is (plumbing/run.py load_metarm)."""
+    `num_labels` the sequence classifier the MetaRM is (plumbing/metarm_setup.py load_metarm)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     with torch.device("meta"):
         if num_labels is None:
@@ -440,7 +440,7 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
             names.append(e["name"])
     add("frozen evaluators", frozen, ", ".join(names) or "live / remote only")
 
-    # the MetaRM (rm_nlhf): FSDP2-sharded like the policy under fsdp2 with world > 1 (plumbing/run.py
+    # the MetaRM (rm_nlhf): FSDP2-sharded like the policy under fsdp2 with world > 1 (plumbing/metarm_setup.py
     # load_metarm), each rank training on its share of a batch (metarm.py fit); else a float32 replica
     mr, mf = cfg["metarm"], None
     metarm = task == "rm_nlhf" and mr["mode"] != "none"
@@ -484,13 +484,13 @@ def memory_plan(cfg, *, world, gpu_bytes, rank=0, prompt_tokens=None):
         own["cold start"] = sample(rows=batch_cs * n_cs, group_size=n_cs, micro=ro["micro_batch_size"], prompt_tokens=tp,
                                    new_tokens=mr["max_new_tokens"], name="cold-start")
     val = cfg["run"]["eval_every"] > 0 and (cfg["nlhf"]["val"] if task == "rm_nlhf" else cfg["data"]["val"])
-    if val and task == "rm_nlhf":  # both A/B orders of each pair (plumbing/run.py nlhf_validation_step)
+    if val and task == "rm_nlhf":  # both A/B orders of each pair (plumbing/validation.py nlhf_validation_step)
         # nlhf.val_size 0 = the whole file, sampled in chunks of at most a rollout's rows per rank
-        # (plumbing/run.py nlhf_validation_step), so no call holds more rows than the rollout's
+        # (plumbing/validation.py nlhf_validation_step), so no call holds more rows than the rollout's
         vr = min(2 * -(-cfg["nlhf"]["val_size"] // world), rows) if cfg["nlhf"]["val_size"] else rows
         own["validation"] = sample(rows=vr, group_size=1, micro=ro["micro_batch_size"], prompt_tokens=tp,
                                    new_tokens=cfg["nlhf"]["val_max_new_tokens"], name="validation")
-    elif val:  # greedy, one answer per problem, all at once (plumbing/run.py validation_step)
+    elif val:  # greedy, one answer per problem, all at once (plumbing/validation.py validation_step)
         own["validation"] = sample(rows=-(-cfg["data"]["val_size"] // world), group_size=1, micro=0, prompt_tokens=tp,
                                    new_tokens=tn, name="validation")
     for stage_items in own.values():

@@ -439,7 +439,7 @@ def save_merged(policy, tokenizer, folder):
 # ==============================================================================================
 # The MetaRM over ranks: metarm.py's seams (RM-NLHF Algorithm 1, steps 3-4 under torchrun;
 # docs/scale-out.md "The MetaRM's placement"). metarm.py's loop is one process's; load_metarm
-# (plumbing/run.py) puts metarm_seams(...) at mrm["seams"], and metarm.online_update / predict /
+# (plumbing/metarm_setup.py) puts metarm_seams(...) at mrm["seams"], and metarm.online_update / predict /
 # fit call these where the ranks must meet.
 
 

@@ -8,7 +8,7 @@ every rank read a full float32 copy and sharded it afterwards: at 7B 30.5 GB (po
 (MetaRM) + 15.2 GB (reference) a GPU, 8 x 30.5 GB of host RAM read at once on one node, and the
 freed full copies left reserved in the CUDA caching allocator when vLLM measured free memory.
 
-    load_sharded_model(load, shard, device=, rank=, world=)   the loader; plumbing/run.py calls it
+    load_sharded_model(load, shard, device=, rank=, world=)   the loader; plumbing/run.py and metarm_setup.py call it
 """
 import torch
 import torch.distributed as dist

@@ -26,12 +26,12 @@ sys.path.insert(0, ROOT)
 
 
 def prompts(n):
-    import train
     import rollout
+    from plumbing.config import load_config
     from plumbing.items import load_train_items
     from plumbing.models import load_model
     from plumbing.prompts import policy_chat
-    cfg = train.load_config([os.path.join(ROOT, "configs", "cpu.yaml")], [])
+    cfg = load_config([os.path.join(ROOT, "configs", "cpu.yaml")], [])
     _, tok = load_model(cfg["model"]["policy"])
     chat = policy_chat(tok, cfg["model"])
     items = load_train_items(cfg)[:n]

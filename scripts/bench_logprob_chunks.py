@@ -30,16 +30,17 @@ def rss_mb(field):
 
 
 def child(chunk, config, overrides, what):
-    import functools
     import torch
     import rollout
     import train
     from plumbing import config as C
+    from plumbing.config import load_config
     from plumbing.items import load_train_items
     from plumbing.models import load_model
     from plumbing.prompts import policy_chat
-    from plumbing.scale import compute_context, wrap_policy
-    cfg = train.load_config([config], [f"train.logprob_chunk_tokens={chunk}", *overrides])
+    from plumbing.run import update_kwargs
+    from plumbing.scale import wrap_policy
+    cfg = load_config([config], [f"train.logprob_chunk_tokens={chunk}", *overrides])
     C.validate_config(cfg)
     ro, P, G = cfg["rollout"], cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
     policy, tok = load_model(cfg["model"]["policy"], "float32", "cpu")
@@ -54,19 +55,8 @@ def child(chunk, config, overrides, what):
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     passes = train.fast_or_plain(cfg["train"]["fast_paths"], chunk)
     # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
-    algo, ro_ = cfg["algo"], cfg["rollout"]
-    loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
-                              aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
-            functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                              aggregation=algo["aggregation"]))
-    settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
-                    updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                    group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                    grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
-                    logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
-                                               pad_id=tok.pad_token_id),
-                    context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], torch.device("cpu")),
-                    world=1, device=torch.device("cpu"))
+    settings = update_kwargs(cfg, passes, torch.device("cpu"), cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss,
+                             world=1, pad_id=tok.pad_token_id)
     train.update_policy(model, policy, opt, batch, **settings)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM (peak RSS) to the current RSS

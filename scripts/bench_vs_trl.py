@@ -1,6 +1,6 @@
 """Side-by-side benchmark: the same RLME step in our train.py and in TRL's GRPOTrainer (issue 6).
 
-    # trl==1.16.0 comes with requirements.txt (plumbing.services.trl_reward_function is tested inside TRL)
+    # trl==1.16.0 comes with requirements.txt (plumbing.reward_functions.trl_reward_function is tested inside TRL)
     python scripts/bench_vs_trl.py --pairs 2 --steps 4              # P=4, G=4, N=128, SmolLM2 fp32 CPU
     python scripts/bench_vs_trl.py --check-loss                     # same loss and gradient on one batch
     python scripts/bench_vs_trl.py --check-loss model.gradient_checkpointing=selective   # ours checkpointed
@@ -23,7 +23,6 @@ tokens/s during rollout, peak RSS; and per pair the ratio ours/TRL. A JSON summa
 fixed batch, losses and gradients compared (`check_loss`).
 """
 import argparse
-import functools
 import json
 import os
 import resource
@@ -37,10 +36,12 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from plumbing.config import load_config  # noqa: E402
 from plumbing.items import load_train_items  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 from plumbing.prompts import policy_chat  # noqa: E402
-from plumbing.scale import compute_context, wrap_policy  # noqa: E402
+from plumbing.run import update_kwargs  # noqa: E402
+from plumbing.scale import wrap_policy  # noqa: E402
 
 # Our config values that make our step TRL's: TRL's CISPO divides the summed token loss by the
 # batch's token count (our token_mean; our default, RLME Eq. 8, divides by the sequence count:
@@ -132,11 +133,10 @@ def run_trl_child(a):
 
     import fast
     import rollout
-    import train
     from plumbing import config
 
-    cfg = train.load_config([a.config], [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}",
-                                         f"rollout.max_new_tokens={a.N}"])
+    cfg = load_config([a.config], [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}",
+                                   f"rollout.max_new_tokens={a.N}"])
     policy, tok = load_model(cfg["model"]["policy"], "float32", "cpu")
     chat = policy_chat(tok, cfg["model"])
     # the same prompts in the same order as our run: step_items for steps 0..S-1
@@ -235,7 +235,7 @@ def check_loss(a):
 
     over = [f"rollout.prompts_per_step={a.P}", f"rollout.group_size={a.G}", f"rollout.max_new_tokens={a.N}",
             f"train.micro_batch_size={a.micro_batch}", *a.ours_override, "optim.grad_clip=0", *OURS_AS_TRL]
-    cfg = train.load_config([a.config], over)
+    cfg = load_config([a.config], over)
     config.validate_config(cfg)
     ro = cfg["rollout"]
     policy, tok = load_model(cfg["model"]["policy"], "float32", "cpu")
@@ -266,19 +266,8 @@ def check_loss(a):
     recorder = types.SimpleNamespace(step=lambda: grads.update(ours=gradient()), zero_grad=lambda set_to_none=True: None)
     passes = train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])
     # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
-    algo, ro_ = cfg["algo"], cfg["rollout"]
-    loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
-                              aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
-            functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                              aggregation=algo["aggregation"]))
-    settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
-                    updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                    group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                    grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
-                    logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
-                                               pad_id=tok.pad_token_id),
-                    context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], torch.device("cpu")),
-                    world=1, device=torch.device("cpu"))
+    settings = update_kwargs(cfg, passes, torch.device("cpu"), cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss,
+                             world=1, pad_id=tok.pad_token_id)
     ours_loss = train.update_policy(model, policy, recorder, batch, **settings)["loss"]
 
     # TRL: its loss per micro-batch, inputs as its _generate_and_score_completions builds them

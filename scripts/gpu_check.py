@@ -34,7 +34,6 @@ uses these subcommands; see the header of scripts/gpu_check.sh for the whole pro
 Only APIs that transformers 5.17 already has are used here (the GPU machine's version).
 """
 import argparse
-import functools
 import contextlib
 import json
 import math
@@ -47,12 +46,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import fast  # noqa: E402
+from plumbing.config import load_config  # noqa: E402
 from plumbing.items import load_dataset_rows
 from plumbing.models import load_model, resolve_model_path
 from plumbing.prompts import use_chat_template
-from plumbing.run import latest_checkpoint
+from plumbing.checkpoints import latest_checkpoint
 from plumbing.engine import engine_state, generate_vllm, make_vllm_engine, push_names, vllm_push_weights, vllm_sleep, vllm_token_logprobs
-from plumbing.scale import compute_context, keep_matmul_outputs, peak_memory_mb, wrap_policy
+from plumbing.run import update_kwargs
+from plumbing.scale import keep_matmul_outputs, peak_memory_mb, wrap_policy
 
 GIB = 2**30
 
@@ -398,7 +399,6 @@ def enable_checkpointing(policy, mode):
     import functools
 
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    import train
     kw = {"use_reentrant": False}
     if mode == "selective":
         kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmul_outputs)
@@ -427,10 +427,10 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
     res = {"versions": versions(), "shape": "tiny Qwen3 (smoke)" if smoke else "Qwen3-4B", "device": str(dev),
            "rows": rows, "group_size": group_size, "prompt_tokens": prompt_len, "completion_tokens": completion_len,
            "micro_batch_size": micro_batch_size, "gradient_checkpointing": gradient_checkpointing}
-    cfg = train.load_config([], ["model.dtype=bfloat16", f"model.gradient_checkpointing={gradient_checkpointing}",
-                                 "train.parallel=ddp", f"train.device={dev.type}",
-                                 f"train.micro_batch_size={micro_batch_size}", f"rollout.group_size={group_size}",
-                                 f"rollout.max_new_tokens={completion_len}", "optim.warmup_steps=0"]
+    cfg = load_config([], ["model.dtype=bfloat16", f"model.gradient_checkpointing={gradient_checkpointing}",
+                           "train.parallel=ddp", f"train.device={dev.type}",
+                           f"train.micro_batch_size={micro_batch_size}", f"rollout.group_size={group_size}",
+                           f"rollout.max_new_tokens={completion_len}", "optim.warmup_steps=0"]
                            + ([] if fast_paths else ["train.fast_paths=false"]))
     res["fast_paths"] = cfg["train"].get("fast_paths", fast_paths)
     res["algo"] = {k: cfg["algo"][k] for k in ("loss", "aggregation", "updates_per_batch", "minibatches")}
@@ -472,19 +472,8 @@ def big_update(device, out_path, smoke=False, rows=8, prompt_len=200, completion
     with ctx:
         passes = train.fast_or_plain(cfg["train"]["fast_paths"], cfg["train"]["logprob_chunk_tokens"])
         # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
-        algo, ro_ = cfg["algo"], cfg["rollout"]
-        loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
-                                  aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
-                functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                                  aggregation=algo["aggregation"]))
-        settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
-                        updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                        group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                        grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
-                        logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
-                                                   pad_id=0),
-                        context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], dev),
-                        world=1, device=dev)
+        settings = update_kwargs(cfg, passes, dev, cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss,
+                                 world=1, pad_id=0)
         upd = train.update_policy(policy, policy, optimizer, batch, **settings)
     if cuda:
         torch.cuda.synchronize(dev)
@@ -532,13 +521,12 @@ def safetensors_dtypes(folder):
 def checkpoint_dtypes(run_dir):
     """What the run's last checkpoint holds: the weights' dtype(s) and the AdamW state's, i.e.
     whether train.py kept float32 master weights under model.dtype=bfloat16."""
-    import train
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return None
     out = {"path": ckpt, "weights": safetensors_dtypes(ckpt)}
     try:
-        from torch.distributed.checkpoint import FileSystemReader  # optimizer/: plumbing.run.save_sharded
+        from torch.distributed.checkpoint import FileSystemReader  # optimizer/: plumbing.checkpoints.save_sharded
         meta = FileSystemReader(os.path.join(ckpt, "optimizer")).read_metadata().state_dict_metadata
         out["adamw_state"] = sorted({str(m.properties.dtype).removeprefix("torch.") for k, m in meta.items()
                                      if k.startswith("state.") and hasattr(m, "properties") and len(m.size) > 0})

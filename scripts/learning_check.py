@@ -36,13 +36,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
 import fast  # noqa: E402
-from plumbing.cli import ema
+from evaluate import ema
 from plumbing.benchmarks import load_math_problems
+from plumbing.config import load_config  # noqa: E402
 from plumbing.jsonl import jsonl_rows
 from plumbing.models import load_model
 from plumbing.prompts import policy_chat
-from plumbing.run import latest_checkpoint
-from plumbing.services import load_evaluators
+from plumbing.checkpoints import latest_checkpoint
+from plumbing.evaluators import load_evaluators
 
 
 def per_step(records, quantity):
@@ -77,7 +78,7 @@ def heldout(run_dir, n_problems, samples, data):
     import reward as R
     import rollout
     import train
-    cfg = train.load_config([os.path.join(run_dir, "config.yaml")])
+    cfg = load_config([os.path.join(run_dir, "config.yaml")])
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise SystemExit(f"{run_dir}: no checkpoint to compare with the initial policy")

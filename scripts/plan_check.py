@@ -8,7 +8,7 @@ output buffers allocated but not filled) makes this one process rank 0 of `--wor
 FSDP2 gives it exactly the 1/world shards, gathered layers and reduce-scatter buffers a GPU of
 the real node holds, with real shapes, on one GPU. Per preset it builds the models on the meta
 device, shards them with the project's own wrapping (plumbing/scale.py wrap_policy, shard_frozen;
-the MetaRM as plumbing/run.py load_metarm places it), materialises the shards only, and runs
+the MetaRM as plumbing/metarm_setup.py load_metarm places it), materialises the shards only, and runs
 each stage of plumbing/plan.py's plan through the project's own code:
     cold start / validation / rollout (HF)  fast.sample_rows under plumbing.scale.unsharded: the
                               prefill, the full StaticCache, the first token (greedy, every id an
@@ -36,7 +36,6 @@ The run stops inside --budget-s: a stage that would start with less than --stage
 skipped, and a timer interrupts a stage that overruns; the JSON is rewritten after every stage.
 """
 import argparse
-import functools
 import copy
 import gc
 import json
@@ -186,7 +185,7 @@ def decode(model, *, rows, group, micro, prompt_tokens, new_tokens, vocab, conte
 
 
 def metarm_dict(model, cfg, world, vocab):
-    """mrm as plumbing/run.py load_metarm returns it, its tokenizer a RandomTokenizer."""
+    """mrm as plumbing/metarm_setup.py load_metarm returns it, its tokenizer a RandomTokenizer."""
     import metarm
     from plumbing.scale import metarm_seams
     mr = cfg["metarm"]
@@ -273,6 +272,7 @@ def run_preset(files, *, res, save, dev, world, smoke, tmp, t0, budget_s, stage_
     import metarm
     import train
     from plumbing.plan import memory_plan, model_config
+    from plumbing.run import update_kwargs
     from plumbing.scale import compute_context, shard_frozen, wrap_policy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     name = "+".join(files) or "config.yaml"
@@ -419,20 +419,14 @@ def run_preset(files, *, res, save, dev, world, smoke, tmp, t0, budget_s, stage_
             if ro["backend"] == "vllm":
                 batch["rollout_logprobs"] = torch.zeros(n, tn)  # the behaviour pass that logs vLLM's gap runs
             passes = train.fast_or_plain(t["fast_paths"], t["logprob_chunk_tokens"])
-            a = cfg["algo"]  # bound as train.train binds them
-            loss_fn = (functools.partial(train.cispo_loss, eps_low=a["eps_low"], eps_high=a["eps_high"], ratio=a["ratio"],
-                                         aggregation=a["aggregation"]) if a["loss"] == "cispo" else
-                       functools.partial(train.grpo_loss, clip_eps=a["clip_eps"], kl_coef=a["kl_coef"], aggregation=a["aggregation"]))
-            logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"], pad_id=0)
-            train.update_policy(policy, policy, state["opt"], batch, loss_fn=loss_fn, aggregation=a["aggregation"],
-                                max_new_tokens=tn, updates_per_batch=a["updates_per_batch"], minibatches=a["minibatches"],
-                                group_size=G, micro_batch_size=t["micro_batch_size"], grad_clip=cfg["optim"]["grad_clip"],
-                                logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"], context=ctx, world=world,
-                                device=dev, ref_model=state.get("ref"), scaler=None)
+            # bound as train.train binds them; the forwards' context is this rehearsal's (FSDP2 always)
+            settings = update_kwargs(cfg, passes, dev, cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss,
+                                     world=world, pad_id=0, ref_model=state.get("ref"))
+            train.update_policy(policy, policy, state["opt"], batch, **dict(settings, context=ctx))
 
         stage("update", update)
         if task == "rm_nlhf":
-            vs = cfg["nlhf"]["val_size"]  # 0: the whole file, in calls of a rollout's rows (plumbing/run.py)
+            vs = cfg["nlhf"]["val_size"]  # 0: the whole file, in calls of a rollout's rows (plumbing/validation.py)
             vr, vn = (min(2 * -(-vs // world), ro["prompts_per_step"] * G // world) if vs else ro["prompts_per_step"] * G // world,
                       cfg["nlhf"]["val_max_new_tokens"])
         else:

@@ -23,7 +23,6 @@ Runs the three stages of train.py's step on one batch with the same functions tr
 `--json PATH` writes every figure. Timings on a loaded machine say little: note the load with them.
 """
 import argparse
-import functools
 import os
 import re
 import resource
@@ -42,11 +41,12 @@ import fast  # noqa: E402
 import reward as R  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from plumbing.config import load_config  # noqa: E402
 from plumbing.items import load_train_items
 from plumbing.models import load_model
 from plumbing.prompts import policy_chat
-from plumbing.scale import compute_context
-from plumbing.services import load_evaluators
+from plumbing.run import update_kwargs
+from plumbing.evaluators import load_evaluators
 
 EXTRA_QUESTIONS = ["Is the reasoning free of arithmetic mistakes?", "Does the solution answer the question that was asked?",
                    "Is the final answer stated clearly?", "Is every step justified?", "Is the solution concise?",
@@ -64,7 +64,7 @@ def main(argv=None):
     p.add_argument("--K", type=int, nargs="+", default=[1, 4], help="meta-question counts to time")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, as for train.py")
     a = p.parse_args(argv)
-    cfg = train.load_config([a.config], a.overrides)
+    cfg = load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
     device = torch.device("cpu")
     policy, tok = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], device)
@@ -75,19 +75,8 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg["optim"]["lr"], fused=True)  # as train.py
     template = rw["evaluator_template"] or R.DEFAULT_EVALUATOR_TEMPLATE
     # train.update_policy's arguments as train.train binds them from the config (CISPO or GRPO, its numbers)
-    algo, ro_ = cfg["algo"], cfg["rollout"]
-    loss = (functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
-                              aggregation=algo["aggregation"]) if algo["loss"] == "cispo" else
-            functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                              aggregation=algo["aggregation"]))
-    settings = dict(loss_fn=loss, aggregation=algo["aggregation"], max_new_tokens=ro_["max_new_tokens"],
-                    updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                    group_size=ro_["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                    grad_clip=cfg["optim"]["grad_clip"], clip_grad_norm=passes["clip_grad_norm"],
-                    logprobs=functools.partial(passes["completion_logprobs"], temperature=ro_["temperature"],
-                                               pad_id=tok.pad_token_id),
-                    context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device),
-                    world=1, device=device)
+    settings = update_kwargs(cfg, passes, device, cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss,
+                             world=1, pad_id=tok.pad_token_id)
 
     def questions(k):  # the config's meta-questions, padded with EXTRA_QUESTIONS up to k
         return (rw["meta_questions"] + [{"question": q, "weight": 1.0, "target": "Yes"} for q in EXTRA_QUESTIONS])[:k]

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import evaluate  # noqa: E402
 import reward as R  # noqa: E402
 import rollout  # noqa: E402
-import train  # noqa: E402
 import fast  # noqa: E402
+from plumbing.config import load_config  # noqa: E402
 from plumbing.items import load_train_items
 from plumbing.models import load_model
 from plumbing.prompts import policy_chat
@@ -77,7 +77,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         raise SystemExit(f"--only: unknown candidate(s) {', '.join(unknown)}; choose from {', '.join(sorted(CANDIDATES))}")
-    cfg = train.load_config([a.config], a.overrides)
+    cfg = load_config([a.config], a.overrides)
     ro, rw = cfg["rollout"], cfg["reward"]
     policy, tok = load_model(cfg["model"]["policy"], cfg["model"]["dtype"], "cpu")
     chat = policy_chat(tok, cfg["model"])

@@ -1,12 +1,11 @@
 """Shared test fixtures: paths to ../shared/data, the real SmolLM2 model, a tiny random model."""
-import functools
 import os
 import sys
 
 import pytest
 import torch
 from plumbing.models import load_model, resolve_model_path
-from plumbing.services import make_judge
+from plumbing.judge import make_judge
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -20,13 +19,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def make_judge(settings, **kw):
-    """plumbing.services.make_judge on config.yaml's `judge:` section with `settings` over it (the
+    """plumbing.judge.make_judge on config.yaml's `judge:` section with `settings` over it (the
     code takes the whole section; config.yaml is the only place its defaults live); kw: its
     sleep / rand (injected backoff waits and jitter draws) and probe, False here unless given:
     these tests plan every request of a fake server or point at none (the start-up probe's own
     tests are tests/plumbing/test_judge_probe.py)."""
-    from plumbing import config, services
-    return services.make_judge(dict(config.load_config([])["judge"], **settings), **dict({"probe": False}, **kw))
+    from plumbing import config, judge
+    return judge.make_judge(dict(config.load_config([])["judge"], **settings), **dict({"probe": False}, **kw))
 
 
 def data_path(*parts):
@@ -229,28 +228,21 @@ def reward_kwargs(cfg, *, evaluators, context, world):
 
 
 def loss_fn(algo):
-    """The policy loss train.train picks for config.yaml's `algo:` section, its numbers bound."""
+    """The policy loss train.train picks for config.yaml's `algo:` section, its numbers bound
+    (plumbing/run.py policy_loss over train's two losses)."""
     import train
-    if algo["loss"] == "cispo":
-        return functools.partial(train.cispo_loss, eps_low=algo["eps_low"], eps_high=algo["eps_high"],
-                                 ratio=algo["ratio"], aggregation=algo["aggregation"])
-    return functools.partial(train.grpo_loss, clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"],
-                             aggregation=algo["aggregation"])
+    from plumbing.run import policy_loss
+    return policy_loss(algo, cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss)
 
 
 def update_kwargs(cfg, passes, device, *, world, pad_id, ref_model=None, scaler=None):
-    """train.update_policy's keyword arguments from `cfg` (algo, rollout, train, optim, model.dtype)
-    and `passes` (train.fast_or_plain's), bound as train.train binds them (the one place it does;
-    tests/plumbing/test_train_run.py checks that the two agree)."""
-    from plumbing.scale import compute_context
-    algo, ro = cfg["algo"], cfg["rollout"]
-    logprobs = functools.partial(passes["completion_logprobs"], temperature=ro["temperature"], pad_id=pad_id)
-    return dict(loss_fn=loss_fn(algo), aggregation=algo["aggregation"], max_new_tokens=ro["max_new_tokens"],
-                updates_per_batch=algo["updates_per_batch"], minibatches=algo["minibatches"],
-                group_size=ro["group_size"], micro_batch_size=cfg["train"]["micro_batch_size"],
-                grad_clip=cfg["optim"]["grad_clip"], logprobs=logprobs, clip_grad_norm=passes["clip_grad_norm"],
-                context=functools.partial(compute_context, cfg["model"]["dtype"], cfg["train"]["parallel"], device),
-                world=world, device=device, ref_model=ref_model, scaler=scaler)
+    """train.update_policy's keyword arguments from `cfg` and `passes` (train.fast_or_plain's), bound
+    as train.train binds them: plumbing/run.py update_kwargs over train's two losses (the one place
+    outside train.train that binds them; tests/plumbing/test_train_run.py checks that the two agree)."""
+    import train
+    from plumbing.run import update_kwargs as bound
+    return bound(cfg, passes, device, cispo_loss=train.cispo_loss, grpo_loss=train.grpo_loss, world=world,
+                 pad_id=pad_id, ref_model=ref_model, scaler=scaler)
 
 
 def update_policy(model, policy, optimizer, batch, cfg, *, world, device, pad_id, **kw):

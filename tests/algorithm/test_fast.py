@@ -18,7 +18,7 @@ import train as T
 
 from plumbing.models import load_model
 from plumbing.scale import wrap_policy
-from plumbing.services import score_remote
+from plumbing.evaluators import score_remote
 
 
 def test_clip_grad_norm_is_accurate_on_long_cpu_tensors():

@@ -10,7 +10,7 @@ import torch
 import metarm
 import reward
 
-from plumbing.run import load_metarm
+from plumbing.metarm_setup import load_metarm
 from plumbing import config
 
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import chat_body, make_judge
 import reward
 
-from plumbing.services import proxy_f1
+from plumbing.judge import proxy_f1
 
 
 # ---- pairwise data ---------------------------------------------------------------------------
@@ -256,10 +256,10 @@ def test_score_dh_takes_a_plain_judge_callable():
 
 
 def test_judge_pool_keeps_order_and_turns_exceptions_into_failures():
-    """plumbing/services.py judge_pool (make_judge's thread pool): results in the pairs' order at
+    """plumbing/judge.py judge_pool (make_judge's thread pool): results in the pairs' order at
     any concurrency; a similarity that raises fails that pair only, with the reason."""
     import time
-    from plumbing.services import judge_pool
+    from plumbing.judge import judge_pool
 
     def similarity(human, critique, item):
         if critique == "boom":

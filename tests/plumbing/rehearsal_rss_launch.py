@@ -36,11 +36,13 @@ def recorded(fn, name, stages):
 if __name__ == "__main__":
     import train  # noqa: F401  (torch, transformers and the project: the base)
     import rehearsal_launch
-    from plumbing import run
+    from plumbing import metarm_setup, run, validation
     base, stages = rss_kib(), []
-    for attr, name in [("run_cold_start", "cold_start"), ("nlhf_validation_step", "validation"),
-                       ("save_checkpoint", "checkpoint")]:
-        setattr(run, attr, recorded(getattr(run, attr), name, stages))
+    # each patched where its caller looks it up: setup_metarm, validation_step, save_run
+    for module, attr, name in [(metarm_setup, "run_cold_start", "cold_start"),
+                               (validation, "nlhf_validation_step", "validation"),
+                               (run, "save_checkpoint", "checkpoint")]:
+        setattr(module, attr, recorded(getattr(module, attr), name, stages))
     try:
         rehearsal_launch.main(sys.argv[1:])
     finally:

@@ -16,7 +16,7 @@ from conftest import REPO, data_path
 from plumbing.cli import evaluate_main, reward_main
 from plumbing.models import load_model
 from plumbing.prompts import render_prompt, use_chat_template
-from plumbing.services import load_evaluators, remote_evaluator
+from plumbing.evaluators import load_evaluators, remote_evaluator
 
 # Qwen3's handling of enable_thinking and of the system message, cut down to what a single-turn
 # prompt renders (Qwen3's template: `enable_thinking is defined and enable_thinking is false`

@@ -24,8 +24,8 @@ from plumbing import config
 from plumbing.cold_start import rank_file, run_cold_start
 from plumbing.models import load_model
 from plumbing.pairwise import load_pairwise
-from plumbing.run import load_metarm
-from plumbing.services import proxy_f1
+from plumbing.metarm_setup import load_metarm
+from plumbing.judge import proxy_f1
 
 NLHF = config.load_config([])["nlhf"]
 # config.yaml's numbers bound, as plumbing/cold_start.py's cold_start_settings binds them

@@ -1,5 +1,5 @@
 """The MetaRM cold start split over the ranks (plumbing/cold_start.py run_cold_start, through
-plumbing.run.setup_metarm): under 2 gloo ranks with a SHORT process-group timeout
+plumbing.metarm_setup.setup_metarm): under 2 gloo ranks with a SHORT process-group timeout
 (train.dist_timeout_s, passed to init_process_group) and a slow sampler, the batches are dealt
 round-robin, every rank calls the sampler once a round (with no prompt when it has no batch left:
 HF decode of an FSDP2 policy is a collective), the examples are exchanged through the files, so no
@@ -17,7 +17,7 @@ from test_train_run import _free_port
 
 from plumbing import config
 from plumbing.models import load_model
-from plumbing.run import setup_metarm
+from plumbing.metarm_setup import setup_metarm
 
 CPU = torch.device("cpu")
 TIMEOUT_S = 8.0   # train.dist_timeout_s of the 2-rank run

@@ -7,6 +7,7 @@ import pytest
 from conftest import data_path
 import train as T
 
+from plumbing.config import load_config
 from plumbing.items import load_train_items
 from plumbing import config
 
@@ -20,7 +21,7 @@ def _write(tmp_path, name, text):
 def test_config_layering_and_overrides(tmp_path):
     a = _write(tmp_path, "a.yaml", "rollout:\n  group_size: 4\n  max_new_tokens: 64\n")
     b = _write(tmp_path, "b.yaml", "rollout:\n  group_size: 2\n")
-    cfg = T.load_config([a, b], ["optim.lr=3e-6", "run.out_dir=/tmp/x"])
+    cfg = load_config([a, b], ["optim.lr=3e-6", "run.out_dir=/tmp/x"])
     assert cfg["rollout"]["group_size"] == 2 and cfg["rollout"]["max_new_tokens"] == 64
     assert cfg["optim"]["lr"] == 3e-6 and cfg["run"]["out_dir"] == "/tmp/x"
     assert cfg["algo"]["eps_high"] == 5.0  # untouched default from config.yaml
@@ -68,21 +69,21 @@ def test_config_layering_and_overrides(tmp_path):
 ])
 def test_config_errors_are_one_line(override, message):
     with pytest.raises(SystemExit) as e:
-        T.load_config([], override)
+        load_config([], override)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_an_empty_string_override_as_a_shell_passes_it():
     """model.system_prompt="''" in a shell reaches us as model.system_prompt='' : the empty string."""
-    assert T.load_config([], ["model.system_prompt=''"])["model"]["system_prompt"] == ""
-    assert T.load_config([], ["model.system_prompt=null"])["model"]["system_prompt"] is None
+    assert load_config([], ["model.system_prompt=''"])["model"]["system_prompt"] == ""
+    assert load_config([], ["model.system_prompt=null"])["model"]["system_prompt"] is None
 
 
 def test_invalid_yaml_file_names_the_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run:\n  seed: 1\n rollout: [\n")
     with pytest.raises(SystemExit) as e:
-        T.load_config([str(bad)])
+        load_config([str(bad)])
     assert str(e.value).startswith(f"config file {bad}: invalid YAML at line 3, column 2") and "\n" not in str(e.value)
 
 
@@ -90,12 +91,12 @@ def test_a_key_given_twice_is_refused(tmp_path):
     """PyYAML keeps the last of two equal keys silently; a preset's first value would never apply."""
     dup = _write(tmp_path, "dup.yaml", "algo:\n  aggregation: seq_sum\n  aggregation: token_mean\n")
     with pytest.raises(SystemExit) as e:
-        T.load_config([dup])
+        load_config([dup])
     assert str(e.value) == f"config file {dup}: invalid YAML at line 3, column 3: key 'aggregation' appears twice"
 
 
 def test_world_size_must_divide_prompts():
-    cfg = T.load_config([], ["rollout.prompts_per_step=6"])
+    cfg = load_config([], ["rollout.prompts_per_step=6"])
     with pytest.raises(SystemExit, match="not divisible by the world size 4"):
         config.validate_config(cfg, world_size=4)
 
@@ -107,13 +108,13 @@ def test_world_size_must_divide_prompts():
 ])
 def test_sampling_settings_out_of_range(override, message):
     with pytest.raises(SystemExit) as e:
-        config.validate_config(T.load_config([], [override]))
+        config.validate_config(load_config([], [override]))
     assert str(e.value) == message
 
 
 def test_gsm8k_items_and_anchoring():
-    cfg = T.load_config([], [f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=40",
-                             "reward.anchor_fraction=0.25"])
+    cfg = load_config([], [f"data.train={data_path('gsm8k', 'train.jsonl')}", "data.max_items=40",
+                           "reward.anchor_fraction=0.25"])
     items = load_train_items(cfg)
     assert len(items) == 40 and items[0]["label"] == "72"  # Natalia: 48 + 24
     assert sum(it["anchored"] for it in items) == 10
@@ -127,7 +128,7 @@ def test_gsm8k_items_and_anchoring():
 ])
 def test_bad_data_files(tmp_path, content, message):
     p = _write(tmp_path, "train.jsonl", content)
-    cfg = T.load_config([], [f"data.train={p}"])
+    cfg = load_config([], [f"data.train={p}"])
     with pytest.raises(SystemExit, match=message):
         load_train_items(cfg)
 
@@ -136,33 +137,33 @@ def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_bytes('{"question": "a", "answer": "#### 1"}\n{"question": "é", "answer": "#### 2"}\n'.encode("latin-1"))
     with pytest.raises(SystemExit, match=r"train.jsonl:2: not UTF-8 text"):
-        load_train_items(T.load_config([], [f"data.train={p}"]))
+        load_train_items(load_config([], [f"data.train={p}"]))
 
 
 def test_a_config_file_is_read_as_yaml_bytes(tmp_path):
     """PyYAML detects the encoding of a byte stream: a UTF-16 file loads, a bad byte is one line."""
     wide = tmp_path / "wide.yaml"
     wide.write_bytes("run:\n  seed: 7\n".encode("utf-16"))
-    assert T.load_config([str(wide)])["run"]["seed"] == 7
+    assert load_config([str(wide)])["run"]["seed"] == 7
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(b"run:\n  seed: \xff\n")
     with pytest.raises(SystemExit) as e:
-        T.load_config([str(bad)])
+        load_config([str(bad)])
     assert str(e.value).startswith(f"config file {bad}: invalid YAML") and "\n" not in str(e.value)
 
 
 def test_missing_field_and_file(tmp_path):
     p = _write(tmp_path, "train.jsonl", '{"problem": "a", "answer": "#### 1"}\n')
     with pytest.raises(SystemExit, match=r"data.question_field='question': no such field .*fields: problem, answer"):
-        load_train_items(T.load_config([], [f"data.train={p}"]))
+        load_train_items(load_config([], [f"data.train={p}"]))
     with pytest.raises(SystemExit, match="does not exist"):
-        load_train_items(T.load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
+        load_train_items(load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
 
 
 @pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(os.path.dirname(T.__file__), "configs", "*.yaml"))))
 def test_every_preset_loads_and_validates(preset):
     """A preset that drifts from config.yaml's schema (a renamed key, a bad value) fails here, not
     halfway into somebody's run."""
-    cfg = T.load_config([preset])
+    cfg = load_config([preset])
     config.validate_config(cfg)
     assert cfg["run"]["total_steps"] >= 1

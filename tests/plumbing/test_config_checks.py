@@ -129,7 +129,7 @@ def test_every_flag_of_every_cli_has_a_help_string(monkeypatch):
     parsers = [(built_parser(cli.rollout_main, cli, monkeypatch), "rollout.py"),
                (built_parser(cli.reward_main, cli, monkeypatch), "reward.py"),
                (built_parser(cli.metarm_main, cli, monkeypatch), "metarm.py"),
-               (built_parser(train.main, train, monkeypatch), "train.py")]
+               (built_parser(train.main, cli, monkeypatch), "train.py")]  # cli.train_main builds it
     monkeypatch.undo()
     parsers.append((cli.build_parser(), "evaluate.py"))
     assert all(len(p._actions) > 1 for p, _ in parsers)

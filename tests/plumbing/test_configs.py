@@ -39,6 +39,7 @@ import yaml
 
 from conftest import REPO, TINY_MODEL_FIXTURE, data_path
 import fast
+from plumbing.config import load_config
 from plumbing.pairwise import load_pairwise
 
 # name (relative to the repo) -> the --config layers a user runs it with, and whether its runs
@@ -171,8 +172,7 @@ def flat(cfg):
 
 
 def shipped_cfg(name):
-    import train
-    return train.load_config([os.path.join(REPO, p) for p in PRESETS[name]["layers"]])
+    return load_config([os.path.join(REPO, p) for p in PRESETS[name]["layers"]])
 
 
 def swaps(cfg, model, out, judge=None):
@@ -408,8 +408,7 @@ def test_table10_presets_are_app_f_setup():
             layers = [PAPER, TABLE10[block]] + ([f"configs/paper/ablations/{row}.yaml"] if row else [])
             if block == "llama8b" and row in ("binary", "aggressive", "classifier"):
                 continue  # rows our text of Table 10 has for Qwen-7B only
-            import train
-            cfg = train.load_config([os.path.join(REPO, p) for p in layers])
+            cfg = load_config([os.path.join(REPO, p) for p in layers])
             assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
             assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.5)
     assert shipped_cfg("configs/paper/ablations/w_o_outcome_regularization.yaml")["run"]["total_steps"] == 1200  # Table 3: main
@@ -418,11 +417,10 @@ def test_table10_presets_are_app_f_setup():
 def test_fig3_presets_are_app_f_setup_for_section_3_1():
     """RM-NLHF App. F (Section 3.1): 150 steps, "the complete HelpSteer3 dataset" (all of it D_H: no D_O, no
     split, no MetaRM), Table 9 for the rest; the two base models of Fig. 3; the outcome-only arm = λ 0."""
-    import train
     for block, policy in [("qwen7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
                           ("llama8b", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B")]:
         for arm, lam in (([], 0.5), (["configs/paper/ablations/w_o_process_reward.yaml"], 0.0)):
-            cfg = train.load_config([os.path.join(REPO, p) for p in [PAPER, FIG3[block]] + arm])
+            cfg = load_config([os.path.join(REPO, p) for p in [PAPER, FIG3[block]] + arm])
             assert cfg["run"]["total_steps"] == 150 and cfg["model"]["policy"] == policy
             assert (cfg["nlhf"]["dh"], cfg["nlhf"]["do"], cfg["nlhf"]["split_dh_fraction"]) == ("nvidia/HelpSteer3", None, 0.0)
             assert (cfg["metarm"]["mode"], cfg["nlhf"]["lam"]) == ("none", lam)
@@ -434,11 +432,10 @@ def test_swaps_touch_only_model_data_sizes_endpoint(name):
     """The runs below differ from the shipped config only in SWAPPABLE keys, and the data swaps
     keep the config's own schema setting (auto), so a local file stands in for the hub id."""
     preset_or_skip(name)
-    import train
     cfg = shipped_cfg(name)
     judge = {"base_url": "http://127.0.0.1:1/v1", "model": "tiny"}
     layers = [os.path.join(REPO, p) for p in PRESETS[name]["layers"]]
-    swapped = train.load_config(layers, swaps(cfg, "/tiny", "/out", judge) + ["model.dtype=float32", "run.stop_after=1"])
+    swapped = load_config(layers, swaps(cfg, "/tiny", "/out", judge) + ["model.dtype=float32", "run.stop_after=1"])
     a, b = flat(cfg), flat(swapped)
     changed = {k for k in a if a[k] != b[k]}
     assert changed <= SWAPPABLE, changed - SWAPPABLE
@@ -569,14 +566,13 @@ def test_micro_batch_token_mean_refuses_a_resume_with_another_micro_batch_size(t
     """Under micro_batch_token_mean the micro-batch size is part of the loss (the five-sequence
     example of tests/algorithm/test_train.py: 0.20 or 0.38 by packing), so unlike every other
     aggregation a resume may not change train.micro_batch_size (plumbing/guards.py check_resume)."""
-    import train
     from plumbing.guards import check_resume
     out = tmp_path / "run"
     out.mkdir()
     for agg, refused in (("micro_batch_token_mean", True), ("token_mean", False)):
-        old = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=2"])
+        old = load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=2"])
         (out / "config.yaml").write_text(yaml.safe_dump(old))
-        new = train.load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=4"])
+        new = load_config([], [f"run.out_dir={out}", f"algo.aggregation={agg}", "train.micro_batch_size=4"])
         if refused:
             with pytest.raises(SystemExit, match=r"train.micro_batch_size \(2 -> 4\)"):
                 check_resume(new, str(out / "checkpoints" / "step_000003"))
@@ -636,7 +632,6 @@ def test_reproduction_table_lists_every_table_and_figure_and_its_runs_are_tested
     plot line reads is one a training command writes."""
     import fnmatch
     import shlex
-    import train
     rows = reproduction_rows()
     import re
     rlme = " ".join(p for p, _, _ in rows if p.startswith("RLME"))
@@ -657,7 +652,7 @@ def test_reproduction_table_lists_every_table_and_figure_and_its_runs_are_tested
                 layers, overrides = train_command(cmd)
                 assert tuple(layers) in layerings, f"{paper}: {layers} is no layering tests/plumbing/test_configs.py runs"
                 assert set(overrides) <= TRAIN_OVERRIDES, (paper, overrides)
-                cfg = train.load_config([os.path.join(REPO, p) for p in layers], [f"{k}={v}" for k, v in overrides.items()])
+                cfg = load_config([os.path.join(REPO, p) for p in layers], [f"{k}={v}" for k, v in overrides.items()])
                 out = cfg["run"]["out_dir"]
                 # a run serving two rows (Fig. 5 and Table 10) is the same command; another command, another folder
                 assert written.get(out, cmd) == cmd, f"{paper}: {out} is also written by {written[out]}"

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import SMOLLM2, data_path
 import rollout
-import train as T
 
+from plumbing.config import load_config
 from plumbing.items import load_train_items, load_val_items
 from plumbing.jsonl import read_jsonl
 from plumbing.models import resolve_model_path
@@ -62,27 +62,27 @@ GOOD = {"question": "What is 2 + 3?", "answer": "#### 5"}
 def test_an_empty_or_missing_question_names_file_and_row(tmp_path, bad, what):
     """The old code trained on the literal prompt "None" or ""."""
     p = write_jsonl(tmp_path / "train.jsonl", [GOOD, GOOD, bad, GOOD])
-    msg = refused(load_train_items, T.load_config([], [f"data.train={p}"]))
+    msg = refused(load_train_items, load_config([], [f"data.train={p}"]))
     assert msg == f"data.train: {p} row 3: the question field 'question' {what}"
 
 
 def test_an_empty_question_in_the_validation_file_names_data_val(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [GOOD] * 4)
     val = write_jsonl(tmp_path / "val.jsonl", [GOOD, {"question": "", "answer": "#### 2"}])
-    cfg = T.load_config([], [f"data.train={train}", f"data.val={val}", "data.val_size=1", "run.eval_every=1"])
+    cfg = load_config([], [f"data.train={train}", f"data.val={val}", "data.val_size=1", "run.eval_every=1"])
     assert len(load_train_items(cfg)) == 4
     assert refused(load_val_items, cfg) == f"data.val: {val} row 2: the question field 'question' is empty"
 
 
 def test_other_row_errors_name_the_row_1_based(tmp_path):
     p = write_jsonl(tmp_path / "train.jsonl", [GOOD, {"question": "q", "answer": "5"}])
-    msg = refused(load_train_items, T.load_config([], [f"data.train={p}"]))
+    msg = refused(load_train_items, load_config([], [f"data.train={p}"]))
     assert msg.startswith(f"data.train: {p} row 2: field 'answer' has no '####'")
 
 
 def test_real_gsm8k_rows_all_load():
     p = data_path("gsm8k", "train.jsonl")
-    items = load_train_items(T.load_config([], [f"data.train={p}", "data.val=null"]))
+    items = load_train_items(load_config([], [f"data.train={p}", "data.val=null"]))
     assert len(items) == 7473 and all(it["question"].strip() and it["messages"] is None for it in items)
     assert items[16]["where"] == f"data.train: {p} row 17"
 
@@ -100,7 +100,7 @@ def conversational_cfg(tmp_path, *overrides):
     rows = [{"prompt": CONVERSATION, "answer": "#### 5"},
             {"prompt": [{"role": "user", "content": "What is 2 + 3?", "name": "ann"}], "answer": "#### 5"}]
     p = write_jsonl(tmp_path / "train.jsonl", rows)
-    return T.load_config([], [f"data.train={p}", "data.question_field=prompt", *overrides]), p
+    return load_config([], [f"data.train={p}", "data.question_field=prompt", *overrides]), p
 
 
 def test_a_conversational_prompt_is_read_as_messages(tmp_path):
@@ -164,7 +164,7 @@ def test_a_conversation_with_its_own_system_message_and_model_system_prompt(tmp_
 ])
 def test_a_malformed_conversation_is_refused(tmp_path, prompt, what):
     p = write_jsonl(tmp_path / "train.jsonl", [{"prompt": prompt, "answer": "#### 1"}])
-    msg = refused(load_train_items, T.load_config([], [f"data.train={p}", "data.question_field=prompt"]))
+    msg = refused(load_train_items, load_config([], [f"data.train={p}", "data.question_field=prompt"]))
     assert msg.startswith(f"data.train: {p} row 1: the question field 'prompt' {what}")
 
 
@@ -206,7 +206,7 @@ def test_trl_rows_as_d_h_and_d_o(tmp_path):
     rows = trl_rows(4)
     rows[1]["critique"] = "Response 1 answers the question; Response 2 does not."
     p = write_jsonl(tmp_path / "trl.jsonl", rows)
-    cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", f"nlhf.do={p}"])
+    cfg = load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", f"nlhf.do={p}"])
     dh = load_dh_items(cfg)
     assert [it["id"] for it in dh] == ["trl:1"]
     assert re.fullmatch(r"Response ([AB]) answers the question; Response ([AB]) does not\.", dh[0]["critique"])
@@ -287,7 +287,7 @@ def test_an_empty_pairwise_prompt_names_file_and_line(tmp_path, row, what):
 def test_an_empty_pairwise_prompt_stops_d_o_at_load(tmp_path):
     p = write_jsonl(tmp_path / "do.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"},
                                             {"prompt": " ", "chosen": "a", "rejected": "b"}])
-    cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.do={p}"])
+    cfg = load_config([], ["task=rm_nlhf", f"nlhf.do={p}"])
     assert refused(load_do_items, cfg) == f"{p}:2: the prompt (prompt) is empty (schema chosen_rejected)"
 
 
@@ -316,8 +316,8 @@ def test_split_one_dataset_into_dh_and_do(tmp_path):
     rows = [dict(r, critique=f"Response 1 is right about {k}.") for k, r in enumerate(trl_rows(7))]
     p = write_jsonl(tmp_path / "trl.jsonl", rows)
     for seed, frac, want_dh in [(0, 0.5, [0, 1, 2, 3]), (1, 0.5, [1, 2, 5, 6]), (0, 0.3, [0, 3])]:
-        cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", f"nlhf.split_dh_fraction={frac}",
-                                 f"run.seed={seed}"])
+        cfg = load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", f"nlhf.split_dh_fraction={frac}",
+                               f"run.seed={seed}"])
         dh, do, note = load_nlhf_items(cfg)
         want_do = [k for k in range(7) if k not in want_dh]
         assert [it["id"] for it in dh] == [f"trl:{k}" for k in want_dh]
@@ -332,11 +332,11 @@ def test_split_one_dataset_into_dh_and_do(tmp_path):
     dh, do = split_dh_do(items[::-1], 0.5, 0)
     assert sorted(it["id"] for it in dh) == [f"trl:{k}" for k in (0, 1, 2, 3)] and len(do) == 3
     # without the key nothing is split, and the split needs nlhf.do: null
-    cfg = T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null"])
+    cfg = load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null"])
     assert [len(x) if x is not None else None for x in load_nlhf_items(cfg)] == [7, 0, None]
-    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.split_dh_fraction=0.5"]) == (
+    assert refused(load_config, [], ["task=rm_nlhf", "nlhf.split_dh_fraction=0.5"]) == (
         "config key nlhf.split_dh_fraction=0.5 splits nlhf.dh into D_H and D_O: set nlhf.do: null (it is Anthropic/hh-rlhf)")
-    assert refused(T.load_config, [], ["task=rm_nlhf", "nlhf.do=null", "nlhf.split_dh_fraction=1.0"]) == (
+    assert refused(load_config, [], ["task=rm_nlhf", "nlhf.do=null", "nlhf.split_dh_fraction=1.0"]) == (
         "config key nlhf.split_dh_fraction: must be in [0, 1) (0 = off; the share of nlhf.dh that becomes D_H), got 1.0")
     # D_O from the split counts as D_O: metarm_only is allowed
-    T.load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", "nlhf.split_dh_fraction=0.5", "metarm.mode=metarm_only"])
+    load_config([], ["task=rm_nlhf", f"nlhf.dh={p}", "nlhf.do=null", "nlhf.split_dh_fraction=0.5", "metarm.mode=metarm_only"])

@@ -16,10 +16,11 @@ import reward
 import rollout
 import train
 import fast
+from plumbing.config import load_config
 from plumbing.pairwise import load_pairwise
 from plumbing.prompts import keep_short, prompt_token_limit
-from plumbing.run import load_metarm, load_saved_metarm
-from plumbing.services import JUDGE_KEYS
+from plumbing.metarm_setup import load_metarm, load_saved_metarm
+from plumbing.judge import JUDGE_KEYS
 
 CPU_PRESET = os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")
 NLHF_METRICS = {"nlhf/format_error_rate", "nlhf/outcome_acc", "nlhf/process_rate", "judge/fail_rate", "judge/calls",
@@ -46,7 +47,7 @@ def verdict(critique, choice):
 
 
 def small_cfg(**over):
-    cfg = train.load_config([CPU_PRESET])
+    cfg = load_config([CPU_PRESET])
     for k, v in over.items():
         sec, key = k.split(".")
         cfg[sec][key] = v
@@ -56,17 +57,17 @@ def small_cfg(**over):
 # ---- fast: the pieces of a step ------------------------------------------------------------------
 
 def test_config_schema_has_the_nlhf_sections():
-    cfg = train.load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
+    cfg = load_config([CPU_PRESET], ["judge.model=null", "metarm.path=null", "nlhf.do=null"])
     assert cfg["task"] == "rm_nlhf" and cfg["algo"]["loss"] == "grpo" and cfg["algo"]["kl_coef"] == 0.001
     assert set(cfg["judge"]) == set(JUDGE_KEYS)
     with pytest.raises(SystemExit, match=r"config key task: 'rlhf' is not one of \['rlme', 'rm_nlhf'\]"):
-        train.load_config([], ["task=rlhf"])
+        load_config([], ["task=rlhf"])
     with pytest.raises(SystemExit, match="config key nlhf.dh_schema: 'nope' is not one of"):
-        train.load_config([CPU_PRESET], ["nlhf.dh_schema=nope"])
+        load_config([CPU_PRESET], ["nlhf.dh_schema=nope"])
     with pytest.raises(SystemExit, match=r"nlhf.dh_per_step=0.2: gives no D_H prompt"):
-        train.load_config([CPU_PRESET], ["nlhf.dh_per_step=0.2"])  # round(0.2 x 2) = 0
+        load_config([CPU_PRESET], ["nlhf.dh_per_step=0.2"])  # round(0.2 x 2) = 0
     with pytest.raises(SystemExit, match=r"config key nlhf.threshold: must be in \[0.0, 1.0\]"):
-        train.load_config([CPU_PRESET], ["nlhf.threshold=1.5"])
+        load_config([CPU_PRESET], ["nlhf.threshold=1.5"])
 
 
 def test_step_items_mix_sets_and_split_ranks():
@@ -317,7 +318,7 @@ def test_refused_judge_is_counted_and_key_never_written(tmp_path, monkeypatch, t
     monkeypatch.setenv("RLME_TEST_JUDGE_KEY", secret)
     force_verdicts(monkeypatch, load_pairs())
     # the server goes away after start-up: the start-up probe (tests/plumbing/test_judge_probe.py) is passed over
-    monkeypatch.setattr("plumbing.services.probe_judge", lambda *a, **k: None)
+    monkeypatch.setattr("plumbing.judge.probe_judge", lambda *a, **k: None)
     out = str(tmp_path / "run")
     train.main(nlhf_args(out, tiny_model_path, [
         "run.total_steps=1", "judge.backend=openai", "judge.base_url=http://127.0.0.1:9/v1", "judge.model=m",
@@ -421,7 +422,7 @@ def _metarm_rank(rank, world, model_path, port, out_dir):
     items, samples = _rank_samples(rank)
     m = metarm.online_update(mrm, items, samples, seed=5)
     pred = predicted(mrm, [pair(9)], ["Response B is wrong."])[0]
-    from plumbing.run import save_metarm
+    from plumbing.metarm_setup import save_metarm
     save_metarm(mrm, os.path.join(out_dir, "saved"), rank=rank, world=world)  # the AdamW state: every rank writes
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"pred": pred, "updates": mrm["updates"], "n": m["metarm/n"]}, f)

@@ -20,10 +20,12 @@ import evaluate  # noqa: E402
 import reward as R  # noqa: E402
 import train as T  # noqa: E402
 from conftest import REPO, data_path, reward_kwargs  # noqa: E402
-from plumbing import cli  # noqa: E402
+from plumbing import cli, eval_commands, plots  # noqa: E402
+from plumbing.config import load_config  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 from plumbing.engine import hf_backend  # noqa: E402
-from plumbing.run import rlme_step_metrics, validation_step  # noqa: E402
+from plumbing.metrics import rlme_step_metrics  # noqa: E402
+from plumbing.validation import validation_step  # noqa: E402
 
 
 def write_jsonl(path, rows):
@@ -48,7 +50,7 @@ def test_ema_is_bias_corrected_hand_numbers():
     assert evaluate.ema([4.0, 2.0], 0.5) == pytest.approx([4.0, (0.5 * 4 + 2) / 1.5])  # 4, 2.6667
     assert evaluate.ema([3.0, -1.0], 0.0) == [3.0, -1.0]  # alpha 0: the raw values
     assert evaluate.ema([], 0.9) == []
-    assert cli.ema is evaluate.ema  # scripts/learning_check.py imports it from plumbing.cli
+    assert plots.ema is evaluate.ema  # the plot's EMA (plumbing/plots.py curve) is this one
 
 
 def test_standard_error_none_for_one_value():
@@ -64,7 +66,7 @@ def two_settings(tmp_path):
     """'pair': runs a (steps 0-2: 0, 1, 5) and b (steps 0-1: 2, 3); 'solo': run a alone."""
     a = write_jsonl(tmp_path / "a.jsonl", [{"step": 0, "r": 0.0}, {"step": 1, "r": 1.0}, {"step": 2, "r": 5.0}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"step": 0, "r": 2.0}, {"step": 1, "r": 3.0}])
-    return {"pair": {"r": cli.curve([a, b], "r", 0.5)}, "solo": {"r": cli.curve([a], "r", 0.5)}}
+    return {"pair": {"r": plots.curve([a, b], "r", 0.5)}, "solo": {"r": plots.curve([a], "r", 0.5)}}
 
 
 def test_curve_raw_ema_and_standard_error(two_settings):
@@ -92,11 +94,11 @@ def test_band_is_plus_minus_one_std_across_runs_as_rlme_fig2(three_runs):
     sample std sqrt((9 + 0 + 9) / 2) = 3; step 2: {2, 1, 6}, mean 3, std sqrt((1 + 4 + 9) / 2) = sqrt(7).
     The band is EMA mean -/+ std: [0, 6] and [3 - sqrt(7), 3 + sqrt(7)] (the standard error, the old
     band, is std / sqrt(3): sqrt(3) and sqrt(7/3), 1.73x narrower)."""
-    c = cli.curve(three_runs, "r", 0.5)
+    c = plots.curve(three_runs, "r", 0.5)
     assert c["ema"] == pytest.approx([3.0, 3.0])
     assert c["std"] == pytest.approx([3.0, 7 ** 0.5]) and c["se"] == pytest.approx([3 ** 0.5, (7 / 3) ** 0.5])
     for band, half in (("std", [3.0, 7 ** 0.5]), ("se", [3 ** 0.5, (7 / 3) ** 0.5])):
-        fig = cli.curves_figure({"rlme": {"r": c}}, ["r"], 0.5, min_span=0.1, band=band)
+        fig = plots.curves_figure({"rlme": {"r": c}}, ["r"], 0.5, min_span=0.1, band=band)
         try:
             verts = artists(fig.axes[0])["rlme/band"].get_paths()[0].vertices
             for x, h in zip((1, 2), half):
@@ -111,12 +113,12 @@ def test_ema_start_is_ours_and_one_flag_away(three_runs, tmp_path):
     """The default EMA is bias-corrected (ours: the paper says only "EMA with decay 0.9"); --ema-start
     first seeds it with the first point: a: 0, 0.5*0 + 0.5*3 = 1.5; b: 3, 1.5; c: 6, 6 -> step 2 mean
     3, std sqrt((2.25 + 2.25 + 9) / 2) = sqrt(6.75)."""
-    assert cli.seeded_ema([0.0, 3.0, 1.0], 0.5) == [0.0, 1.5, 1.25]
-    c = cli.curve(three_runs, "r", 0.5, ema_start="first")
+    assert plots.seeded_ema([0.0, 3.0, 1.0], 0.5) == [0.0, 1.5, 1.25]
+    c = plots.curve(three_runs, "r", 0.5, ema_start="first")
     assert c["ema"] == pytest.approx([3.0, 3.0]) and c["std"] == pytest.approx([3.0, 6.75 ** 0.5])
-    assert cli.plot_note(0.9) == "faint: raw per step; line: EMA 0.9 (bias-corrected, ours); band: ±1 std across runs (2+ runs)"
+    assert plots.plot_note(0.9) == "faint: raw per step; line: EMA 0.9 (bias-corrected, ours); band: ±1 std across runs (2+ runs)"
     glob_spec = "fig2=" + str(tmp_path / "*.jsonl")  # a quoted wildcard: the runs it matches, sorted
-    assert cli.parse_curve(glob_spec) == ("fig2", sorted(three_runs))
+    assert plots.parse_curve(glob_spec) == ("fig2", sorted(three_runs))
     rows = cli.evaluate_main(["plot", glob_spec, "--keys", "r", "--ema", "0.5", "--ema-start", "first",
                               "--band", "se", "--reward-key", "r", "--acc-key", "r", "--out", str(tmp_path / "plots")])
     assert rows[0]["runs"] == 3 and rows[0]["last_std"] == pytest.approx(6.75 ** 0.5)
@@ -126,7 +128,7 @@ def test_ema_start_is_ours_and_one_flag_away(three_runs, tmp_path):
 
 
 def test_plot_draws_raw_behind_the_ema_and_a_band_only_across_runs(two_settings):
-    fig = cli.curves_figure(two_settings, ["r"], 0.5, min_span=0.1, band="se")
+    fig = plots.curves_figure(two_settings, ["r"], 0.5, min_span=0.1, band="se")
     try:
         ax = fig.axes[0]
         got = artists(ax)
@@ -154,14 +156,14 @@ def test_plot_y_range_is_never_a_zoom_into_noise(tmp_path):
     # 0.70, 0.72, 0.71 nats: the data span 0.02 (+5% margins = 0.022) is below --min-y-span 0.1,
     # so the axis is 0.1 tall around the middle 0.71: (0.66, 0.76). Autoscale would show ~0.021.
     f = write_jsonl(tmp_path / "m.jsonl", [{"step": s, "r": v} for s, v in enumerate([0.70, 0.72, 0.71])])
-    c = {"run": {"r": cli.curve([f], "r", 0.9)}}
-    fig = cli.curves_figure(c, ["r"], 0.9, min_span=0.1)
+    c = {"run": {"r": plots.curve([f], "r", 0.9)}}
+    fig = plots.curves_figure(c, ["r"], 0.9, min_span=0.1)
     try:
         assert fig.axes[0].get_ylim() == pytest.approx((0.66, 0.76))
     finally:
         plt.close(fig)
     # reward vs accuracy, --min-y-span 0.5: both axes (0.46, 0.96); the accuracy curve dashed
-    fig = cli.reward_accuracy_figure({"run": c["run"]["r"]}, {"run": c["run"]["r"]}, "r", "acc", 0.9, 0.5)
+    fig = plots.reward_accuracy_figure({"run": c["run"]["r"]}, {"run": c["run"]["r"]}, "r", "acc", 0.9, 0.5)
     try:
         left, right = fig.axes
         assert left.get_ylim() == pytest.approx((0.46, 0.96)) and right.get_ylim() == pytest.approx((0.46, 0.96))
@@ -227,7 +229,7 @@ def test_validation_accuracy_uses_the_evaluation_grade(tiny_model_path):
     labels = [lab for _, lab in LENIENT] + ["18", "18"]
     val = [{"index": i, "question": f"Question {i}?", "problem": f"Question {i}?", "label": lab, "answer_text": lab,
             "anchored": False, "context": None} for i, lab in enumerate(labels)]
-    cfg = T.load_config([], ["reward.kind=rlvr", "train.device=cpu", "rollout.backend=hf"])  # the HF backend below
+    cfg = load_config([], ["reward.kind=rlvr", "train.device=cpu", "rollout.backend=hf"])  # the HF backend below
 
     def run(completions):
         def generate(policy, tok_, prompts, group_size, **kw):  # the scripted greedy answers, in item order
@@ -271,7 +273,7 @@ def stop_at_model(*a, **kw):
      "math: 3 problems x 2 answers x up to 64 new tokens = up to 384 tokens to generate"),
 ])
 def test_math_states_the_work_and_the_flags_before_the_model_loads(monkeypatch, capsys, extra, line):
-    monkeypatch.setattr(cli, "load_model", stop_at_model)
+    monkeypatch.setattr(eval_commands, "load_model", stop_at_model)
     with pytest.raises(ModelLoaded):
         cli.evaluate_main(["math", "--model", "m", "--data", data_path("gsm8k", "test.jsonl"), *extra])
     err = capsys.readouterr().err.strip().splitlines()
@@ -280,7 +282,7 @@ def test_math_states_the_work_and_the_flags_before_the_model_loads(monkeypatch, 
 
 
 def test_qa_and_policy_sampling_state_the_work(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "load_model", stop_at_model)
+    monkeypatch.setattr(eval_commands, "load_model", stop_at_model)
     qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i}", "context": "c", "answer": "a"} for i in range(4)])
     with pytest.raises(ModelLoaded):
         cli.evaluate_main(["qa", "--model", "m", "--data", qa, "--n-samples", "1"])

@@ -12,13 +12,16 @@ import pytest
 import evaluate
 import reward
 from conftest import REPO, SMOLLM2, data_path
-from plumbing import cli
-from plumbing.cli import curve, ema, evaluate_main, load_or_sample, parse_curve, prompt_template
+from plumbing import cli, eval_commands
+from evaluate import ema
+from plumbing.cli import evaluate_main
+from plumbing.eval_commands import load_or_sample, prompt_template
+from plumbing.plots import curve, parse_curve
 from plumbing.benchmarks import (BENCHMARK_REGISTRY, QA_PRESETS, earliest_allowed, load_benchmark, load_math_problems,
                                  load_qa_items, passes_contamination_rule, select_benchmarks)
 from plumbing.items import render_context
 from plumbing.models import load_model
-from plumbing.run import wrong_answer
+from plumbing.validation import wrong_answer
 
 
 
@@ -376,9 +379,9 @@ def test_subsample_keeps_reward_bench_2_rows_whole():
 def fake_grm(monkeypatch, seen):
     """Replace model loading and the GRM judge of cmd_pairwise by marker_judge; `seen` gets the
     keyword arguments make_grm_judge was called with."""
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
-    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(eval_commands, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(eval_commands, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or marker_judge)
 
 
 def test_cli_pairwise_default_set_overall_hand_computed(tmp_path, monkeypatch, capsys):
@@ -653,8 +656,8 @@ def fake_generation(monkeypatch, answer_for):
     """Replace model loading and generation: a prompt's 'ids' are its text; answer_for(prompt,
     temperature) gives the completion. Returns the list the prompts are appended to."""
     prompts = []
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(cli, "use_chat_template", lambda tok, chat, **kw: False)
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(eval_commands, "use_chat_template", lambda tok, chat, **kw: False)
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: prompts.append(text) or [text])
 
     def generate(model, tok, ids, n=1, temperature=0.0, **kw):
@@ -920,9 +923,9 @@ def test_bon_passes_the_grm_prompt_style(tmp_path, monkeypatch):
 
     def text_judge(queries):  # picks the answer saying 'right'
         return [{"choice": "B" if b == "right" else "A", "valid": True} for _, a, b in queries]
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
-    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or text_judge)
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(eval_commands, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(eval_commands, "make_grm_judge", lambda model, tok, **kw: seen.update(kw) or text_judge)
     samples = write_jsonl(tmp_path / "items.jsonl", [bon_item(1, 2), bon_item(0, 2)])
     r = evaluate_main(["bon", "--judge", "fake", "--samples", samples, "--ns", "2", "--out", str(tmp_path)])
     assert seen["style"] == "ours" and r["grm_prompt"] == "ours" and r["rows"][0]["knockout_acc"] == 1.0
@@ -942,9 +945,9 @@ def recording_generate(monkeypatch, calls, text="<critics>\nB is wrong.\n</criti
     import types
     import fast
     monkeypatch.setattr(evaluate.rollout, "build_prompt_ids", lambda tok, text, chat: [1, 2])
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: (
         types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=10 ** 6)), None))
-    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(eval_commands, "chat_format", lambda tok, chat: False)
 
     def generate(model, tok, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k, seed):
         calls.append({"rows": len(prompt_ids) * group_size, "max_new_tokens": max_new_tokens,
@@ -1004,7 +1007,7 @@ def test_bon_judge_decoding_and_its_seeds(tmp_path, monkeypatch, capsys):
     (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
 ])
 def test_pairwise_bad_decoding_flags_are_one_line(tmp_path, monkeypatch, flags, line):
-    monkeypatch.setattr(cli, "load_model", stop_at_model)
+    monkeypatch.setattr(eval_commands, "load_model", stop_at_model)
     with pytest.raises(SystemExit) as e:
         evaluate_main(["pairwise", "--model", "fake", HS3_FIXTURE, "--out", str(tmp_path), *flags])
     assert str(e.value) == line
@@ -1024,7 +1027,7 @@ def test_greedy256_gives_the_earlier_default_exactly(tiny_model_path, tmp_path):
     r = evaluate_main(["pairwise", "--model", tiny_model_path, f, "--n", "2", "--protocol", "greedy256",
                        "--out", str(tmp_path)])
     model, tok = load_model(tiny_model_path)
-    chat = cli.chat_format(tok, cli.parse_chat(cli.build_parser().parse_args(["pairwise", "--model", "m"]), tiny_model_path))
+    chat = eval_commands.chat_format(tok, eval_commands.parse_chat(cli.build_parser().parse_args(["pairwise", "--model", "m"]), tiny_model_path))
     items = load_benchmark(f, 2, seed=0)
     judge = evaluate.make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat=chat, generate=fast.generate)
     summary, records = evaluate.pairwise_accuracy(items, judge)

@@ -147,7 +147,7 @@ def test_check_free_space_is_one_line():
 def test_checkpoint_bytes_against_a_real_folder(tiny_model_path, tmp_path):
     """Full fine-tuning: 4 bytes of weights + 8 of AdamW moments per parameter, +2 % +16 MiB."""
     from plumbing.models import load_model
-    from plumbing.run import save_checkpoint
+    from plumbing.checkpoints import save_checkpoint
     policy, tok = load_model(tiny_model_path)
     n = sum(p.numel() for p in policy.parameters())
     est = guards.checkpoint_bytes(policy)
@@ -208,7 +208,7 @@ def test_ctrl_c_is_one_line_exit_130_and_says_what_resumes(tiny_model_path, tmp_
     cmd = [sys.executable, os.path.join(REPO, "train.py"), *small_args(tiny_model_path, out, steps=50)]
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    from plumbing.run import latest_checkpoint
+    from plumbing.checkpoints import latest_checkpoint
     deadline = time.time() + 300  # any complete checkpoint (step_000001 may already be rotated out)
     while latest_checkpoint(out) is None and time.time() < deadline:
         time.sleep(0.1)
@@ -269,7 +269,8 @@ def _records(step, rewards, q):
 
 
 def test_nan_steps_are_null_in_metrics_jsonl_and_three_in_a_row_stop_the_run(tmp_path):
-    from plumbing.run import emit, save_and_stop, step_metrics
+    from plumbing.metrics import step_metrics
+    from plumbing.run import emit, save_and_stop
     cfg = load_config([os.path.join(REPO, "configs", "cpu.yaml")], [f"run.out_dir={tmp_path}", "rollout.group_size=2",
                                                                     "run.save_every=0", "run.total_steps=200"])
     state, _ = _metrics_state(tmp_path, cfg)
@@ -289,7 +290,8 @@ def test_nan_steps_are_null_in_metrics_jsonl_and_three_in_a_row_stop_the_run(tmp
 
 
 def test_a_step_that_cannot_learn_says_so_once_then_at_10(tmp_path):
-    from plumbing.run import emit, step_metrics
+    from plumbing.metrics import step_metrics
+    from plumbing.run import emit
     cfg = load_config([os.path.join(REPO, "configs", "cpu.yaml")], [f"run.out_dir={tmp_path}", "rollout.group_size=2",
                                                                     "rollout.temperature=0.01"])
     state, written = _metrics_state(tmp_path, cfg)

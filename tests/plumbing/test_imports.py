@@ -206,7 +206,7 @@ def test_python_m_plumbing_cli_loads_each_file_once():
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("usage: python -m plumbing.cli reward")
     loaded = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")]
-    assert "reward" in loaded and "plumbing.services" in loaded and "plumbing.cli" not in loaded
+    assert "reward" in loaded and "plumbing.evaluators" in loaded and "plumbing.cli" not in loaded
 
 
 def test_python_m_plumbing_cli_names_its_stages():

@@ -1,4 +1,4 @@
-"""The critique judge's start-up probe (plumbing/services.py probe_judge, called by make_judge):
+"""The critique judge's start-up probe (plumbing/judge.py probe_judge, called by make_judge):
 one short request before any model loads, each failure one line naming the judge.* key to change;
 Retry-After on 429/503 (call_with_retries); `evaluate.py judge-check` saying why calls failed.
 
@@ -15,7 +15,8 @@ import pytest
 
 from conftest import REPO, chat_body, free_port, make_judge, openai_error
 import reward
-from plumbing import services
+from plumbing import http_client
+from plumbing.judge import PROBE_MAX_TOKENS
 from plumbing.cli import evaluate_main
 
 
@@ -113,7 +114,7 @@ def test_refused_parameters_name_their_key(stub):
     assert str(e.value).startswith("judge.max_tokens: the server refuses the request field max_tokens = 512")
     assert "Use 'max_completion_tokens' instead" in str(e.value)
     # the probe sends the judge's own fields, its answer length cut to PROBE_MAX_TOKENS
-    assert stub["requests"][-1]["body"]["max_tokens"] == services.PROBE_MAX_TOKENS
+    assert stub["requests"][-1]["body"]["max_tokens"] == PROBE_MAX_TOKENS
     assert stub["requests"][-1]["body"]["temperature"] == 1.0
 
 
@@ -244,13 +245,13 @@ def test_retry_after_http_date_and_ms(stub):
 
 def test_retry_after_parser():
     now = 1_000_000_000.0
-    assert services.retry_after_s({"retry-after": "3"}) == 3.0
-    assert services.retry_after_s({"retry-after": email.utils.formatdate(now + 5, usegmt=True)}, now=now) == 5.0
-    assert services.retry_after_s({"retry-after": email.utils.formatdate(now - 5, usegmt=True)}, now=now) == 0.0
-    assert services.retry_after_s({"retry-after": "-4"}) == 0.0
-    assert services.retry_after_s({"retry-after": "nan"}) is None
-    assert services.retry_after_s({"retry-after": "Thu, 99 Foo"}) is None
-    assert services.retry_after_s({}) is None
+    assert http_client.retry_after_s({"retry-after": "3"}) == 3.0
+    assert http_client.retry_after_s({"retry-after": email.utils.formatdate(now + 5, usegmt=True)}, now=now) == 5.0
+    assert http_client.retry_after_s({"retry-after": email.utils.formatdate(now - 5, usegmt=True)}, now=now) == 0.0
+    assert http_client.retry_after_s({"retry-after": "-4"}) == 0.0
+    assert http_client.retry_after_s({"retry-after": "nan"}) is None
+    assert http_client.retry_after_s({"retry-after": "Thu, 99 Foo"}) is None
+    assert http_client.retry_after_s({}) is None
 
 
 def test_probe_waits_out_a_rate_limit(stub):
@@ -270,7 +271,7 @@ def test_judge_check_prints_failure_reasons(stub, tmp_path, capsys):
     """The probe passes (a short answer fits), the judge's real requests (max_tokens 512) are
     refused: judge-check counts them by reason and prints the server's message."""
     def small_context(body, headers):
-        if body["max_tokens"] > services.PROBE_MAX_TOKENS:
+        if body["max_tokens"] > PROBE_MAX_TOKENS:
             return 400, {}, openai_error("This model's maximum context length is 64 tokens. However, you requested "
                                          f"{body['max_tokens']} tokens in the completion.")
         return 200, {}, chat_body()

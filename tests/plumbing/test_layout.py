@@ -14,7 +14,7 @@ import reward
 import rollout
 import train
 from conftest import REPO
-from plumbing import services
+from plumbing import evaluators, reward_functions
 
 STAGE = ("rollout.py", "reward.py", "metarm.py", "evaluate.py")
 
@@ -60,10 +60,10 @@ def test_the_one_switch_picks_twins_with_one_signature(use_fast):
 
 
 def test_the_readme_recipes_import_from_where_things_are_defined():
-    """The README's Python blocks import load_evaluator, remote_evaluator, trl_reward_function and
-    verl_compute_score from plumbing.services, where they are defined (before: reward.py forwarded
-    them through a module __getattr__, which neither grep nor a static tool sees), and every name a
-    block imports from this repository exists there."""
+    """The README's Python blocks import load_evaluator, remote_evaluator (plumbing.evaluators),
+    trl_reward_function and verl_compute_score (plumbing.reward_functions) from where they are
+    defined (before: reward.py forwarded them through a module __getattr__, which neither grep nor a
+    static tool sees), and every name a block imports from this repository exists there."""
     readme = open(os.path.join(REPO, "README.md")).read()
     blocks = [ast.parse(b) for b in re.findall(r"```python\n(.*?)```", readme, re.S)]
     ours = [(n.module, a.name) for b in blocks for n in ast.walk(b) if isinstance(n, ast.ImportFrom)
@@ -72,7 +72,8 @@ def test_the_readme_recipes_import_from_where_things_are_defined():
     assert {name for _, name in ours} >= {"load_evaluator", "trl_reward_function", "verl_compute_score"}
     for module, name in ours:
         assert getattr(sys.modules[module], name).__module__ == module, (module, name)
-    assert services.remote_evaluator.__module__ == "plumbing.services" and not hasattr(reward, "load_evaluator")
+    assert evaluators.remote_evaluator.__module__ == "plumbing.evaluators" and not hasattr(reward, "load_evaluator")
+    assert reward_functions.verl_compute_score.__module__ == "plumbing.reward_functions"
     assert "reward.load_evaluator" not in readme and "reward.remote_evaluator" not in readme
 
 

@@ -9,10 +9,11 @@ import torch
 import train as T
 from conftest import REPO, SMOLLM2, data_path, frozen_logprobs, update_policy
 import fast
+from plumbing.config import load_config
 from plumbing.models import load_model
 from plumbing.pairwise import load_pairwise
 from plumbing.scale import BaseModelView, apply_lora, check_checkpoint_kind, merged_state_items, wrap_policy
-from plumbing.services import load_evaluators
+from plumbing.evaluators import load_evaluators
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "merged": False}
 CPU = torch.device("cpu")
@@ -296,15 +297,15 @@ def test_lora_rm_nlhf_grpo_reference_and_metarm_run(tiny_model_path, tmp_path, m
     adapters off (no reference model is loaded), the MetaRM cold start samples from the LoRA policy."""
     from test_configs import swaps
     from test_e2e_nlhf import force_verdicts
-    cfg = T.load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")])
+    cfg = load_config([os.path.join(REPO, "configs", "cpu_rm_nlhf.yaml")])
     pairs = (load_pairwise(data_path("mr_ben_math", "math.jsonl"), "auto", seed=0)
              + [dict(it, critique=None) for it in load_pairwise(data_path("hh_rlhf_harmless_base", "test.jsonl"),
                                                                        "auto", seed=0)])
     force_verdicts(monkeypatch, pairs)
     loads = []
     real_load = load_model
-    from plumbing import run, services
-    for module in (run, services):  # where setup and the evaluators load models
+    from plumbing import evaluators, run
+    for module in (run, evaluators):  # where setup and the evaluators load models
         monkeypatch.setattr(module, "load_model", lambda path, *a, **kw: loads.append(path) or real_load(path, *a, **kw))
     out = str(tmp_path / "nlhf")
     args = swaps(cfg, tiny_model_path, out) + ["run.total_steps=1", f"model.lora={json.dumps(LORA)}"]

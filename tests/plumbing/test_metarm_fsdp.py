@@ -1,5 +1,5 @@
 """The MetaRM sharded with FSDP2 (issue 26 item 3; docs/scale-out.md "The MetaRM's placement";
-plumbing/run.py load_metarm / save_metarm / load_saved_metarm, metarm.py fit / raw_outputs):
+plumbing/metarm_setup.py load_metarm / save_metarm / load_saved_metarm, metarm.py fit / raw_outputs):
 on 2 gloo ranks under train.parallel fsdp2 its parameters are DTensor shards, each rank trains on
 its share of every batch (uneven shares here: 5 examples in batches of 3), and the update equals
 the one-process update on the same examples; the D_O predictions, 4 texts on rank 0 and 1 on
@@ -16,7 +16,7 @@ import metarm
 from test_e2e_nlhf import pair
 from test_scale import _spawn
 
-from plumbing.run import load_metarm, load_saved_metarm, save_metarm
+from plumbing.metarm_setup import load_metarm, load_saved_metarm, save_metarm
 
 KW = dict(mode="online", lam=0.5, batch_size=3, max_length=64, online_lr=1e-2, gradient_checkpointing=True)
 REWARDS = [1.5, 0.0, 1.0, 0.0, 1.5, 1.0, 0.0]

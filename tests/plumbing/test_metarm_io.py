@@ -1,4 +1,4 @@
-"""The MetaRM's plumbing: atomic save and load (plumbing/run.py), the metarm.py command line, SmolLM2 as the sequence classifier."""
+"""The MetaRM's plumbing: atomic save and load (plumbing/metarm_setup.py), the metarm.py command line, SmolLM2 as the sequence classifier."""
 import json
 import os
 import subprocess
@@ -12,7 +12,7 @@ import metarm
 from test_metarm import fresh, item, loss_of, predict_texts
 
 from plumbing.cli import metarm_main
-from plumbing.run import load_metarm, load_saved_metarm, save_metarm
+from plumbing.metarm_setup import load_metarm, load_saved_metarm, save_metarm
 
 
 def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
@@ -41,7 +41,7 @@ def write_yaml(path, text):
 
 
 def test_cli_errors(tmp_path):
-    """The CLI reads its config with train.load_config (config.yaml is the schema): one-line errors."""
+    """The CLI reads its config with plumbing.config.load_config (config.yaml is the schema): one-line errors."""
     cfg = write_yaml(tmp_path / "c.yaml", "metarm:\n  mode: onlien\n")
     with pytest.raises(SystemExit, match=r"config key metarm.mode: 'onlien' is not one of \['none'"):
         metarm_main(["--config", cfg, "cold-start"])

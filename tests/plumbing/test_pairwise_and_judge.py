@@ -1,4 +1,4 @@
-"""RM-NLHF's plumbing: the pairwise dataset schemas (plumbing/pairwise.py: HelpSteer3, Mr-Ben, the authors' rm_nlhf rows, RewardBench 2, parquet) and the critique judge's client (plumbing/services.py: retries and backoff against a real local HTTP server, start-up errors, transformers serve)."""
+"""RM-NLHF's plumbing: the pairwise dataset schemas (plumbing/pairwise.py: HelpSteer3, Mr-Ben, the authors' rm_nlhf rows, RewardBench 2, parquet) and the critique judge's client (plumbing/judge.py, plumbing/http_client.py: retries and backoff against a real local HTTP server, start-up errors, transformers serve)."""
 import json
 import socket
 import time
@@ -9,7 +9,7 @@ from conftest import chat_body, data_path, make_judge
 import reward
 
 from plumbing.pairwise import load_pairwise
-from plumbing.services import backoff_delay
+from plumbing.http_client import backoff_delay
 
 
 def write_jsonl(path, rows):

@@ -9,12 +9,13 @@ import pytest
 
 from conftest import data_path
 import train as T
+from plumbing.config import load_config
 from plumbing.pairwise import load_nlhf_val_items
 
 
 def cfg_with(*overrides):
     # config.yaml's defaults roll out with vLLM (the GPU node's); these tiny-model runs use our decode
-    return T.load_config([], ["rollout.backend=hf", *overrides])
+    return load_config([], ["rollout.backend=hf", *overrides])
 
 
 def write_jsonl(path, rows):
@@ -56,7 +57,7 @@ def test_paper_presets_validate_the_whole_file_before_training():
     validation split, also at step 0, as the release (data.val_files = the whole file,
     trainer.val_before_train=True, trainer.test_freq=20)."""
     from conftest import REPO
-    cfg = T.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])
+    cfg = load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])
     assert (cfg["nlhf"]["val"], cfg["nlhf"]["val_split"], cfg["nlhf"]["val_size"]) == ("nvidia/HelpSteer3", "validation", 0)
     assert cfg["run"]["eval_at_start"] is True and cfg["run"]["eval_every"] == 20
 
@@ -86,8 +87,8 @@ def test_step_zero_validation_line_and_early_stop_counts_it(tmp_path, tiny_model
             return {"step": s, "val/accuracy": next(it)}
         return step
     args = run_args(tmp_path, tiny_model_path, "run.early_stop_drop=0.25", "run.early_stop_patience=2")
-    from plumbing import run
-    monkeypatch.setattr(run, "validation_step", scripted([0.9, 0.5, 0.2]))  # validate_at_start's
+    from plumbing import validation
+    monkeypatch.setattr(validation, "validation_step", scripted([0.9, 0.5, 0.2]))  # validate_at_start's
     monkeypatch.setattr(T, "validation_step", scripted([0.5, 0.2]))          # the loop's
     T.main(args + ["run.eval_at_start=true"])
     out = tmp_path / "run"
@@ -116,11 +117,11 @@ def test_qwen3_judge_presets_sample_as_its_card_and_send_no_token_cap():
     tags), with a 300 s timeout for a long answer. The paper preset sends neither field (the release's
     request), so the server's generation config (the card's) applies."""
     from conftest import REPO
-    from plumbing.services import judge_request_fields
-    one_node = T.load_config([os.path.join(REPO, "configs", "rm_nlhf.yaml")])["judge"]
+    from plumbing.judge import judge_request_fields
+    one_node = load_config([os.path.join(REPO, "configs", "rm_nlhf.yaml")])["judge"]
     assert one_node["model"] == "Qwen/Qwen3-32B"
     assert judge_request_fields(one_node) == {"temperature": 0.6} and one_node["timeout_s"] >= 300
-    paper = T.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])["judge"]
+    paper = load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")])["judge"]
     assert judge_request_fields(paper) == {} and paper["timeout_s"] >= 300
 
 
@@ -148,8 +149,8 @@ def test_the_authors_released_data_schema_loads_as_dh_and_do():
                                  f"Response B strengths: {'Response B is concise.' if good == 'A' else 'Response B gives the correct value.'}\n"
                                  f"Response B weaknesses: {'Response B states a wrong temperature.' if good == 'A' else 'none noted'}")
     assert items[1]["meta"]["turns"][-1] == {"role": "user", "content": "Make it three lines."}
-    cfg = T.load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")],
-                        [f"nlhf.dh={fixture}", "nlhf.do=null", "metarm.mode=none"])
+    cfg = load_config([os.path.join(REPO, "configs", "paper", "rm_nlhf_qwen7b.yaml")],
+                      [f"nlhf.dh={fixture}", "nlhf.do=null", "metarm.mode=none"])
     dh, do, _ = load_nlhf_items(cfg)
     assert sorted(it["id"] for it in dh) == sorted(it["id"] for it in items[:2]) and do == []
 
@@ -161,12 +162,12 @@ def test_nocheat_runs_to_the_notes_cheating_test():
     at start-up, naming 116 = 7,473 // 64)."""
     from conftest import REPO
     from plumbing import config
-    cfg = T.load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")])
+    cfg = load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")])
     r = cfg["run"]
     assert (r["total_steps"], r["eval_every"], r["eval_at_start"], cfg["data"]["epochs"]) == (160, 10, True, 2)
     assert {150, 160} <= set(range(r["eval_every"], r["total_steps"] + 1, r["eval_every"]))
     config.check_single_pass(cfg, 7473)  # 10,240 <= 2 x 7,473 = 14,946
-    one_pass = T.load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")], ["data.epochs=1"])
+    one_pass = load_config([os.path.join(REPO, "configs", "paper", "rlme", "nocheat.yaml")], ["data.epochs=1"])
     with pytest.raises(SystemExit, match="160 x 64 = 10240 prompts.*lower run.total_steps to 116"):
         config.check_single_pass(one_pass, 7473)
 
@@ -177,7 +178,7 @@ def test_pairwise_scores_the_whole_benchmark_by_default(tmp_path, monkeypatch):
     """A 60-pair file, a fake GRM that always names the chosen response: by default all 60 pairs
     are scored in both orders (120 judgements; the old default scored a 50-pair subset); --n 7 draws
     a seeded subset of 7."""
-    from plumbing import cli
+    from plumbing import cli, eval_commands
     (tmp_path / "bench").mkdir()
     f = write_jsonl(tmp_path / "bench" / "b.jsonl",
                     [{"prompt": f"q{i}", "chosen": f"good{i}", "rejected": f"bad{i}"} for i in range(60)])
@@ -187,9 +188,9 @@ def test_pairwise_scores_the_whole_benchmark_by_default(tmp_path, monkeypatch):
         calls.append(len(queries))
         return [{"choice": "A" if a.startswith("good") else "B", "valid": True, "why": None, "critique": "c"}
                 for _, a, b, _turns in queries]
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(cli, "chat_format", lambda tok, chat: False)
-    monkeypatch.setattr(cli, "make_grm_judge", lambda model, tok, **kw: judge)
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(eval_commands, "chat_format", lambda tok, chat: False)
+    monkeypatch.setattr(eval_commands, "make_grm_judge", lambda model, tok, **kw: judge)
     assert cli.build_parser().parse_args(["pairwise", "--model", "m"]).n == 0
     r = cli.evaluate_main(["pairwise", "--model", "fake", f, "--out", str(tmp_path / "all")])
     assert r["files"][0]["n"] == 60 and r["files"][0]["acc"] == 1.0 and sum(calls) == 120 and r["n_per_file"] == 0

@@ -37,6 +37,7 @@ import pytest
 
 from conftest import REPO, TINY_MODEL_FIXTURE
 from test_configs import PRESETS, read_jsonl, shipped_cfg, swaps
+from plumbing.config import load_config
 
 LAUNCH = os.path.join(REPO, "tests", "plumbing", "rehearsal_launch.py")
 STEPS = 3
@@ -56,10 +57,9 @@ def rehearsal_args(name, cfg, model, out, judge):
 
 def effective_run(args):
     """The run section the rehearsal's command line resolves to (its --config layers and overrides)."""
-    import train
     paths = [args[i + 1] for i, a in enumerate(args) if a == "--config"]
     overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
-    return train.load_config(paths, overrides)["run"]
+    return load_config(paths, overrides)["run"]
 
 
 def launch(nproc, args, log, env):
@@ -101,7 +101,7 @@ def kill_run(p):
 
 
 def complete_checkpoints(out):
-    """Step folders with their completion marker (plumbing/run.py save_checkpoint), oldest first."""
+    """Step folders with their completion marker (plumbing/checkpoints.py save_checkpoint), oldest first."""
     folder = os.path.join(out, "checkpoints")
     if not os.path.isdir(folder):
         return []
@@ -147,7 +147,7 @@ def test_preset_rehearsal_4_ranks_kill_resume_on_fewer(name, request, tmp_path):
     killed_at = int(os.path.basename(ckpts[-1]).split("_")[1])
     assert killed_at < STEPS, "the run finished before it could be killed"
     check_sharded(ckpts[-1], 4)
-    if nlhf:  # the MetaRM is saved with the checkpoint (plumbing/run.py save_metarm)
+    if nlhf:  # the MetaRM is saved with the checkpoint (plumbing/metarm_setup.py save_metarm)
         assert os.path.isdir(os.path.join(ckpts[-1], "metarm")), os.listdir(ckpts[-1])
 
     # the same command on fewer ranks continues from that checkpoint and finishes

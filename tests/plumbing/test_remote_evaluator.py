@@ -32,7 +32,8 @@ from conftest import REPO, SMOLLM2, free_port, start_server, stop_server
 import fast
 from plumbing.cli import reward_main
 from plumbing.models import _gguf_location
-from plumbing.services import echo_target_logprob, remote_evaluator, remote_request, score_remote, trl_reward_function
+from plumbing.evaluators import echo_target_logprob, remote_evaluator, remote_request, score_remote
+from plumbing.reward_functions import trl_reward_function
 
 # |log p remote - log p in-process| allowed for the same prompt and target. The GGUF holds Q4_1
 # weights: llama.cpp multiplies them in quantized form (its activations rounded to 8 bits for the
@@ -398,7 +399,7 @@ def test_verl_scores_through_remote_specs(fake_server):
     evaluator themselves. By hand with the fake server: the sample's reward is v_j * w_k * log p("Yes")
     = 0.5 * 1 * fake_yes(evaluator text); built once per worker (one probe request), then one
     request per sample; a spec without model is one line."""
-    from plumbing.services import _VERL_SCORERS, verl_compute_score, verl_remote_score
+    from plumbing.reward_functions import _VERL_SCORERS, verl_compute_score, verl_remote_score
     spec = {"name": "far", "kind": "remote", "base_url": fake_server.base_url, "model": "fake", "weight": 0.5,
             "backoff_base_s": 0.0, "backoff_max_s": 0.0}
     mqs = R.meta_question_dicts(["Is the answer correct?"])
@@ -426,7 +427,7 @@ def test_verl_scores_through_remote_specs(fake_server):
 def test_verl_remote_score_on_llama_cpp_server(llama_server, smollm2):
     """verl_remote_score through llama-cpp-python's server (the remote evaluator's real server)
     gives the in-process reward of the same sample within REMOTE_TOLERANCE."""
-    from plumbing.services import verl_remote_score
+    from plumbing.reward_functions import verl_remote_score
     model, tok = smollm2
     spec = {"name": "remote", "base_url": llama_server, "model": "smollm2", "path": SMOLLM2, **LLAMA}
     problem, solution = "What is 12 times 5?", "12 x 5 = 60\n\\boxed{60}"

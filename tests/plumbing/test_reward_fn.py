@@ -12,7 +12,8 @@ import torch
 
 import reward as R
 from plumbing.cli import reward_main
-from plumbing.services import load_evaluator, trl_reward_function, verl_compute_score
+from plumbing.evaluators import load_evaluator
+from plumbing.reward_functions import trl_reward_function, verl_compute_score
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/plumbing/ -> the repository
 

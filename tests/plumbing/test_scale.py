@@ -19,8 +19,9 @@ from test_train_run import _free_port
 import train as T
 
 from plumbing.benchmarks import REPO
+from plumbing.config import load_config
 from plumbing.models import load_model
-from plumbing.run import latest_checkpoint, load_trainer_state, save_checkpoint
+from plumbing.checkpoints import latest_checkpoint, load_trainer_state, save_checkpoint
 from plumbing.scale import all_sum, full_state_items, logp_gap, unsharded, wrap_policy
 from plumbing import config
 
@@ -236,12 +237,12 @@ def test_sampling_seeds_distinct_per_rank_and_step(tiny_model_path):
 ])
 def test_scale_config_errors_are_one_line(overrides, device, message):
     with pytest.raises(SystemExit) as e:
-        config.check_scale_config(T.load_config([], overrides), torch.device(device))
+        config.check_scale_config(load_config([], overrides), torch.device(device))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_scale_config_ok_on_cpu():
-    config.check_scale_config(T.load_config([], ["train.parallel=fsdp2", "rollout.backend=hf"]), CPU)  # no exception
+    config.check_scale_config(load_config([], ["train.parallel=fsdp2", "rollout.backend=hf"]), CPU)  # no exception
 
 
 def test_logp_gap():
@@ -667,7 +668,7 @@ def _full_copy(model):
 
 def _sharded_load_worker(rank, world, port, model_path, big_path, out):
     import functools
-    from plumbing.run import load_metarm
+    from plumbing.metarm_setup import load_metarm
     from plumbing.scale import shard_frozen
     from plumbing.sharded_load import load_sharded_model
     from torch.distributed.tensor import DTensor
@@ -748,7 +749,7 @@ def test_models_load_into_shards_from_rank_0(tiny_model_path, tmp_path):
     plain, _ = load_model(tiny_model_path)
     plain_ref, _ = load_model(tiny_model_path, "bfloat16")
     torch.manual_seed(0)
-    from plumbing.run import load_metarm
+    from plumbing.metarm_setup import load_metarm
     plain_mrm = load_metarm(tiny_model_path)["model"]
     for name, model in (("policy", plain), ("ref", plain_ref), ("metarm", plain_mrm)):
         sd, bufs = r0["copies"][name]
@@ -780,7 +781,7 @@ def _setup_worker(rank, world, port, args, out):
     torch.set_num_threads(1)
     reads = []
     _record_reads(reads)
-    state = run.setup(T.load_config(args[:1], args[1:]), T.fast_or_plain(True))
+    state = run.setup(load_config(args[:1], args[1:]), T.fast_or_plain(True))
     sharded = all(isinstance(p, DTensor) for m in (state["policy"], state["ref_model"]) for p in m.parameters())
     torch.save({"reads": reads, "sharded": sharded, "same": state["model"] is state["policy"]}, f"{out}.{rank}")
     if state.get("lock"):
@@ -810,7 +811,8 @@ def test_a_checkpoint_is_fsynced_before_its_marker(tiny_model_path, tmp_path, mo
     trainer_state.pt, optimizer/, the MetaRM in metarm/) is fsync'd before complete.json exists,
     the marker itself too, and checkpoints/ after the rename: after a node crash a folder with its
     marker holds whole files. Before: save_pretrained's files were never fsync'd."""
-    from plumbing.run import CHECKPOINT_MARKER, load_metarm, save_metarm
+    from plumbing.checkpoints import CHECKPOINT_MARKER
+    from plumbing.metarm_setup import load_metarm, save_metarm
     policy, tok = load_model(tiny_model_path)
     opt, sched = _make_opt(policy)
     _adam_step(policy, policy, opt, _layout_batch(), 1, tok.pad_token_id)
@@ -837,7 +839,7 @@ def test_a_checkpoint_is_fsynced_before_its_marker(tiny_model_path, tmp_path, mo
 
 def _save_memory_worker(rank, world, port, big_path, out):
     import gc
-    from plumbing.run import load_metarm, save_metarm
+    from plumbing.metarm_setup import load_metarm, save_metarm
     _init(rank, world, port)
     policy, tok = load_model(big_path)
     wrap_policy(policy, "fsdp2", world, CPU)

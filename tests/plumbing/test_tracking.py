@@ -1,4 +1,4 @@
-"""Experiment trackers (run.report_to, plumbing.run.open_trackers / track_step; docs/method.md §9): each
+"""Experiment trackers (run.report_to, plumbing.tracking.open_trackers / track_step; docs/method.md §9): each
 tracker holds what metrics.jsonl and samples.jsonl hold, read back from its own files, offline
 (TensorBoard event files, trackio's local SQLite store, wandb's offline run file); a resumed run
 continues the same tracker runs without duplicate steps; bad names and missing packages are
@@ -16,7 +16,8 @@ import pytest
 
 from conftest import REPO, data_path
 import train as T
-from plumbing.run import markdown_table, open_trackers, samples_table, tracker_metrics
+from plumbing.config import load_config
+from plumbing.tracking import markdown_table, open_trackers, samples_table, tracker_metrics
 
 # entries that differ between a step and its exact redo after a resume (wall-clock and memory)
 TIMING = ("time/", "memory/", "rollout/tokens_per_s")
@@ -55,7 +56,7 @@ def test_samples_table_and_its_markdown():
 ])
 def test_bad_report_to_is_one_line(override, message):
     with pytest.raises(SystemExit) as e:
-        T.load_config([], [override, "run.report_to=[tensorboard]"] if "project" in override else [override])
+        load_config([], [override, "run.report_to=[tensorboard]"] if "project" in override else [override])
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -96,7 +97,7 @@ def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     def unreachable(**kwargs):
         raise CommError("Failed to get resume status for run e3b36ff4: context deadline exceeded\nmore detail")
     monkeypatch.setattr(wandb, "init", unreachable)
-    cfg = T.load_config([], ["run.report_to=[wandb]", f"run.out_dir={tmp_path}"])
+    cfg = load_config([], ["run.report_to=[wandb]", f"run.out_dir={tmp_path}"])
     with pytest.raises(SystemExit) as e:
         open_trackers(cfg, start_step=0)
     assert str(e.value) == ("config key run.report_to: wandb could not start its run (CommError: Failed to get resume "

@@ -12,7 +12,7 @@ from test_train import _layout_batch, _layout_cfg
 import train as T
 
 from plumbing.models import load_model
-from plumbing.run import step_metrics
+from plumbing.metrics import step_metrics
 from plumbing.scale import compute_context, keep_matmul_outputs, all_sum
 import torch.distributed as dist
 import torch.multiprocessing as mp

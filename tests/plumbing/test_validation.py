@@ -14,16 +14,18 @@ import reward as R
 import rollout
 import train as T
 import fast
+from plumbing.config import load_config
 from plumbing.items import load_train_items, load_val_items
 from plumbing.models import load_model
 from plumbing import config
 from plumbing.pairwise import load_nlhf_val_items, load_pairwise
 from plumbing.engine import hf_backend
-from plumbing.run import early_stop, monitor, nlhf_validation_step, rlme_step_metrics, validation_step, wrong_answer
+from plumbing.metrics import rlme_step_metrics
+from plumbing.validation import early_stop, monitor, nlhf_validation_step, validation_step, wrong_answer
 
 
 def cfg_with(*overrides):
-    return T.load_config([], list(overrides))
+    return load_config([], list(overrides))
 
 
 # ---- the single-pass guard (RLME §4.1) -----------------------------------------------------------
@@ -217,7 +219,7 @@ def test_validation_metrics_and_the_injected_wrong_answer(tmp_path, tiny_model_p
     assert {"val/reward_mean", "val/canary/colon", "val/canary/step_by_step", "val/canary/claims_correct"} <= set(m)
     assert "completion/chars_mean" in m
     # the three test problems drawn (seeded), each shown a WRONG answer: label + 1
-    val = load_val_items(T.load_config([], run_args(tmp_path, tiny_model_path, "run.eval_every=2")))
+    val = load_val_items(load_config([], run_args(tmp_path, tiny_model_path, "run.eval_every=2")))
     for it in val:
         assert any(it["question"] in s and f"The answer is {int(it['label']) + 1}." in s for s in seen)
 

