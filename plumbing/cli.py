@@ -35,7 +35,7 @@ from rollout import build_prompt_ids
 
 from plumbing import config
 from plumbing.benchmarks import BENCHMARK_REGISTRY, DEFAULT_BASE_RELEASE, QA_DEFAULTS, QA_PRESETS, SHARED_DATA
-from plumbing.cold_start import cold_start_settings, run_cold_start
+from plumbing.cold_start import cold_start_settings, record_cold_start, run_cold_start
 from plumbing.engine import rollout_backend
 from plumbing.eval_commands import (cmd_bon, cmd_evaluator_check, cmd_judge_check, cmd_math, cmd_pairwise,
                                     cmd_qa)
@@ -71,6 +71,8 @@ def train_main(train, argv=None):
     ap.add_argument("overrides", nargs="*",
                     help="key.sub=value overrides (YAML-typed), e.g. run.total_steps=3")
     a = add_plan_flags(ap).parse_args(argv)
+    if not a.plan and (a.world_size is not None or a.gpu_memory is not None):  # a run takes torchrun's world
+        ap.error("--world-size and --gpu-memory size the plan: they need --plan (a run's world size is torchrun's)")
     cfg = config.load_config(a.config, a.overrides)
     if a.plan:
         print_plan(cfg, a.world_size, a.gpu_memory)
@@ -280,12 +282,12 @@ def metarm_main(argv=None):
     if m["mode"] == "none":
         raise SystemExit("metarm.mode is 'none': there is no MetaRM to cold-start")
     out = a.out or m["path"] or os.path.join(cfg["run"]["out_dir"], "metarm")
-    judge = make_judge(cfg["judge"])  # start-up checks (key variable, model name, one probe request) first
+    if cfg["rollout"]["backend"] == "vllm":  # the engine's build first, in a second (as train.py)
+        config.check_vllm_build(config.vllm_build(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    judge = make_judge(cfg["judge"])  # start-up checks (key variable, model name, one probe request)
     items = load_dh_items(cfg)
     if m["cold_start_items"]:
         items = items[:m["cold_start_items"]]
-    if cfg["rollout"]["backend"] == "vllm":  # the engine's build, before any model loads
-        config.check_vllm_build(config.vllm_build(), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     mrm = load_metarm(m["model"] or cfg["model"]["policy"], m["mode"], nl["lam"], dtype=m["dtype"], device="cpu",
                       batch_size=m["batch_size"], max_length=m["max_length"], online_lr=m["online_lr"],
                       online_epochs=m["online_epochs"], gradient_checkpointing=m["gradient_checkpointing"],
@@ -301,6 +303,10 @@ def metarm_main(argv=None):
     stats = run_cold_start(mrm, items, sample=engine["sample"], judge=judge, **cold_start_settings(cfg, tok),
                            folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print,
                            awake=engine["awake"])
+    record_cold_start(cfg["run"]["out_dir"], stats, m["rollouts_per_prompt"])  # cold_start.json and its line
+    if not stats["examples"]:  # a MetaRM trained on nothing: said, as train.py says it (plumbing/metarm_setup.py)
+        print(f"WARNING: the MetaRM cold start had 0 training examples: the saved MetaRM is untrained; the GRM "
+              f"cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)", flush=True)
     save_metarm(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

