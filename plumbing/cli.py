@@ -303,10 +303,7 @@ def metarm_main(argv=None):
     stats = run_cold_start(mrm, items, sample=engine["sample"], judge=judge, **cold_start_settings(cfg, tok),
                            folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), log=print,
                            awake=engine["awake"])
-    record_cold_start(cfg["run"]["out_dir"], stats, m["rollouts_per_prompt"])  # cold_start.json and its line
-    if not stats["examples"]:  # a MetaRM trained on nothing: said, as train.py says it (plumbing/metarm_setup.py)
-        print(f"WARNING: the MetaRM cold start had 0 training examples: the saved MetaRM is untrained; the GRM "
-              f"cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)", flush=True)
+    record_cold_start(cfg["run"]["out_dir"], stats, m["rollouts_per_prompt"])  # as train.py: the file, its line, a warning if empty
     save_metarm(mrm, out)
     print(json.dumps(dict(stats, saved=out)))
 

@@ -297,7 +297,7 @@ def cold_start_settings(cfg, tokenizer):
 def record_cold_start(out_dir, stats, rollouts_per_prompt):
     """The MetaRM cold start's set (RM-NLHF §3.2.2: N rollouts per D_H prompt, judged, then
     trained on), so that an empty or tiny one cannot pass unnoticed: <out_dir>/cold_start.json
-    (run_cold_start's stats), one printed line, and the metarm/cold_start_* metrics returned
+    (run_cold_start's stats), one printed line (and a warning when it is empty), and the metarm/cold_start_* metrics returned
     for metrics.jsonl's first step (emit adds them).
 
     Args: stats: run_cold_start's dict (rollouts, invalid, judge_failures, examples, ...).
@@ -312,4 +312,9 @@ def record_cold_start(out_dir, stats, rollouts_per_prompt):
           f"{counts['rollouts']} rollouts, {counts['invalid']} unparseable, {counts['judge_failures']} judge "
           f"failures -> {counts['examples']} training examples ({out_dir}/cold_start.json; metrics.jsonl's first "
           f"step: metarm/cold_start_*)", flush=True)
+    if not counts["examples"]:  # a MetaRM trained on nothing: its D_O bonus is a random head's
+        print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({counts['rollouts']} rollouts, "
+              f"{counts['invalid']} unparseable, {counts['judge_failures']} judge failures): its D_O predictions "
+              f"start untrained; the GRM cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)",
+              flush=True)
     return {f"metarm/cold_start_{k}": v for k, v in counts.items()}

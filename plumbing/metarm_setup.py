@@ -83,11 +83,6 @@ def setup_metarm(cfg, ckpt, tokenizer, *, sample, dh, judge, device, rank, world
                                folder=os.path.join(cfg["run"]["out_dir"], "cold_start"), rank=rank, world=world,
                                timeout_s=cfg["train"]["dist_timeout_s"], awake=awake,
                                log=lambda s: print(f"[train] {s}", flush=True) if rank == 0 else None)
-        if not stats["examples"] and rank == 0:  # a MetaRM trained on nothing: its D_O bonus is a random head's
-            print(f"[train] WARNING: the MetaRM cold start had 0 training examples ({stats['rollouts']} rollouts, "
-                  f"{stats['invalid']} unparseable, {stats['judge_failures']} judge failures): its D_O predictions "
-                  f"start untrained; the GRM cannot yet write its verdict format (nlhf.*, metarm.max_new_tokens)",
-                  flush=True)
         save_metarm(mrm, path, rank=rank, world=world)
     return mrm, "cold_start" if m["cold_start"] else "fresh", stats
 

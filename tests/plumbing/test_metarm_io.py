@@ -58,6 +58,19 @@ def test_cli_errors(tmp_path):
         metarm_main(["--config", write_yaml(tmp_path / "bad.yaml", "a: [\n"), "cold-start"])
 
 
+def cold_start_yaml(tmp_path, model_path, backend, extra_metarm=""):
+    """A small cold-start config: 2 Mr-Ben D_H items x 2 rollouts of 4 tokens, the proxy judge."""
+    return write_yaml(tmp_path / "c.yaml", f"""
+run: {{out_dir: {tmp_path}/run, seed: 0}}
+model: {{policy: {model_path}}}
+nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
+judge: {{backend: proxy}}
+rollout: {{backend: {backend}}}
+metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, {extra_metarm}max_new_tokens: 4, epochs: 1, batch_size: 2,
+          max_length: 128}}
+""")
+
+
 def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_path, tmp_path, monkeypatch, capsys):
     """`python -m plumbing.cli metarm cold-start` samples through rollout.backend's engine, as train.py's
     cold start does (plumbing/engine.py rollout_backend: config.yaml's default is vllm), inside the
@@ -65,15 +78,7 @@ def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_pa
     engine here is a recording stand-in around the HF backend (the real one: test_vllm_engine.py)."""
     import contextlib
     from plumbing import cli, config, engine as E
-    cfg = write_yaml(tmp_path / "c.yaml", f"""
-run: {{out_dir: {tmp_path}/run, seed: 0}}
-model: {{policy: {tiny_model_path}}}
-nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
-judge: {{backend: proxy}}
-rollout: {{backend: vllm}}
-metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, cold_start_batch_size: 1, max_new_tokens: 4, epochs: 1,
-          batch_size: 2, max_length: 128}}
-""")
+    cfg = cold_start_yaml(tmp_path, tiny_model_path, "vllm", "cold_start_batch_size: 1, ")
     monkeypatch.setattr(config, "vllm_build", lambda: None)  # no vLLM: one line, before the models load
     monkeypatch.setattr(cli, "load_metarm", lambda *a, **k: pytest.fail("a model loaded before the vLLM check"))
     monkeypatch.setattr(cli, "make_judge", lambda *a, **k: pytest.fail("the judge probed before the vLLM check"))
@@ -107,14 +112,7 @@ metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, cold_start_batch_size: 1,
 
 @pytest.mark.slow  # a subprocess that imports torch and transformers: ~10 s
 def test_cli_cold_start_runs(tiny_model_path, tmp_path):
-    cfg = write_yaml(tmp_path / "c.yaml", f"""
-run: {{out_dir: {tmp_path}/run, seed: 0}}
-model: {{policy: {tiny_model_path}}}
-nlhf: {{dh: {data_path('mr_ben_math', 'math.jsonl')}}}
-judge: {{backend: proxy}}
-rollout: {{backend: hf}}
-metarm: {{rollouts_per_prompt: 2, cold_start_items: 2, max_new_tokens: 4, epochs: 1, batch_size: 2, max_length: 128}}
-""")
+    cfg = cold_start_yaml(tmp_path, tiny_model_path, "hf")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "plumbing.cli", "metarm", "--config", cfg, "cold-start"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
