@@ -14,6 +14,9 @@ where there are any). Timings: docs/performance.md.
     fast.score_targets        reward.score_targets         the evaluator prompts' prefix tree runs once
     fast.score_remote         plumbing.evaluators.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
+    fast.linear               torch.nn.functional.linear   float32 on an AMD CPU: oneDNN, not MKL
+                                                           (inside generate, completion_logprobs,
+                                                           score_targets: `onednn_linears`)
 
 Who imports this file: train.py, for the one switch (`fast_or_plain`), and plumbing/ (cli.py,
 eval_commands.py, evaluators.py); rollout.py, reward.py, metarm.py and evaluate.py never do, so a
@@ -22,6 +25,7 @@ test_imports.py).
 """
 import concurrent.futures
 import contextlib
+import functools
 
 import torch
 from transformers import DynamicCache
@@ -31,7 +35,111 @@ from rollout import (checkpointed_modules, completion_logits, eos_ids, eval_mode
                      positions_from_mask, rollout_dict, set_attribute)
 
 
+def _mkl_is_slow_here():
+    """True where torch's float32 matmul (MKL's sgemm) runs well below oneDNN's: an AMD CPU.
+
+    MKL picks its code path by CPU vendor; on an AMD EPYC (family 26) its fp32 sgemm reached
+    180 GFLOP/s on 2 threads where oneDNN's reached 417 (docs/performance.md, 2026-12-03), and
+    torch 2.13 has no switch that sends an exact-fp32 matmul to oneDNN
+    (`torch.backends.mkldnn.matmul.fp32_precision` offers only bf16 / tf32 downcasts). On Intel
+    MKL is kept: the side-by-side there was measured with it.
+    """
+    if not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:  # not Linux: keep torch's own matmul
+        return False
+
+
+ONEDNN = _mkl_is_slow_here()
+
+
+def linear(x, weight, bias=None):
+    """torch.nn.functional.linear(x, weight, bias) = x W^T + b, its plain twin, on oneDNN when
+    ONEDNN holds and the numbers are float32 CPU tensors outside autocast (else F.linear itself).
+    Pinned by tests/algorithm/test_fast.py::test_onednn_linear_equals_plain (values and the
+    gradients w.r.t. x, W and b, within float32 summation-order bounds).
+
+    Args:
+        x: FloatTensor [..., d_in]. weight: [d_out, d_in] (a transposed view is fine). bias: [d_out] or None.
+    Returns:
+        FloatTensor [..., d_out].
+    """
+    if (ONEDNN and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and x.numel() > 0 and not torch.is_autocast_enabled("cpu")):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _onednn_mm(a, b):
+    """a @ b^T on oneDNN: a [M, k], b [n, k] (either may be a transposed view) -> [M, n] float32."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """F.linear's forward and backward, each product on oneDNN. Saves what autograd saves for
+    F.linear (the input and the weight, no copies): d x = g W, d W = g^T x, d b = sum_rows g."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        dx = _onednn_mm(g, weight.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dw = _onednn_mm(g.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+@contextlib.contextmanager
+def onednn_linear_layers(model):
+    """Inside the block, the model's nn.Linear layers compute with `linear` (oneDNN where ONEDNN
+    holds): each layer's forward is set on the instance, so the hooks of DDP, FSDP2 and peft still
+    fire as usual. Layers that already have a forward of their own (accelerate's hooks, an outer
+    block, chunked_head) are left alone. Nothing changes when ONEDNN is False.
+
+    Under grad with activation checkpointing on, nothing changes either: the checkpoint replays
+    each layer in backward, after the block has closed, and must meet the same autograd graph
+    as in the forward (torch's CheckpointError otherwise).
+    """
+    on = ONEDNN and not (torch.is_grad_enabled() and checkpointed_modules(model))
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__] if on else []
+    for m in layers:
+        m.forward = functools.partial(_layer_forward, m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.forward  # the class's forward again
+
+
+def _layer_forward(layer, x):
+    return linear(x, layer.weight, layer.bias)
+
+
+def onednn_linears(fn):
+    """A fast twin whose first argument is the model runs inside `onednn_linear_layers(model)`."""
+    @functools.wraps(fn)
+    def with_onednn(model, *args, **kwargs):
+        with onednn_linear_layers(model):
+            return fn(model, *args, **kwargs)
+    return with_onednn
+
+
 @torch.no_grad()
+@onednn_linears
 def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
              top_k=0, seed=0, micro_batch_size=None):
     """rollout.generate's samples (RLME Eq. 1; docs/method.md §4.1) from our own decode loop
@@ -308,6 +416,7 @@ def token_logprobs(logits, targets, temperature=1.0):
     return _TokenLogprob.apply(logits.float(), targets, float(temperature))
 
 
+@onednn_linears
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None,
                         chunk_tokens=0):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
@@ -491,7 +600,7 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
                     db += dz.sum(0)
                 dz = dz.to(dt)
                 if dh is not None:
-                    dh[s:s + chunk] = dz @ w
+                    dh[s:s + chunk] = linear(dz, w.t())  # dz @ w
                 if dw is not None and dt == torch.float32:
                     dw.addmm_(dz.T, hc)
                 elif dw is not None:  # bf16 / fp16 product, summed over chunks in float32
@@ -502,7 +611,7 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
 
 def _chunk_logits(h, w, b, dt, temperature):
     """Float32 logits / T [c, V] of one chunk of hidden states [c, d], the matmul in dtype `dt`."""
-    z = torch.nn.functional.linear(h.to(dt), w, b).float()
+    z = linear(h.to(dt), w, b).float()
     return z if temperature == 1.0 else z.div_(temperature)
 
 
@@ -537,6 +646,7 @@ def read_only_cache(cache):
 
 
 @torch.no_grad()
+@onednn_linears
 def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, groups=None):
     """log p(target | prompt) under `model`, teacher-forced, full-vocabulary softmax: log p_{j,k}
     of RLME Eq. 2 (docs/method.md §4.2). Plain twin: reward.score_targets; pinned by

@@ -120,7 +120,12 @@ def main(argv=None):
     onednn = matmul_peak(a.peak_size, library="onednn") if torch.backends.mkldnn.is_available() else None
     print(f"fp32 matmul peak: torch.mm {peak:.1f} GFLOP/s" + (f", oneDNN {onednn:.1f} GFLOP/s" if onednn else "")
           + f" ({a.peak_size}^3 x 2 FLOP, best of 5, {torch.get_num_threads()} threads)")
+    # the library the update's linears run on: oneDNN where fast.py routes them there (fast.ONEDNN)
+    on_onednn = bool(cfg["train"]["fast_paths"] and fast.ONEDNN and onednn)
+    print(f"the fast paths' float32 linears: {'oneDNN' if fast.ONEDNN else 'torch.mm'} (fast.ONEDNN = {fast.ONEDNN}); "
+          f"this run: {'oneDNN' if on_onednn else 'torch.mm'}")
     report = {"machine": machine, "matmul_peak_gflops": peak, "onednn_peak_gflops": onednn, "peak_size": a.peak_size,
+              "linears_on_onednn": on_onednn,
               "config": {"P": ro["prompts_per_step"], "G": ro["group_size"], "N": ro["max_new_tokens"],
                          "train_micro_batch": cfg["train"]["micro_batch_size"],
                          "reward_micro_batch": rw["micro_batch_size"], "fast_paths": cfg["train"]["fast_paths"],
@@ -162,7 +167,8 @@ def main(argv=None):
                           "top_ops_s": prof_step["top"]}
 
     if a.runs > 0:
-        report["runs"] = repeat_update(timed_step["update"], a.runs, profile=a.profile_runs, flops=f1["total"], peak=peak)
+        report["runs"] = repeat_update(timed_step["update"], a.runs, profile=a.profile_runs, flops=f1["total"],
+                                       peak=onednn if on_onednn else peak, library="oneDNN" if on_onednn else "torch.mm")
 
     print("\nreward stage vs number of meta-questions K (same completions):")
     base, report["reward_vs_K_s"] = None, {}
@@ -564,7 +570,7 @@ def counters():
     return time.perf_counter(), t.user + t.system, steal, resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
-def repeat_update(update, runs, *, profile, flops, peak):
+def repeat_update(update, runs, *, profile, flops, peak, library="torch.mm"):
     """Run update() `runs` times; print and return each run's figures and the spread of its seconds.
     A run whose CPU seconds / wall stay near the thread count but whose wall grows lost time to
     other guests (steal) or processes; one whose CPU seconds grow with its wall did more work or spun.
@@ -596,7 +602,7 @@ def repeat_update(update, runs, *, profile, flops, peak):
     s = spread([r["wall_s"] for r in rows])
     print(f"spread: min {s['min']:.2f} s, median {s['median']:.2f} s, max {s['max']:.2f} s "
           f"((max - min) / median {100 * s['range_over_median']:.0f}%); median {rate(flops, s['median']):.1f} GFLOP/s "
-          f"= {100 * rate(flops, s['median']) / peak:.0f}% of torch.mm's peak")
+          f"= {100 * rate(flops, s['median']) / peak:.0f}% of {library}'s peak (the library the linears ran on)")
     return {"runs": rows, "spread": s}
 
 

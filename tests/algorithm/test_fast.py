@@ -309,11 +309,73 @@ LAYOUTS = {
 }
 
 
+HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# fast.ONEDNN as this CPU sets it, and on: the oneDNN linears run in the tests on any CPU
+ONEDNN_CASES = sorted({fast.ONEDNN, True}) if HAS_ONEDNN else [False]
+
+
+@pytest.mark.skipif(not HAS_ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.parametrize("shape", [(7, 5, 3), (2, 4, 33, 17), (1, 1, 1)])
+@pytest.mark.parametrize("bias, transposed", [(False, False), (True, False), (False, True)])
+def test_onednn_linear_equals_plain(shape, bias, transposed):
+    """_OneDNNLinear (fast.linear where fast.ONEDNN holds) == F.linear, values and gradients w.r.t.
+    x, W and b. Both sum the same float32 products in different orders: each entry of an
+    n-term dot product then differs by at most 2 n u sum_i |a_i b_i| (u = 2^-24, the two
+    orders' rounding bounds added), the bound checked entry by entry, on any CPU."""
+    *lead, d_in, d_out = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, d_in, generator=gen)
+    w = torch.randn(d_in, d_out, generator=gen).t() if transposed else torch.randn(d_out, d_in, generator=gen)
+    b = torch.randn(d_out, generator=gen) if bias else None
+    g = torch.randn(*lead, d_out, generator=gen)
+    out = {}
+    for name, fn in (("plain", torch.nn.functional.linear), ("onednn", fast._OneDNNLinear.apply)):
+        leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+        y = fn(leaves[0], leaves[1], leaves[2] if bias else None)
+        y.backward(g)
+        out[name] = [y.detach()] + [t.grad for t in leaves]
+    u = 2.0 ** -24
+    x2, g2 = x.reshape(-1, d_in), g.reshape(-1, d_out)
+    bounds = [2 * (d_in + bias) * u * (x.abs() @ w.abs().t() + (b.abs() if bias else 0)),  # y = x W^T + b
+              2 * d_out * u * (g.abs() @ w.abs()),                                       # dx = g W
+              2 * x2.shape[0] * u * (g2.abs().t() @ x2.abs())]                            # dW = g^T x
+    if bias:
+        bounds.append(2 * x2.shape[0] * u * g2.abs().sum(0))                              # db = sum_rows g
+    for plain, onednn, bound in zip(out["plain"], out["onednn"], bounds):
+        assert onednn.shape == plain.shape
+        assert ((onednn - plain).abs() <= bound + 1e-30).all()
+
+
+def test_onednn_linear_layers_swaps_and_restores(tiny_model_path, monkeypatch):
+    """Inside the block every nn.Linear of the model computes with fast.linear (its forward set on
+    the instance), after it the class's forward again; with ONEDNN off, or under grad with
+    activation checkpointing on, nothing is swapped."""
+    model, _ = load_model(tiny_model_path)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert linears
+    for on in (True, False):
+        monkeypatch.setattr(fast, "ONEDNN", on)
+        with fast.onednn_linear_layers(model):
+            assert all(("forward" in m.__dict__) == on for m in linears)
+            with fast.onednn_linear_layers(model):  # nested: the inner block leaves the outer's alone
+                pass
+            assert all(("forward" in m.__dict__) == on for m in linears)
+        assert not any("forward" in m.__dict__ for m in linears)
+    model = wrap_policy(model, "ddp", 1, torch.device("cpu"), gradient_checkpointing="full")
+    monkeypatch.setattr(fast, "ONEDNN", True)
+    with fast.onednn_linear_layers(model):
+        assert not any("forward" in m.__dict__ for m in linears)
+    with torch.no_grad(), fast.onednn_linear_layers(model):  # no replay without grad: swapped
+        assert all("forward" in m.__dict__ for m in linears)
+
+
+@pytest.mark.parametrize("onednn", ONEDNN_CASES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("grad", [False, True])
-def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout):
+def test_completion_logprobs_fast_equals_plain(tiny_model_path, grad, layout, onednn, monkeypatch):
     """completion_logprobs (each group's prompt run once) == completion_logprobs_plain (every row
-    runs its own prompt), values and gradients of the parameters."""
+    runs its own prompt), values and gradients of the parameters; with the oneDNN linears too."""
+    monkeypatch.setattr(fast, "ONEDNN", onednn)
     model, tok = load_model(tiny_model_path)
     prompts = LAYOUTS[layout]
     comp = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
@@ -387,11 +449,14 @@ def test_activation_checkpointing_keeps_shared_prompt_and_numbers(tiny_model_pat
         assert torch.allclose(lp, ref_lp, atol=1e-5), key
         for g1, g0 in zip(grads, ref_grads):  # float32 summation order
             assert (g1 - g0).abs().max() <= 2e-5 * g0.abs().max(), key
-    # checkpointing replays the same computation: same path, same rounding
+    # checkpointing replays the same computation: same path, same rounding. Except the fast path
+    # where fast.ONEDNN holds (an AMD CPU): without checkpointing its linears multiply on oneDNN,
+    # with it on torch's own matmul (fast.onednn_linear_layers), so float32 summation order as above.
     for use_fast in (False, True):
-        assert torch.allclose(out[checkpointing, use_fast][0], out["none", use_fast][0], atol=1e-6)
+        atol, rtol = (1e-5, 2e-5) if use_fast and fast.ONEDNN else (1e-6, 1e-6)
+        assert torch.allclose(out[checkpointing, use_fast][0], out["none", use_fast][0], atol=atol)
         for g1, g0 in zip(out[checkpointing, use_fast][1], out["none", use_fast][1]):
-            assert (g1 - g0).abs().max() <= 1e-6 * g0.abs().max()
+            assert (g1 - g0).abs().max() <= rtol * g0.abs().max()
     # the cache of the completion pass is read-only: the prompt's keys keep their length
     cache, _, _ = fast.prefill(model, [a, b], [3, 2], tok.pad_token_id)
     ro = fast.read_only_cache(cache)

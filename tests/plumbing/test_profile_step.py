@@ -3,6 +3,7 @@ category mapping, the "other" arithmetic, the spread of repeated runs and /proc/
 The script itself needs the real model and prints timings; it is run by hand, never timed here."""
 import contextlib
 import functools
+import math
 import os
 import sys
 
@@ -78,12 +79,14 @@ def test_update_passes_by_hand():
 def test_update_flops_equal_torch_flop_counter(fast_paths, updates_per_batch, minibatches, micro_batch_size):
     """The matmul FLOPs counted from the shape equal torch.utils.flop_counter's count of the
     matrix products train.update_policy really runs on a tiny Llama (integers: exact). (The counter
-    has no formula for the CPU flash-attention kernel, so attention is checked by hand above.)"""
+    has no formula for the CPU flash-attention kernel, so attention is checked by hand above; nor
+    for oneDNN's linear, which fast.linear runs on an AMD CPU: ONEDNN_LINEAR_FLOPS.)"""
     from torch.utils.flop_counter import FlopCounterMode
 
     import fast
     import rollout
     import train
+    count_onednn_linears()
     model = tiny_llama()
     prompts = [[1, 2, 3, 4, 5]] * 2 + [[6, 7, 8]] * 2
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]).float()
@@ -102,6 +105,22 @@ def test_update_flops_equal_torch_flop_counter(fast_paths, updates_per_batch, mi
                                           updates_per_batch=updates_per_batch, minibatches=minibatches, group_size=2,
                                           shared_prompt=fast_paths)
     assert ps.update_flops(with_grad, no_grad, **ps.matmul_shape(model))["matmul"] == counter.get_total_flops()
+
+
+ONEDNN_LINEAR_FLOPS = {}  # registered once: torch.utils.flop_counter refuses a second formula
+
+
+def count_onednn_linears():
+    """Teach torch's FLOP counter oneDNN's linear (fast.linear where fast.ONEDNN holds): x [M, k]
+    times W^T, W [n, k], is 2 M k n, as for aten.mm."""
+    from torch.utils.flop_counter import register_flop_formula
+    if ONEDNN_LINEAR_FLOPS or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return
+
+    @register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+    def onednn_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs):
+        return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
+    ONEDNN_LINEAR_FLOPS["registered"] = onednn_linear_flops
 
 
 AUTOGRAD = "autograd::engine::evaluate_function: "
