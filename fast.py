@@ -64,12 +64,15 @@ def linear(x, weight, bias=None):
     gradients w.r.t. x, W and b, within float32 summation-order bounds).
 
     Args:
-        x: FloatTensor [..., d_in]. weight: [d_out, d_in] (a transposed view is fine). bias: [d_out] or None.
+        x: FloatTensor [..., d_in]. weight: [d_out, d_in] (a transposed view is fine).
+        bias: [d_out] or None.
     Returns:
         FloatTensor [..., d_out].
     """
-    if (ONEDNN and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+    # plain tensors only: a DTensor (FSDP2's sharded weight) or a tensor subclass keeps F.linear
+    if (ONEDNN and x.dtype == weight.dtype == torch.float32
+            and x.device.type == weight.device.type == "cpu" and type(x) is torch.Tensor
+            and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and x.numel() > 0 and not torch.is_autocast_enabled("cpu")):
         return _OneDNNLinear.apply(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
@@ -108,14 +111,17 @@ def onednn_linear_layers(model):
     """Inside the block, the model's nn.Linear layers compute with `linear` (oneDNN where ONEDNN
     holds): each layer's forward is set on the instance, so the hooks of DDP, FSDP2 and peft still
     fire as usual. Layers that already have a forward of their own (accelerate's hooks, an outer
-    block, chunked_head) are left alone. Nothing changes when ONEDNN is False.
+    block, chunked_head) are left alone. Nothing changes when ONEDNN is False or the model is
+    not on the CPU.
 
     Under grad with activation checkpointing on, nothing changes either: the checkpoint replays
     each layer in backward, after the block has closed, and must meet the same autograd graph
     as in the forward (torch's CheckpointError otherwise).
     """
-    on = ONEDNN and not (torch.is_grad_enabled() and checkpointed_modules(model))
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__] if on else []
+    on = (ONEDNN and next(model.parameters()).device.type == "cpu"  # a GPU's: no detour
+          and not (torch.is_grad_enabled() and checkpointed_modules(model)))
+    layers = [m for m in model.modules()
+              if on and type(m) is torch.nn.Linear and "forward" not in m.__dict__]
     for m in layers:
         m.forward = functools.partial(_layer_forward, m)
     try:
