@@ -1,4 +1,5 @@
-"""Evaluation: math and context-QA accuracy, pairwise GRM accuracy, Best-of-N tournaments, evaluator check, plots.
+"""Evaluation: math and context-QA accuracy, pairwise GRM accuracy, Best-of-N tournaments,
+evaluator check, plots.
 
 What each subcommand measures (docs/method.md §6 says the same in prose):
 
@@ -7,8 +8,9 @@ What each subcommand measures (docs/method.md §6 says the same in prose):
   then math-verify: numeric_correct, more lenient than the RLVR reward). With a
   NoCheat template ({answer}), --inject wrong gives the counterfactual accuracy (RLME Fig. 7, per
   secondary notes on its experiments after §4.1, not in our text).
-* qa: context-QA exact match and token F1 of the boxed answer (RLME Tables 1-2, per secondary notes), on a JSONL
-  file or hub id with configurable fields, or --preset faitheval (FaithEval-Counterfactual).
+* qa: context-QA exact match and token F1 of the boxed answer (RLME Tables 1-2, per secondary
+  notes), on a JSONL file or hub id with configurable fields, or --preset faitheval
+  (FaithEval-Counterfactual).
 * pairwise: a generative reward model's accuracy on pairwise benchmarks, both A/B orders
   (RM-NLHF §4.2, Table 2; benchmarks and their contamination rule App. G.1, Table 7; RewardBench 2
   scored best-of-4; Overall = unweighted mean over benchmarks). The GRM decodes as the RM-NLHF
@@ -27,15 +29,22 @@ Every subcommand writes its results as JSON (summary) and JSONL (one record per 
 under --out (default runs/eval, git-ignored) and prints a readable table. The command line is
 plumbing/cli.py's, run from the repository root:
 
-    python -m plumbing.cli evaluate math --model PATH --data ../shared/data/gsm8k/test.jsonl --n-problems 50
-    python -m plumbing.cli evaluate math --model PATH --config configs/paper/rlme/nocheat.yaml --inject wrong
+    python -m plumbing.cli evaluate math --model PATH --data ../shared/data/gsm8k/test.jsonl
+        --n-problems 50
+    python -m plumbing.cli evaluate math --model PATH --config configs/paper/rlme/nocheat.yaml
+        --inject wrong
     python -m plumbing.cli evaluate qa --model PATH --preset faitheval [--data LOCAL_COPY.jsonl]
-    python -m plumbing.cli evaluate pairwise --model GRM [--benchmarks NAME,...] [BENCHMARK.jsonl ...]
+    python -m plumbing.cli evaluate pairwise --model GRM [--benchmarks NAME,...]
+        [BENCHMARK.jsonl ...]
         (default: BENCHMARK_REGISTRY's, App. G.1 rule)
-    python -m plumbing.cli evaluate bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl --ns 1,2,4,8
-    python -m plumbing.cli evaluate evaluator-check --evaluator PATH --samples OUT/math_gsm8k-test.items.jsonl
-    python -m plumbing.cli evaluate judge-check --data ANNOTATED.jsonl --base-url http://127.0.0.1:8000/v1 --model M
-    python -m plumbing.cli evaluate plot rlme=run1/metrics.jsonl,run2/metrics.jsonl rlvr=run3/metrics.jsonl
+    python -m plumbing.cli evaluate bon --judge GRM --samples OUT/math_gsm8k-test.items.jsonl
+        --ns 1,2,4,8
+    python -m plumbing.cli evaluate evaluator-check --evaluator PATH
+        --samples OUT/math_gsm8k-test.items.jsonl
+    python -m plumbing.cli evaluate judge-check --data ANNOTATED.jsonl
+        --base-url http://127.0.0.1:8000/v1 --model M
+    python -m plumbing.cli evaluate plot rlme=run1/metrics.jsonl,run2/metrics.jsonl
+        rlvr=run3/metrics.jsonl
 
 The `math` items file is the interchange format: `bon` and `evaluator-check` read its sampled,
 graded answers (or sample their own with --policy), so one sampling pass serves all three.
@@ -51,9 +60,9 @@ import reward
 import rollout
 
 
-# The generator prompt (docs/method.md §4.1): the problem, then the request to reason and box the answer.
-# It must be the one the model was trained with (config.yaml data.prompt_template, the default
-# below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
+# The generator prompt (docs/method.md §4.1): the problem, then the request to reason and box the
+# answer. It must be the one the model was trained with (config.yaml data.prompt_template, the
+# default below is a copy of it; `math --config run/config.yaml` reads a run's own), or accuracy
 # measures a different task.
 PROMPT_TEMPLATE = "{question}\nReason step by step, and put your final answer within \\boxed{{}}."
 
@@ -99,7 +108,8 @@ def grade(problem, completion):
 
 
 def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=256, top_p=1.0,
-                   seed=0, batch_size=8, desc="generate", *, progress=None, generate=rollout.generate):
+                   seed=0, batch_size=8, desc="generate", *, progress=None,
+                   generate=rollout.generate):
     """n completions per prompt, in batches of about `batch_size` rows.
 
     Prompts are sorted by length before batching (left padding to the longest prompt wastes
@@ -126,10 +136,12 @@ def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=
         bar.set_description(desc)
     for b, start in enumerate(starts):
         idx = order[start:start + per_call]
-        r = generate(model, tok, [prompt_ids[i] for i in idx], group_size=n, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_p=top_p, top_k=0, seed=seed + b)
+        r = generate(model, tok, [prompt_ids[i] for i in idx], group_size=n,
+                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=0,
+                     seed=seed + b)
         for k, i in enumerate(idx):
-            out[i] = [{"completion": r["completions"][k * n + g], "truncated": bool(r["truncated"][k * n + g])}
+            out[i] = [{"completion": r["completions"][k * n + g],
+                       "truncated": bool(r["truncated"][k * n + g])}
                       for g in range(n)]
         bar.update(len(idx) * n)
     if progress is None:
@@ -172,7 +184,8 @@ def template_fields(template):
     try:
         return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
     except ValueError as e:
-        raise SystemExit(f"the prompt template is not a valid format string ({e}); write a literal brace as {{{{ or }}}}")
+        raise SystemExit(f"the prompt template is not a valid format string ({e}); "
+                         f"write a literal brace as {{{{ or }}}}")
 
 
 def check_inject(template, inject):
@@ -187,8 +200,9 @@ def check_inject(template, inject):
     shows = "answer" in template_fields(template)
     if shows and inject not in ("reference", "wrong"):
         given = f" {inject}" if inject else ""
-        raise SystemExit(f"--inject{given}: the prompt template shows {{answer}} (NoCheat, RLME §4 Fig. 7); "
-                         f"choose --inject wrong (counterfactual accuracy) or --inject reference")
+        raise SystemExit(f"--inject{given}: the prompt template shows {{answer}} "
+                         f"(NoCheat, RLME §4 Fig. 7); choose --inject wrong (counterfactual "
+                         f"accuracy) or --inject reference")
     if not shows and inject not in (None, "none"):
         raise SystemExit(f"--inject {inject}: the prompt template has no {{answer}} to fill "
                          f"(give a NoCheat template with --prompt-template or --config)")
@@ -229,22 +243,28 @@ def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_token
             pred, correct = grade(p, completion)
             return {"pred": pred, "correct": correct}
     shown_list = shown or [None] * len(problems)
-    ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=a) for p, a in zip(problems, shown_list)]
-    with tqdm(total=len(problems) * (int(greedy) + n_samples), desc="generate", unit="answer") as bar:
+    ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=a)
+           for p, a in zip(problems, shown_list)]
+    with tqdm(total=len(problems) * (int(greedy) + n_samples), desc="generate",
+              unit="answer") as bar:
         greedy_out = [None] * len(problems)
         if greedy:
-            greedy_out = generate_texts(model, tok, ids, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
-                                        seed=seed, batch_size=batch_size, desc="greedy", progress=bar, generate=generate)
+            greedy_out = generate_texts(model, tok, ids, n=1, temperature=0.0,
+                                        max_new_tokens=max_new_tokens, seed=seed,
+                                        batch_size=batch_size, desc="greedy", progress=bar,
+                                        generate=generate)
         sampled = [[] for _ in problems]
         if n_samples:
             sampled = generate_texts(model, tok, ids, n=n_samples, temperature=temperature,
-                                     max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-                                     desc="sample", progress=bar, generate=generate)
+                                     max_new_tokens=max_new_tokens, seed=seed,
+                                     batch_size=batch_size, desc="sample", progress=bar,
+                                     generate=generate)
     items = []
     for p, g, s, a in zip(problems, greedy_out, sampled, shown_list):
         for ans in (g or []) + s:
             ans.update(grader(p, ans["completion"]))
-        items.append({**p, **({"shown_answer": a} if shown else {}), "greedy": g[0] if g else None, "samples": s})
+        items.append({**p, **({"shown_answer": a} if shown else {}),
+                      "greedy": g[0] if g else None, "samples": s})
     return items
 
 
@@ -259,14 +279,16 @@ def math_summary(items):
     if items and items[0]["greedy"] is not None:
         s["greedy_acc"] = sum(it["greedy"]["correct"] for it in items) / len(items)
         s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
-        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)  # an empty \boxed{} too
+        # an empty \boxed{} too
+        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)
     n = len(items[0]["samples"]) if items else 0
     if n:
         per_j = [sum(it["samples"][j]["correct"] for it in items) / len(items) for j in range(n)]
         s["n_samples"] = n
         s["sampled_pass1_mean"], s["sampled_pass1_std"] = mean_std(per_j)
         s["sampled_pass1_per_sample"] = per_j
-        s["sampled_pass_at_n"] = sum(any(a["correct"] for a in it["samples"]) for it in items) / len(items)
+        s["sampled_pass_at_n"] = (sum(any(a["correct"] for a in it["samples"]) for it in items)
+                                  / len(items))
     return s
 
 
@@ -276,8 +298,8 @@ def math_summary(items):
 
 # The QA prompt of configs/paper/rlme/qa_rlvr.yaml (data.prompt_template; a test keeps the two
 # equal): a checkpoint is scored on the task it was trained on. --config reads a run's own.
-QA_PROMPT_TEMPLATE = ("{context}\n\nQuestion: {question}\nAnswer the question using the passages above, "
-                      "and put your final answer within \\boxed{{}}.")
+QA_PROMPT_TEMPLATE = ("{context}\n\nQuestion: {question}\nAnswer the question using the passages "
+                      "above, and put your final answer within \\boxed{{}}.")
 
 
 def choice_letter_match(pred, letters):
@@ -312,7 +334,8 @@ def qa_summary(items):
     if items and items[0]["greedy"] is not None:
         for k in ("em", "f1"):
             s[f"greedy_{k}"] = sum(it["greedy"][k] for it in items) / len(items)
-        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)  # an empty \boxed{} too
+        # an empty \boxed{} too
+        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / len(items)
         s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / len(items)
     n = len(items[0]["samples"]) if items else 0
     if n:
@@ -324,8 +347,8 @@ def qa_summary(items):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pairwise GRM accuracy (RM-NLHF §4.2, Table 2; benchmarks and contamination rule App. G.1, Table 7;
-# docs/method.md §5.2, §6)
+# Pairwise GRM accuracy (RM-NLHF §4.2, Table 2; benchmarks and contamination rule App. G.1,
+# Table 7; docs/method.md §5.2, §6)
 
 
 # The GRM's decoding in evaluation. RELEASE_DECODING: the RM-NLHF authors' validation (their
@@ -347,33 +370,38 @@ def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat=False, max
     The returned judge(queries) takes a list of (context, response_a, response_b[, turns]) and
     returns, per query, reward.parse_grm_output(text, max_lines, max_chars, style=style) plus
     {"text": the raw output}.
-    The prompt is reward.build_grm_prompt(context, a, b, max_lines, style=style, turns=turns): style "ours"
-    (the prompt we train with) or "authors" (the RM-NLHF release's, so a released checkpoint is
-    scored in its own format; it renders `turns`, a list of {role, content}, when an item kept
-    them). A prompt longer than `max_prompt_tokens` (default: model context - max_new_tokens) is
-    not generated; it counts as a format failure with why="prompt too long", so the accuracy
-    denominator never shrinks silently.
+    The prompt is reward.build_grm_prompt(context, a, b, max_lines, style=style, turns=turns): style
+    "ours" (the prompt we train with) or "authors" (the RM-NLHF release's, so a released checkpoint
+    is scored in its own format; it renders `turns`, a list of {role, content}, when an item kept
+    them). A prompt longer than `max_prompt_tokens` (default: model context - max_new_tokens) is not
+    generated; it counts as a format failure with why="prompt too long", so the accuracy denominator
+    never shrinks silently.
     Decoding: temperature 0 = greedy, > 0 = sampling at that temperature and top_p (one output
     per query; GRM_PROTOCOLS has the release's and the greedy one). Call c of the judge samples
     with seed + 1_000_003 c (generate_texts adds the batch index), so repeated calls (bon's
     rounds) draw afresh and the whole evaluation is fixed by `seed`.
     """
-    limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9) - max_new_tokens)
+    limit = max_prompt_tokens or (getattr(model.config, "max_position_embeddings", 10 ** 9)
+                                  - max_new_tokens)
     calls = [0]
 
     def judge(queries):
-        texts = [reward.build_grm_prompt(q[0], q[1], q[2], max_lines, style=style, turns=q[3] if len(q) > 3 else None)
+        texts = [reward.build_grm_prompt(q[0], q[1], q[2], max_lines, style=style,
+                                         turns=q[3] if len(q) > 3 else None)
                  for q in queries]
         ids = [rollout.build_prompt_ids(tok, t, chat) for t in texts]
         ok = [i for i, x in enumerate(ids) if len(x) <= limit]
-        outs = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=temperature, top_p=top_p,
-                              max_new_tokens=max_new_tokens, seed=seed + 1_000_003 * calls[0],
-                              batch_size=batch_size, desc="judge", generate=generate)
+        outs = generate_texts(model, tok, [ids[i] for i in ok], n=1, temperature=temperature,
+                              top_p=top_p, max_new_tokens=max_new_tokens,
+                              seed=seed + 1_000_003 * calls[0], batch_size=batch_size,
+                              desc="judge", generate=generate)
         calls[0] += 1
-        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long", "text": ""}
+        out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long",
+                "text": ""}
                for _ in queries]
         for i, t in zip(ok, outs):
-            out[i] = {**reward.parse_grm_output(t[0]["completion"], max_lines, max_chars, style=style),
+            out[i] = {**reward.parse_grm_output(t[0]["completion"], max_lines, max_chars,
+                                                style=style),
                       "text": t[0]["completion"]}
         return out
     return judge
@@ -387,8 +415,9 @@ def pairwise_accuracy(items, judge):
     accuracy and is also reported as its own rate.
     Args:
         items: list of {"id", "context", "response_a", "response_b", "winner": "A"|"B", "meta"?}.
-        judge: list[(context, a, b, turns|None)] -> list[{"choice": "A"|"B"|None, "valid": bool, ...}];
-            the first n queries are order ab, the next n order ba; turns = item meta "turns".
+        judge: list[(context, a, b, turns|None)]
+            -> list[{"choice": "A"|"B"|None, "valid": bool, ...}]; the first n queries are order
+            ab, the next n order ba; turns = item meta "turns".
     Returns:
         (summary, records): summary = {"n", "acc_ab", "acc_ba", "acc" (mean of both orders),
         "format_fail" (share of the 2n judgements), "both_right" (share of items right in both
@@ -396,8 +425,10 @@ def pairwise_accuracy(items, judge):
         records = one dict per item with both judgements.
     """
     turns = [(it.get("meta") or {}).get("turns") for it in items]
-    queries = [(it["context"], it["response_a"], it["response_b"], t) for it, t in zip(items, turns)]
-    queries += [(it["context"], it["response_b"], it["response_a"], t) for it, t in zip(items, turns)]
+    queries = [(it["context"], it["response_a"], it["response_b"], t)
+               for it, t in zip(items, turns)]
+    queries += [(it["context"], it["response_b"], it["response_a"], t)
+                for it, t in zip(items, turns)]
     res = judge(queries)
     n = len(items)
     flip = {"A": "B", "B": "A"}
@@ -408,8 +439,9 @@ def pairwise_accuracy(items, judge):
         r2 = bool(ba.get("valid") and ba.get("choice") == flip[it["winner"]])
         right_ab.append(r1)
         right_ba.append(r2)
-        records.append({"id": it.get("id", k), "source": it.get("source"), "meta": it.get("meta", {}),
-                        "winner": it["winner"], "ab": {**ab, "right": r1}, "ba": {**ba, "right": r2}})
+        records.append({"id": it.get("id", k), "source": it.get("source"),
+                        "meta": it.get("meta", {}), "winner": it["winner"],
+                        "ab": {**ab, "right": r1}, "ba": {**ba, "right": r2}})
     valid = [r for r in res if r.get("valid")]
     summary = {"n": n, "acc_ab": sum(right_ab) / n, "acc_ba": sum(right_ba) / n,
                "acc": (sum(right_ab) + sum(right_ba)) / (2 * n),
@@ -435,15 +467,16 @@ def best_of_group_accuracy(records):
     """
     groups = {}
     for r in records:
-        g = groups.setdefault(r["meta"]["group"], {"subset": r["meta"].get("subset"), "ab": True, "ba": True,
-                                                   "pairs": 0, "size": r["meta"].get("group_size")})
+        g = groups.setdefault(r["meta"]["group"], {"subset": r["meta"].get("subset"),
+                                                   "ab": True, "ba": True, "pairs": 0,
+                                                   "size": r["meta"].get("group_size")})
         g["ab"] = g["ab"] and r["ab"]["right"]
         g["ba"] = g["ba"] and r["ba"]["right"]
         g["pairs"] += 1
     for key, g in groups.items():  # a row missing a pair would be scored too leniently
         if g["size"] is not None and g["pairs"] != g["size"]:
-            raise SystemExit(f"RewardBench 2 row {key}: {g['pairs']} of its {g['size']} pairs were judged; "
-                             f"a row is scored whole")
+            raise SystemExit(f"RewardBench 2 row {key}: {g['pairs']} of its {g['size']} pairs "
+                             f"were judged; a row is scored whole")
     subsets = {}
     for g in groups.values():
         subsets.setdefault(g["subset"], []).append(g)
@@ -453,7 +486,8 @@ def best_of_group_accuracy(records):
         per[name] = {"n": len(gs), "acc_ab": ab, "acc_ba": ba, "acc": (ab + ba) / 2}
     acc_ab = sum(s["acc_ab"] for s in per.values()) / len(per)
     acc_ba = sum(s["acc_ba"] for s in per.values()) / len(per)
-    return {"n": len(groups), "acc_ab": acc_ab, "acc_ba": acc_ba, "acc": (acc_ab + acc_ba) / 2, "subsets": per}
+    return {"n": len(groups), "acc_ab": acc_ab, "acc_ba": acc_ba, "acc": (acc_ab + acc_ba) / 2,
+            "subsets": per}
 
 
 def rm_bench_grid(records):
@@ -461,9 +495,11 @@ def rm_bench_grid(records):
     holds the chosen and rejected styles (0 concise, 1 detailed plain, 2 detailed markdown):
     easy = chosen more detailed than rejected, normal = same style, hard = chosen less detailed."""
     out = {}
-    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r), ("hard", lambda c, r: c < r)):
+    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r),
+                       ("hard", lambda c, r: c < r)):
         sel = [x for x in records if test(x["meta"]["chosen_style"], x["meta"]["rejected_style"])]
-        out[f"acc_{name}"] = sum(x["ab"]["right"] + x["ba"]["right"] for x in sel) / (2 * len(sel)) if sel else None
+        out[f"acc_{name}"] = (sum(x["ab"]["right"] + x["ba"]["right"] for x in sel)
+                              / (2 * len(sel)) if sel else None)
     return out
 
 
@@ -475,9 +511,10 @@ def score_unit(items, judge):
     summary, records = pairwise_accuracy(items, judge)
     if all("group" in r["meta"] for r in records):
         bo = best_of_group_accuracy(records)
-        summary = {"n": bo["n"], "n_pairs": summary["n"], "acc_ab": bo["acc_ab"], "acc_ba": bo["acc_ba"],
-                   "acc": bo["acc"], "pair_acc": summary["acc"], "format_fail": summary["format_fail"],
-                   "pick_a": summary["pick_a"], "scoring": "best-of-4 per row, mean over subsets (Ties excluded)",
+        summary = {"n": bo["n"], "n_pairs": summary["n"], "acc_ab": bo["acc_ab"],
+                   "acc_ba": bo["acc_ba"], "acc": bo["acc"], "pair_acc": summary["acc"],
+                   "format_fail": summary["format_fail"], "pick_a": summary["pick_a"],
+                   "scoring": "best-of-4 per row, mean over subsets (Ties excluded)",
                    "subsets": bo["subsets"]}
     elif all("chosen_style" in r["meta"] for r in records):
         summary.update(rm_bench_grid(records))
@@ -499,10 +536,12 @@ def aggregate_pairwise(rows):
     for name in dict.fromkeys(r["benchmark"] for r in rows):
         members = [r for r in rows if r["benchmark"] == name]
         n = sum(r["n"] for r in members)
-        benches.append({"benchmark": name, "n": n, **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
+        benches.append({"benchmark": name, "n": n,
+                        **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
     overall = {"n": sum(b["n"] for b in benches), "n_benchmarks": len(benches),
                **{k: sum(b[k] for b in benches) / len(benches) for k in keys},
-               "definition": "unweighted mean over benchmarks of each benchmark's accuracy (RM-NLHF Table 2 Overall)"}
+               "definition": "unweighted mean over benchmarks of each benchmark's accuracy "
+                             "(RM-NLHF Table 2 Overall)"}
     return {"benchmarks": benches, "overall": overall}
 
 
@@ -700,8 +739,8 @@ def reliability_table(probs, labels, n_bins=10):
 
     Bin b holds p in [b/n_bins, (b+1)/n_bins) (the last bin includes 1.0).
     Returns:
-        (rows, ece): rows = list of {"bin": "[lo,hi)", "n", "mean_p", "frac_correct"} for
-        non-empty bins; ece = sum_b n_b/n * |frac_correct_b - mean_p_b| (expected calibration error).
+        (rows, ece): rows = list of {"bin": "[lo,hi)", "n", "mean_p", "frac_correct"} for non-empty
+        bins; ece = sum_b n_b/n * |frac_correct_b - mean_p_b| (expected calibration error).
     """
     bins = [[] for _ in range(n_bins)]
     for p, y in zip(probs, labels):
@@ -719,11 +758,12 @@ def reliability_table(probs, labels, n_bins=10):
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluator check (RLME Eq. 2; docs/method.md §4.2, §6): does P(target | meta-question) separate right from wrong?
+# Evaluator check (RLME Eq. 2; docs/method.md §4.2, §6): does P(target | meta-question) separate
+# right from wrong?
 
 
-def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", chat=False, batch_size=8,
-                       template=None, score=reward.score_targets):
+def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", chat=False,
+                       batch_size=8, template=None, score=reward.score_targets):
     """log p(target | evaluator prompt) for each (problem, solution), via the training reward's
     own scorer (reward.rlme_reward with one evaluator and one meta-question, weights 1), so the
     check measures exactly the signal RLME would train on (RLME Eq. 2-3; docs/method.md §4.2).
@@ -734,9 +774,11 @@ def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", 
     Returns:
         list[float], log p(target) per solution (<= 0).
     """
-    ev = reward.local_evaluator(model, tok, chat=chat, name="evaluator", micro_batch_size=batch_size, score=score)
+    ev = reward.local_evaluator(model, tok, chat=chat, name="evaluator",
+                                micro_batch_size=batch_size, score=score)
     mq = {"question": question, "target": target, "weight": 1.0}
-    out = reward.rlme_reward([ev], [mq], problems, solutions, template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
+    out = reward.rlme_reward([ev], [mq], problems, solutions,
+                             template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
     return out["logp"][:, 0, 0].tolist()
 
 
@@ -774,9 +816,12 @@ def judge_check_summary(rows, threshold=0.5):
     ok = [r for r in rows if r["f1"] is not None]
     out = {"n": len(rows), "n_failed": len(rows) - len(ok)}
     for metric in ("f1", "recall", "precision"):
-        out[f"acc_{metric}"] = (sum((r[metric] > threshold) == bool(r["label"]) for r in ok) / len(ok)) if ok else None
+        out[f"acc_{metric}"] = ((sum((r[metric] > threshold) == bool(r["label"]) for r in ok)
+                                 / len(ok)) if ok else None)
     return out
 
 
-if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (evaluate_main)
-    raise SystemExit("evaluate.py's command line: python -m plumbing.cli evaluate --help (from the repository root)")
+# the command line imports this file, so it lives in plumbing/cli.py (evaluate_main)
+if __name__ == "__main__":
+    raise SystemExit("evaluate.py's command line: python -m plumbing.cli evaluate --help "
+                     "(from the repository root)")

@@ -13,7 +13,9 @@ judge (docs/method.md §4.2-4.3 and §5.1-5.3 say the same in prose).
   R' = -1 / 0 / 1 + clip(max(0, R_hat - 1), 0, lam) (Eq. 8), R_hat the MetaRM's (metarm.py).
 
 Plain strings, lists and tensors throughout, so any logged reward can be recomputed by hand from
-samples.jsonl. Run alone: python -m plumbing.cli reward --evaluator PATH --in samples.jsonl --out scored.jsonl
+samples.jsonl. Run alone:
+
+    python -m plumbing.cli reward --evaluator PATH --in samples.jsonl --out scored.jsonl
 """
 import collections
 import math
@@ -157,11 +159,12 @@ QA_METRICS = ("em", "f1")
 
 def answer_reward(completion, label, label_format, qa_metric="em"):
     """RLVR reward in [0, 1] for label_format "gsm8k" / "plain" (rlvr_reward on the cleaned number,
-    RLME §4.1) or "text" (qa_metric "em" or "f1" of the last \\boxed{} against the golds, §4 Tables
-    1-2); no box -> 0.0. Text labels never go through clean_number: it deletes spaces and commas,
-    which are part of a string answer ("New York, USA")."""
+    RLME §4.1) or "text" (qa_metric "em" or "f1" of the last \\boxed{} against the golds, §4
+    Tables 1-2); no box -> 0.0. Text labels never go through clean_number: it deletes spaces and
+    commas, which are part of a string answer ("New York, USA")."""
     if label_format not in LABEL_FORMATS:
-        raise ValueError(f"label_format {label_format!r}: expected one of {', '.join(LABEL_FORMATS)}")
+        raise ValueError(f"label_format {label_format!r}: expected one of "
+                         f"{', '.join(LABEL_FORMATS)}")
     if qa_metric not in QA_METRICS:
         raise ValueError(f"qa_metric {qa_metric!r}: expected one of {', '.join(QA_METRICS)}")
     if label_format != "text":
@@ -243,8 +246,9 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
 
 def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
     """(prompt, prompt + target) strings for evaluator message `text` and target a_k (what a local
-    evaluator tokenises, what a remote one sends): text + answer_stub, or with `chat` (use_chat_template's
-    options) `text` in the chat template; the target after a space unless the prompt ends in one."""
+    evaluator tokenises, what a remote one sends): text + answer_stub, or with `chat`
+    (use_chat_template's options) `text` in the chat template; the target after a space unless the
+    prompt ends in one."""
     if chat:
         prompt = chat_prompt(tokenizer, text, chat, tokenize=False)
     else:
@@ -283,18 +287,22 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     with eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
         for i, (prompts, targets) in enumerate(zip(prompt_ids, target_ids)):
             for k, (p, t) in enumerate(zip(prompts, targets)):
-                logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]  # [len(p) + len(t), V]
-                # the logits at position j predict token j + 1: positions len(p)-1 .. end-1 predict t
-                out[i, k] = token_logprobs(logits[len(p) - 1:-1], torch.tensor(t, device=device)).sum().cpu()
+                # [len(p) + len(t), V]
+                logits = model(input_ids=torch.tensor([p + t], device=device)).logits[0]
+                # the logits at position j predict token j + 1: positions len(p)-1 .. end-1
+                # predict t
+                out[i, k] = token_logprobs(logits[len(p) - 1:-1],
+                                           torch.tensor(t, device=device)).sum().cpu()
     return out
 
 
-def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, answer_stub="\nAnswer:",
-                    micro_batch_size=8, score=score_targets):
-    """An in-process evaluator j as the dict rlme_reward reads: {"name", "weight": v_j, "score"}, with
-    score(texts, targets, groups=None) -> [N, K] log p(target_k | texts[i][k]) = log p_{j,k} (RLME
-    Eq. 2) through evaluator_prompt_and_target_ids and `score` (score_targets or fast.score_targets,
-    which runs a shared prefix of adjacent samples with the same `groups` key once).
+def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0,
+                    answer_stub="\nAnswer:", micro_batch_size=8, score=score_targets):
+    """An in-process evaluator j as the dict rlme_reward reads: {"name", "weight": v_j, "score"},
+    with score(texts, targets, groups=None) -> [N, K] log p(target_k | texts[i][k]) = log p_{j,k}
+    (RLME Eq. 2) through evaluator_prompt_and_target_ids and `score` (score_targets or
+    fast.score_targets, which runs a shared prefix of adjacent samples with the same `groups` key
+    once).
     A NaN a model computes is a broken number, not a failed request: it comes back as -inf, so
     rlme_reward replaces and counts it (NaN is what an evaluator returns for "could not score").
     chat=False scores the plain-text prompt; a training run passes what the evaluator's
@@ -302,19 +310,23 @@ def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, an
     def fn(texts, targets, groups=None):
         ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat=chat, answer_stub=answer_stub)
                 for t, a in zip(row, targets)] for row in texts]
-        logp = score(model, [[p for p, _ in r] for r in ids], [[t for _, t in r] for r in ids], tokenizer.pad_token_id,
-                     micro_batch_size=micro_batch_size, groups=groups)
+        logp = score(model, [[p for p, _ in r] for r in ids], [[t for _, t in r] for r in ids],
+                     tokenizer.pad_token_id, micro_batch_size=micro_batch_size, groups=groups)
         return torch.nan_to_num(logp, nan=-float("inf"), posinf=float("inf"), neginf=-float("inf"))
-    # model, tokenizer, chat: what it scores with, for inspection (rlme_reward reads name, weight, score)
-    return {"name": name, "weight": float(weight), "score": fn, "model": model, "tokenizer": tokenizer, "chat": chat}
+    # model, tokenizer, chat: what it scores with, for inspection (rlme_reward reads name, weight,
+    # score)
+    return {"name": name, "weight": float(weight), "score": fn, "model": model,
+            "tokenizer": tokenizer, "chat": chat}
 
 
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
-                template=DEFAULT_EVALUATOR_TEMPLATE, renormalize=False, nonfinite_logp=-50.0, transform="log"):
-    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (RLME Eq. 2-3; docs/method.md §4.2),
-    p_{j,k} = pi_phi_j(a_k | x, y, q_k) evaluator j's probability of the whole target string a_k
-    after the prompt for meta-question q_k (0 = certainty). transform "prob": sum_j v_j sum_k w_k
-    p_{j,k} instead (the abstract's "probability": a near-0 p costs at most v w, not an unbounded log).
+                template=DEFAULT_EVALUATOR_TEMPLATE, renormalize=False, nonfinite_logp=-50.0,
+                transform="log"):
+    """RLME reward r(x, y) = sum_j v_j sum_k w_k log p_{j,k} <= 0 (RLME Eq. 2-3; docs/method.md
+    §4.2), p_{j,k} = pi_phi_j(a_k | x, y, q_k) evaluator j's probability of the whole target string
+    a_k after the prompt for meta-question q_k (0 = certainty). transform "prob": sum_j v_j sum_k
+    w_k p_{j,k} instead (the abstract's "probability": a near-0 p costs at most v w, not an
+    unbounded log).
 
     evaluators: {"name", "weight": v_j, "score"} (local_evaluator; a remote one's "failures" holds
     the reasons its last call's failed requests give); meta_questions: {"question", "weight": w_k,
@@ -333,11 +345,15 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     if renormalize:  # score the negative answer too, as extra rows sharing the same prefix
         targets = targets + [m.get("negative", "No") for m in meta_questions]
     refs = [references[i] if anchored and anchored[i] else None for i in range(len(solutions))]
-    texts = [[build_evaluator_text(template, x, y, questions[kk % k], meta_questions=questions, reference=ref)
-              for kk in range(len(targets))] for x, y, ref in zip(problems, solutions, refs)]  # [N][K or 2K]
+    texts = [[build_evaluator_text(template, x, y, questions[kk % k], meta_questions=questions,
+                                   reference=ref)
+              for kk in range(len(targets))]
+             for x, y, ref in zip(problems, solutions, refs)]  # [N][K or 2K]
     # samples of one problem (a group) are adjacent: the fast scorer runs their shared prefix once
-    logp = torch.stack([ev["score"](texts, targets, groups=problems) for ev in evaluators], 1).float()  # [N, J, .]
-    failed, bad = logp.isnan(), torch.isinf(logp)  # could not score (stays NaN, masked); a broken number
+    logp = torch.stack([ev["score"](texts, targets, groups=problems)
+                        for ev in evaluators], 1).float()  # [N, J, .]
+    # could not score (stays NaN, masked); a broken number
+    failed, bad = logp.isnan(), torch.isinf(logp)
     if renormalize:
         logp = logp[..., :k] - torch.logaddexp(logp[..., :k], logp[..., k:])
         failed, bad = failed[..., :k] | failed[..., k:], bad[..., :k] | bad[..., k:]
@@ -345,11 +361,13 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     logp = torch.where(bad, torch.full_like(logp, nonfinite_logp), logp)
     # after the replacement, so "prob" sees exp(nonfinite_logp) ~ 0, never NaN
     terms = logp if transform == "log" else logp.exp()
-    reward = weighted_reward(terms, [ev["weight"] for ev in evaluators], [m["weight"] for m in meta_questions])
+    reward = weighted_reward(terms, [ev["weight"] for ev in evaluators],
+                             [m["weight"] for m in meta_questions])
     valid = ~failed.any(2).any(1)  # a sample missing any term has no reward: NaN, and masked
-    why = {ev["name"]: next((w for w in ev["failures"] if w), "") for ev in evaluators if "failures" in ev}
-    return {"reward": torch.where(valid, reward, torch.full_like(reward, float("nan"))), "logp": logp,
-            "nonfinite": int(bad.sum()), "valid": valid, "failed": failed, "why": why}
+    why = {ev["name"]: next((w for w in ev["failures"] if w), "")
+           for ev in evaluators if "failures" in ev}
+    return {"reward": torch.where(valid, reward, torch.full_like(reward, float("nan"))),
+            "logp": logp, "nonfinite": int(bad.sum()), "valid": valid, "failed": failed, "why": why}
 
 
 def weighted_reward(logp, v, w):
@@ -367,8 +385,8 @@ def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
     rlvr = torch.as_tensor(rlvr, dtype=torch.float32)
     rlme = torch.as_tensor(rlme, dtype=torch.float32)
     if rlvr.shape != rlme.shape:
-        raise ValueError(f"hybrid_reward: RLVR part {tuple(rlvr.shape)} and RLME part {tuple(rlme.shape)} "
-                         f"differ in shape")
+        raise ValueError(f"hybrid_reward: RLVR part {tuple(rlvr.shape)} and RLME part "
+                         f"{tuple(rlme.shape)} differ in shape")
     return rlvr_weight * rlvr + rlme
 
 
@@ -385,7 +403,8 @@ def meta_question_dicts(meta_questions, target="Yes"):
                     "target": m.get("target", target), "negative": m.get("negative", "No")})
     questions = [m["question"] for m in out]
     if not out or len(set(questions)) != len(questions):
-        raise ValueError(f"meta_questions must be a non-empty list of distinct questions, got {questions}")
+        raise ValueError(f"meta_questions must be a non-empty list of distinct questions, "
+                         f"got {questions}")
     return out
 
 
@@ -401,7 +420,8 @@ def logp_metric_name(evaluator, question):
 #
 # Data flow (one GRPO step, RM-NLHF Algorithm 1; docs/method.md §5.4):
 #   items    = load_pairwise(...)                       plain dicts, A/B already shuffled (PLUMBING)
-#   prompt   = build_grm_prompt(context, a, b)          the user message; rollout.py adds the template
+#   prompt   = build_grm_prompt(context, a, b)          the user message; rollout.py adds the
+#                                                       template
 #   parsed   = parse_grm_output(completion)             {critique, choice, valid, why}
 #   D_H:  samples = score_dh(parsed, items, judge, ...)        judge(pairs) F1 -> R (Eq. 4, 5)
 #   D_O:  samples = score_do(parsed, items, r_hat, ...)        MetaRM prediction R_hat -> R' (Eq. 8)
@@ -416,7 +436,8 @@ def logp_metric_name(evaluator, question):
 
 # ---- GRM prompt and parsing (docs/method.md §5.2) ------------------------------------------
 
-# The pair as every model in RM-NLHF reads it (the GRM, the meta-judge, the MetaRM: metarm.metarm_text)
+# The pair as every model in RM-NLHF reads it (the GRM, the meta-judge, the MetaRM:
+# metarm.metarm_text)
 PAIR_TEXT = """[Conversation]
 {context}
 
@@ -426,18 +447,26 @@ PAIR_TEXT = """[Conversation]
 [Response B]
 {response_b}"""
 
-GRM_PROMPT = """You are judging two AI assistant responses to the same conversation. Decide which response is better: more helpful, correct, honest and harmless for the user.
-
-""" + PAIR_TEXT + """
-
-Write a short critique (at most {max_lines} lines) that states the key reasons for your decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: <choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is better."""
+GRM_PROMPT = (
+    "You are judging two AI assistant responses to the same conversation. Decide which response is "
+    "better: more helpful, correct, honest and harmless for the user.\n"
+    "\n"
+    + PAIR_TEXT + "\n"
+    "\n"
+    "Write a short critique (at most {max_lines} lines) that states the key reasons for your "
+    "decision, inside <critics>...</critics>. Then give your verdict inside <choice>...</choice>: "
+    "<choice>[[A]]</choice> if Response A is better, or <choice>[[B]]</choice> if Response B is "
+    "better.")
 
 # The RM-NLHF authors' GRM prompt (nlhf.grm_prompt: authors), verbatim from their release
 # (PROMPT_GRM in Character-GenRM-NLHF/verl/verl/workers/reward_manager/pairwise_grm.py of
 # github.com/liudan193/Qwen-Character, where their released GRMs judge policy samples), so a
 # released checkpoint is scored in its own format. Its conversation is the turns rendered as
 # "role:\ncontent\n" (authors_context). The paper's training template (its Fig. 9) is not public.
-AUTHORS_GRM_PROMPT = """Please act as an impartial judge and evaluate the quality of the responses provided by two AI Chatbots to the Client question displayed below.
+AUTHORS_GRM_PROMPT = (
+    "Please act as an impartial judge and evaluate the quality of the responses provided by two AI "
+    "Chatbots to the Client question displayed below."
+    """
 
 [Client Question]
 {context}
@@ -461,7 +490,7 @@ Output your final verdict by strictly following this format:
 [[A]]
 </choice>
 
-Note: Use [[A]] if A is better, or [[B]] if B is better."""
+Note: Use [[A]] if A is better, or [[B]] if B is better.""")
 
 GRM_PROMPT_STYLES = ("ours", "authors")
 
@@ -470,15 +499,18 @@ def nlhf_step_items(dh, do, step, *, prompts_per_step, dh_per_step, seed, rank, 
     """This rank's pairwise items for `step`: round(dh_per_step x P) of the P = prompts_per_step
     prompts from D_H and the rest from D_O (all from D_H when `do` is empty), each set read as its
     own seeded stream (step_items, so a resumed run sees the same prompts), then the P prompts
-    shuffled by (seed, step) so every rank gets a mix of both. Items are tagged "set": "dh" | "do"."""
+    shuffled by (seed, step) so every rank gets a mix of both. Items are tagged "set": "dh" |
+    "do"."""
     P = prompts_per_step
     n_dh = round(dh_per_step * P) if do else P
     # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
-    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh, seed=seed,
-                                                             rank=0, world=1)]
-            + [dict(it, set="do") for it in rollout.step_items(do, step, prompts_per_step=P - n_dh, seed=seed + 1,
-                                                               rank=0, world=1)])
-    order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
+    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh,
+                                                             seed=seed, rank=0, world=1)]
+            + [dict(it, set="do") for it in rollout.step_items(do, step,
+                                                               prompts_per_step=P - n_dh,
+                                                               seed=seed + 1, rank=0, world=1)])
+    order = torch.randperm(
+        P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
     per_rank = P // world
     return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank]]
 
@@ -501,7 +533,8 @@ def build_grm_prompt(context, response_a, response_b, max_lines=4, style="ours",
         conv = authors_context(turns) if turns else context.strip()
         return AUTHORS_GRM_PROMPT.format(context=conv, response_a=response_a, response_b=response_b)
     if style != "ours":
-        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: {', '.join(GRM_PROMPT_STYLES)}")
+        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: "
+                         f"{', '.join(GRM_PROMPT_STYLES)}")
     return GRM_PROMPT.format(context=context.strip(), response_a=response_a.strip(),
                              response_b=response_b.strip(), max_lines=max_lines)
 
@@ -549,9 +582,11 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
         if choice is None:
             m = re.search(r"\[\[([AB])\]\]", text)
             choice = m.group(1) if m else None
-        n_lines = None if critique is None else len([ln for ln in critique.splitlines() if ln.strip()])
+        n_lines = (None if critique is None
+                   else len([ln for ln in critique.splitlines() if ln.strip()]))
     else:
-        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: {', '.join(GRM_PROMPT_STYLES)}")
+        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: "
+                         f"{', '.join(GRM_PROMPT_STYLES)}")
     why = ""
     if critique is None:
         why = "no_critique"
@@ -587,7 +622,8 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
         gate_on_outcome=False     ->  R_outcome + lam * R_process for every valid sample (ablation
                                       without outcome regularisation, RM-NLHF §4.3: a wrong
                                       verdict can earn lam)
-        f1 None where it is needed ->  None: judge failure, the sample is masked (see top of section)
+        f1 None where it is needed ->  None: judge failure, the sample is masked (see top of
+                                      section)
         lam = 0                   ->  R_outcome: no process term, and no judge call needed
                                       ("w/o process reward", RM-NLHF Table 3)
 
@@ -605,7 +641,8 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
     return outcome + lam * r_proc, r_proc
 
 
-METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier")
+METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain",
+                "classifier")
 DO_REWARD_FORMS = ("paper", "released")
 
 
@@ -642,7 +679,8 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
 
 def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False,
              similarity="f1", on_failure="mask"):
-    """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF Eq. 4-5.
+    """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF
+    Eq. 4-5.
 
     parsed: parse_grm_output dicts, one per completion; items: their pairwise dicts (an item
     repeated G times for a group); judge: a callable judge(pairs) -> list[dict], pairs a list of
@@ -664,23 +702,27 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     for i, (p, it) in enumerate(zip(parsed, items)):
         correct = p["valid"] and p["choice"] == it["winner"]
         s = {"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
-             "critique": p["critique"], "human_critique": it.get("critique"), "f1": None, "precision": None,
-             "recall": None, "judge_why": None, "judge_attempts": 0, "judged": False, "judge_failed": False}
+             "critique": p["critique"], "human_critique": it.get("critique"), "f1": None,
+             "precision": None, "recall": None, "judge_why": None, "judge_attempts": 0,
+             "judged": False, "judge_failed": False}
         samples.append(s)
         # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1); with
         # λ = 0 the process term is zero whatever S says, so the judge is never called
         if lam > 0 and p["valid"] and (correct or not gate_on_outcome):
             need.append(i)
-    results = judge([(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need]) if need else []
+    results = (judge([(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need])
+               if need else [])
     for i, r in zip(need, results):
         failed = r["f1"] is None
         if failed and on_failure == "zero":  # the released code's rule: a failure scores 0
             r = dict(r, f1=0.0, precision=0.0, recall=0.0)
-        samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"], judge_why=r["why"],
-                          judge_attempts=r["attempts"], judged=True, judge_failed=failed)
+        samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"],
+                          judge_why=r["why"], judge_attempts=r["attempts"], judged=True,
+                          judge_failed=failed)
     for s in samples:
         s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s[similarity], lam=lam,
-                                                threshold=threshold, gate_on_outcome=gate_on_outcome,
+                                                threshold=threshold,
+                                                gate_on_outcome=gate_on_outcome,
                                                 inclusive=inclusive)
     return samples
 
@@ -692,8 +734,8 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True,
     out = []
     for p, it, rh in zip(parsed, items, r_hat):
         correct = p["valid"] and p["choice"] == it["winner"]
-        out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
-                    "critique": p["critique"], "r_hat": rh,
+        out.append({"choice": p["choice"], "valid": p["valid"], "why": p["why"],
+                    "correct": bool(correct), "critique": p["critique"], "r_hat": rh,
                     "reward": do_reward(p["valid"], correct, rh, lam=lam, mode=mode,
                                         gate_on_outcome=gate_on_outcome, form=form)})
     return out
@@ -711,7 +753,8 @@ def do_training_samples(parsed, items, lam):
     for p, it in zip(parsed, items):
         right = p["valid"] and p["choice"] == it["winner"]
         out.append({"valid": p["valid"], "critique": p["critique"],
-                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None, "outcome_label": True})
+                    "reward": (1.0 + lam / 2 if right else 0.0) if p["valid"] else None,
+                    "outcome_label": True})
     return out
 
 
@@ -742,7 +785,8 @@ def nlhf_step_metrics(records, step_metrics):
         part = [r for r in records if r["set"] == name]
         if part:
             out[f"nlhf/{name}/outcome_acc"] = sum(r["correct"] for r in part) / len(part)
-            out[f"nlhf/{name}/reward_mean"] = (sum(r["reward"] for r in part if r["reward"] is not None)
+            out[f"nlhf/{name}/reward_mean"] = (sum(r["reward"] for r in part
+                                                   if r["reward"] is not None)
                                                / max(1, sum(r["reward"] is not None for r in part)))
     hats = [r["r_hat"] for r in records if r["r_hat"] is not None]
     out["metarm/r_hat_mean"] = sum(hats) / len(hats) if hats else None
@@ -768,45 +812,66 @@ def nlhf_step_metrics(records, step_metrics):
 # are not in its text; these are written from its description. Both extraction prompts start with
 # the repetition check (a critique that repeats itself must not collect matches).
 _JUDGE_STEPS = {
-    "core": """2. List the CORE arguments of the reference: the decisive reasons that settle which response is better. Leave out nitpicks and minor points (style, small omissions, things that would not change the verdict). If the reference names a fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply), count that error as the only core argument. Let H be their number.
-3. List the core arguments of the candidate the same way. Let C be their number.""",
-    "all": """2. List ALL arguments of the reference: every distinct reason about one response (a flaw or a strength), minor ones included. Let H be their number.
-3. List all arguments of the candidate the same way. Let C be their number.""",
+    "core": ("2. List the CORE arguments of the reference: the decisive reasons that settle "
+             "which response is better. Leave out nitpicks and minor points (style, small "
+             "omissions, things that would not change the verdict). If the reference names a "
+             "fatal error (one that by itself decides the comparison, e.g. a wrong final answer, "
+             "a harmful or refused reply), count that error as the only core argument. Let H be "
+             "their number.\n"
+             "3. List the core arguments of the candidate the same way. Let C be their number."),
+    "all": ("2. List ALL arguments of the reference: every distinct reason about one response (a "
+            "flaw or a strength), minor ones included. Let H be their number.\n"
+            "3. List all arguments of the candidate the same way. Let C be their number."),
 }
 
-JUDGE_PROMPT = """You compare two critiques of the same pair of AI responses (Response A and Response B): a REFERENCE critique written by a human expert and a CANDIDATE critique written by a model. Measure how many of the reference's arguments the candidate makes.
+JUDGE_PROMPT = (
+    "You compare two critiques of the same pair of AI responses (Response A and Response B): a "
+    "REFERENCE critique written by a human expert and a CANDIDATE critique written by a model. "
+    "Measure how many of the reference's arguments the candidate makes.\n"
+    "\n"
+    "Work through these steps in order.\n"
+    "1. Repetition check. If the candidate restates the same argument more than once (the same "
+    "point in other words, copied sentences, or filler that repeats itself), stop here and answer "
+    "precision 0, recall 0, f1 0.\n"
+    "{steps}\n"
+    "4. Match candidate arguments to reference arguments by meaning and stance: a match must be "
+    "about the same response with the same polarity (both call it a flaw, or both a strength); "
+    "wording may differ. Each reference argument and each candidate argument can be used in at "
+    "most one match. Let M be the number of matches.\n"
+    "5. precision = M / C, recall = M / H, f1 = 2 * precision * recall / (precision + recall), "
+    "and 0 when M is 0.\n"
+    "\n"
+    "[Reference critique]\n"
+    "{human}\n"
+    "\n"
+    "[Candidate critique]\n"
+    "{model}\n"
+    "\n"
+    "Think briefly, then end your answer with exactly these tags, each holding a plain decimal "
+    "number between 0 and 1 (for example 0.5):\n"
+    "<precision>...</precision>\n"
+    "<recall>...</recall>\n"
+    "<f1>...</f1>")
 
-Work through these steps in order.
-1. Repetition check. If the candidate restates the same argument more than once (the same point in other words, copied sentences, or filler that repeats itself), stop here and answer precision 0, recall 0, f1 0.
-{steps}
-4. Match candidate arguments to reference arguments by meaning and stance: a match must be about the same response with the same polarity (both call it a flaw, or both a strength); wording may differ. Each reference argument and each candidate argument can be used in at most one match. Let M be the number of matches.
-5. precision = M / C, recall = M / H, f1 = 2 * precision * recall / (precision + recall), and 0 when M is 0.
-
-[Reference critique]
-{human}
-
-[Candidate critique]
-{model}
-
-Think briefly, then end your answer with exactly these tags, each holding a plain decimal number between 0 and 1 (for example 0.5):
-<precision>...</precision>
-<recall>...</recall>
-<f1>...</f1>"""
-
-META_JUDGE_PROMPT = """You check a CRITIQUE that a model wrote about two AI responses to the same conversation. Decide whether the critique is correct: it identifies the real issues (or strengths) of the responses that decide which one is better, and claims nothing false about them.
-
-Work through these steps in order.
-1. Repetition check. If the critique restates the same point more than once, answer 0.
-2. Read the conversation and both responses; note any fatal error (one that by itself decides the comparison, e.g. a wrong final answer, a harmful or refused reply). A critique that misses a fatal error, or blames a response for a flaw it does not have, is not correct.
-3. Answer 1 if the critique is correct, else 0.
-
-""" + PAIR_TEXT + """
-
-[Critique]
-{model}
-
-Think briefly, then end your answer with exactly this tag holding 1 or 0:
-<correct>...</correct>"""
+META_JUDGE_PROMPT = (
+    "You check a CRITIQUE that a model wrote about two AI responses to the same conversation. "
+    "Decide whether the critique is correct: it identifies the real issues (or strengths) of the "
+    "responses that decide which one is better, and claims nothing false about them.\n"
+    "\n"
+    "Work through these steps in order.\n"
+    "1. Repetition check. If the critique restates the same point more than once, answer 0.\n"
+    "2. Read the conversation and both responses; note any fatal error (one that by itself decides "
+    "the comparison, e.g. a wrong final answer, a harmful or refused reply). A critique that "
+    "misses a fatal error, or blames a response for a flaw it does not have, is not correct.\n"
+    "3. Answer 1 if the critique is correct, else 0.\n"
+    "\n"
+    + PAIR_TEXT + "\n"
+    "\n"
+    "[Critique]\n"
+    "{model}\n"
+    "\n"
+    "Think briefly, then end your answer with exactly this tag holding 1 or 0:\n"
+    "<correct>...</correct>")
 
 JUDGE_VARIANTS = ("core", "all", "meta_judge")
 
@@ -818,11 +883,14 @@ def judge_prompt(variant, human, model, item=None):
     if variant == "meta_judge":
         if item is None:
             raise ValueError("judge.variant meta_judge needs the pair (context and both responses)")
-        return META_JUDGE_PROMPT.format(context=item["context"].strip(), response_a=item["response_a"].strip(),
+        return META_JUDGE_PROMPT.format(context=item["context"].strip(),
+                                        response_a=item["response_a"].strip(),
                                         response_b=item["response_b"].strip(), model=model.strip())
     if variant not in _JUDGE_STEPS:
-        raise ValueError(f"unknown judge variant {variant!r} (one of {', '.join(JUDGE_VARIANTS)})")
-    return JUDGE_PROMPT.format(steps=_JUDGE_STEPS[variant], human=human.strip(), model=model.strip())
+        raise ValueError(f"unknown judge variant {variant!r} "
+                         f"(one of {', '.join(JUDGE_VARIANTS)})")
+    return JUDGE_PROMPT.format(steps=_JUDGE_STEPS[variant], human=human.strip(),
+                               model=model.strip())
 
 
 def parse_meta_judge_output(text):
@@ -831,7 +899,8 @@ def parse_meta_judge_output(text):
     all None with `why` when the tag is missing or holds anything else."""
     m = re.findall(r"<correct>\s*([01])\s*</correct>", text or "")
     if not m:
-        return {"precision": None, "recall": None, "f1": None, "why": "no <correct>0|1</correct> tag"}
+        return {"precision": None, "recall": None, "f1": None,
+                "why": "no <correct>0|1</correct> tag"}
     v = float(m[-1])
     return {"precision": v, "recall": v, "f1": v, "why": ""}
 
@@ -865,5 +934,7 @@ def parse_judge_output(text):
 # load_evaluator, remote_evaluator, trl_reward_function and verl_compute_score (they load models and
 # call servers; README, "The RLME reward in another trainer") are in plumbing/evaluators.py
 # and plumbing/reward_functions.py.
-if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (reward_main)
-    raise SystemExit("reward.py's command line: python -m plumbing.cli reward --help (from the repository root)")
+# the command line imports this file, so it lives in plumbing/cli.py (reward_main)
+if __name__ == "__main__":
+    raise SystemExit("reward.py's command line: python -m plumbing.cli reward --help "
+                     "(from the repository root)")

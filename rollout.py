@@ -1,4 +1,5 @@
-"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, per-token log-probs.
+"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, per-token
+log-probs.
 
 What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
 
@@ -18,7 +19,8 @@ returns; fast.generate and the vLLM backend (plumbing/engine.py) return the same
 rollout backend's `sample` callable (train.py's rollout step; the vLLM engine adds "logprobs"):
 
     rollout = {
-        "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt i // G
+        "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt
+                                             i // G
         "completion_ids":  LongTensor [N, L] right-padded with pad_id after the completion
         "completion_mask": FloatTensor [N, L] 1.0 up to and including the first EOS, else 0.0
         "truncated":       BoolTensor [N]    True when no EOS came within max_new_tokens
@@ -28,7 +30,9 @@ rollout backend's `sample` callable (train.py's rollout step; the vLLM engine ad
                                              own and logs the gap (docs/method.md §7)
     }
 
-Run alone (JSONL in, JSONL out):  python -m plumbing.cli rollout --model PATH --in prompts.jsonl --out rollouts.jsonl
+Run alone (JSONL in, JSONL out):
+
+    python -m plumbing.cli rollout --model PATH --in prompts.jsonl --out rollouts.jsonl
 """
 import contextlib
 
@@ -37,7 +41,8 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------------------------
-# Which prompts: this step's items and their prompt token ids (RLME Eq. 1's x ~ D; docs/method.md §4.1)
+# Which prompts: this step's items and their prompt token ids (RLME Eq. 1's x ~ D;
+# docs/method.md §4.1)
 
 
 def step_items(items, step, prompts_per_step, seed, rank, world):
@@ -47,7 +52,8 @@ def step_items(items, step, prompts_per_step, seed, rank, world):
     for j in range(prompts_per_step):
         pos = step * prompts_per_step + j
         epoch, k = divmod(pos, len(items))
-        perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        perm = torch.randperm(len(items),
+                              generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         out.append(items[perm[k]])
     per_rank = prompts_per_step // world
     return out[rank * per_rank:(rank + 1) * per_rank]
@@ -65,8 +71,9 @@ def policy_prompt_ids(tokenizer, item, chat, template, text_only=False, answer=N
                            answer=item.get("answer_text") if answer is None else answer)
     if item.get("messages"):
         if not chat:
-            raise SystemExit(f"{item.get('where', 'a data row')}: the question is chat messages, but the policy "
-                             f"prompt is plain text (config key model.chat_template); use a model with a chat template")
+            raise SystemExit(f"{item.get('where', 'a data row')}: the question is chat messages, "
+                             f"but the policy prompt is plain text (config key "
+                             f"model.chat_template); use a model with a chat template")
         text = item["messages"][:-1] + [dict(item["messages"][-1], content=text)]
         if text_only:  # the whole rendered prompt: keep_short's byte bound must cover every message
             return chat_prompt(tokenizer, text, chat, tokenize=False)
@@ -162,8 +169,8 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     mb = micro_batch_size or len(rows)
     # HF applies T, top_p, top_k only when sampling. top_k is always passed (0 = off): left out,
     # HF would apply its default top_k of 50.
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 \
-        else {"do_sample": False}
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+                if temperature > 0 else {"do_sample": False})
     # HF fills every knob the call leaves unset from model.generation_config (a checkpoint may ship
     # a repetition_penalty or min_p): with an empty one, only the settings passed below apply.
     bare = GenerationConfig()
@@ -174,7 +181,8 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
         for start in range(0, len(rows), mb):
             ids, attn = left_pad(rows[start:start + mb], pad_id)
             out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=pad_id, **sampling)
             chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
     return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
 
@@ -216,7 +224,8 @@ def token_logprobs(logits, targets, temperature=1.0):
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None, chunk_tokens=0):
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0,
+                        prompt_model=None, chunk_tokens=0):
     """Per-token log-probs of the completions under `model` (the plain twin of
     fast.completion_logprobs):
 
@@ -239,7 +248,8 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         Gradient flows when called under grad mode.
     """
     completion_ids = completion_ids.to(next(model.parameters()).device)
-    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id), completion_ids, temperature)
+    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id),
+                          completion_ids, temperature)
 
 
 def completion_logits(model, prompt_ids, completion_ids, pad_id):
@@ -249,7 +259,8 @@ def completion_logits(model, prompt_ids, completion_ids, pad_id):
     n, length = completion_ids.shape
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([p_ids.to(device), completion_ids.to(device)], dim=1)
-    attn = torch.cat([p_mask.to(device), torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
+    attn = torch.cat([p_mask.to(device),
+                      torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
                 logits_to_keep=length + 1, use_cache=False)
     # logits at column t predict token t+1: of the last L+1 columns, all but the final one
@@ -262,7 +273,8 @@ def completion_logits(model, prompt_ids, completion_ids, pad_id):
 
 
 def chat_prompt(tokenizer, text, chat, tokenize):
-    """The user message `text` (or a list of chat messages) in the chat template, with the generation prompt.
+    """The user message `text` (or a list of chat messages) in the chat template, with the
+    generation prompt.
 
     Args:
         chat: True (no options) or the options dict {"system", "kwargs"} from use_chat_template.
@@ -271,7 +283,8 @@ def chat_prompt(tokenizer, text, chat, tokenize):
     """
     options = chat if isinstance(chat, dict) else {}
     messages = list(text) if isinstance(text, list) else [{"role": "user", "content": text}]
-    if options.get("system") is not None:  # "" is an empty system message (it replaces a template's default one)
+    # "" is an empty system message (it replaces a template's default one)
+    if options.get("system") is not None:
         messages.insert(0, {"role": "system", "content": options["system"]})
     out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,
                                         **options.get("kwargs", {}))
@@ -309,8 +322,8 @@ def is_fsdp(model):
 
 
 def checkpointed_modules(model):
-    """The modules of `model` with activation checkpointing on (plumbing/scale.py's wrap_policy): transformers'
-    decoder layers, and the model that holds the flag."""
+    """The modules of `model` with activation checkpointing on (plumbing/scale.py's wrap_policy):
+    transformers' decoder layers, and the model that holds the flag."""
     return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
 
 
@@ -343,5 +356,7 @@ def set_attribute(modules, name, value):
             setattr(m, name, v)
 
 
-if __name__ == "__main__":  # the command line imports this file, so it lives in plumbing/cli.py (rollout_main)
-    raise SystemExit("rollout.py's command line: python -m plumbing.cli rollout --help (from the repository root)")
+# the command line imports this file, so it lives in plumbing/cli.py (rollout_main)
+if __name__ == "__main__":
+    raise SystemExit("rollout.py's command line: python -m plumbing.cli rollout --help "
+                     "(from the repository root)")

@@ -5,7 +5,7 @@
 
 `train()` is one step, top to bottom; the functions after it come in the order the step calls them:
   1. prompts     this rank's P/world items, or RM-NLHF's D_H/D_O mix           step_prompts
-  2. rollout     G completions per prompt (RLME Eq. 1)                         state["rollout"]["sample"]
+  2. rollout     G completions per prompt (RLME Eq. 1)                   state["rollout"]["sample"]
   3. reward      RLME: the evaluators' weighted log p("Yes") (RLME Eq. 2-3)     rlme_reward_step
                  RM-NLHF: judge D_H, update the MetaRM, predict D_O      metarm.nlhf_reward_step
                  (RM-NLHF Eq. 4-8, Algorithm 1)
@@ -68,7 +68,8 @@ def train(cfg):
         rlme_reward_step, evaluators=state["evaluators"], meta_questions=rw["meta_questions"],
         kind=rw["kind"], template=template, label_format=cfg["data"]["label_format"],
         qa_metric=rw["qa_metric"], rlvr_weight=rw["rlvr_weight"], renormalize=rw["renormalize"],
-        nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"], context=context, world=world)
+        nonfinite_logp=rw["nonfinite_logp"], transform=rw["transform"], context=context,
+        world=world)
     # 3. RM-NLHF's reward (Alg. 1): the GRM's verdict format, Eq. 4-5 (D_H), Eq. 8 (D_O), the MetaRM
     nl = cfg["nlhf"]
     nlhf_step = functools.partial(
@@ -110,7 +111,8 @@ def train(cfg):
         t1 = time.perf_counter()
 
         # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ----------------
-        if cfg["task"] == "rm_nlhf":  # judge D_H, MetaRM update, MetaRM predicts D_O (RM-NLHF Alg. 1)
+        # judge D_H, MetaRM update, MetaRM predicts D_O (RM-NLHF Alg. 1)
+        if cfg["task"] == "rm_nlhf":
             rew = nlhf_step(samples, ro_out["completions"], seed=seed * 7_919 + step, t0=t0)
         else:  # the evaluators' log p(target) to the meta-questions (RLME Eq. 2-3)
             rew = reward_step(samples, ro_out["completions"])
@@ -190,8 +192,9 @@ def sampling_seed(run_seed, step, rank):
     return run_seed * 1_000_003 + step * 10_007 + rank
 
 
-def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, template, label_format,
-                     qa_metric, rlvr_weight, renormalize, nonfinite_logp, transform, context, world):
+def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, template,
+                     label_format, qa_metric, rlvr_weight, renormalize, nonfinite_logp, transform,
+                     context, world):
     """3. Rewards of one RLME step: r = sum_j v_j sum_k w_k log p_jk (RLME Eq. 2-3,
     reward.rlme_reward), RLVR's reward against the label (kind rlvr), or both (hybrid:
     rlvr_weight x RLVR + the RLME terms, reward.hybrid_reward). train() binds the settings from
@@ -221,8 +224,10 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
     valid = torch.ones(len(items), dtype=torch.bool)
     if kind in ("rlme", "hybrid"):
         with context():
-            out = R.rlme_reward(evaluators, meta_questions, problems=[it["problem"] for it in items],
-                                solutions=completions, references=[it["answer_text"] for it in items],
+            out = R.rlme_reward(evaluators, meta_questions,
+                                problems=[it["problem"] for it in items],
+                                solutions=completions,
+                                references=[it["answer_text"] for it in items],
                                 anchored=[it["anchored"] for it in items], template=template,
                                 renormalize=renormalize, nonfinite_logp=nonfinite_logp,
                                 transform=transform)
@@ -241,7 +246,8 @@ def rlme_reward_step(items, completions, *, evaluators, meta_questions, kind, te
                "reward": float(rewards[i]) if ok else None, "rlvr_reward": float(rlvr[i])}
         if logp is not None:  # logp: [N, J evaluators, K meta-questions]; None = a failed request
             rec["rlme_reward"] = float(rlme[i]) if ok else None
-            rec["logp"] = {ev["name"]: {mq["question"]: None if failed[i, j, k] else float(logp[i, j, k])
+            rec["logp"] = {ev["name"]: {mq["question"]: (None if failed[i, j, k]
+                                                         else float(logp[i, j, k]))
                                         for k, mq in enumerate(meta_questions)}
                            for j, ev in enumerate(evaluators)}
         records.append(rec)
@@ -436,8 +442,9 @@ def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):
     by its length) and for micro_batch_token_mean (the n_b-weighted micro-batch token means), tokens
     for token_mean, sequences x max_new_tokens for Dr.GRPO. Counts are global (all micro-batches of
     all ranks), applied once."""
-    return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs, "micro_batch_token_mean": num_seqs,
-            "token_mean": num_tokens, "dr_grpo": num_seqs * max_new_tokens}[aggregation]
+    return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs,
+            "micro_batch_token_mean": num_seqs, "token_mean": num_tokens,
+            "dr_grpo": num_seqs * max_new_tokens}[aggregation]
 
 
 def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, ratio="sequence",
@@ -501,8 +508,9 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, 
 def aggregate(per_token, mask, aggregation):
     """Sum of the masked per-token losses [B, L] of one micro-batch; seq_mean_token_mean takes each
     sequence's token mean first (RM-NLHF Eq. 3); micro_batch_token_mean is the micro-batch's token
-    mean x its sequence count n_b (verl 0.4.1's token-mean under use_dynamic_bsz, the RM-NLHF release:
-    policy_loss x len(micro-batch) / mini-batch size). The caller divides by loss_normaliser's count."""
+    mean x its sequence count n_b (verl 0.4.1's token-mean under use_dynamic_bsz, the RM-NLHF
+    release: policy_loss x len(micro-batch) / mini-batch size). The caller divides by
+    loss_normaliser's count."""
     per_token = per_token * mask
     if aggregation == "seq_mean_token_mean":
         per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)

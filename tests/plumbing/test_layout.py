@@ -36,6 +36,16 @@ def test_stage_files_import_neither_plumbing_nor_fast(path):
     assert not bad, f"{path} imports {sorted(bad)}"
 
 
+@pytest.mark.parametrize("path", ("train.py",) + STAGE)
+def test_stage_files_keep_lines_to_100_characters(path):
+    """Issue 32: the stage files are read, so a line budget is met by design, not by writing
+    110-120-character lines; every line fits in 100 characters (str length, not bytes)."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        long = [f"{path}:{i} ({len(line)} characters)"
+                for i, line in enumerate(f.read().splitlines(), 1) if len(line) > 100]
+    assert not long, "lines over 100 characters:\n" + "\n".join(long)
+
+
 def test_fast_imports_of_ours_only_rollout():
     """fast.py's docstring: the speed twins need rollout.py's helpers and nothing else of ours."""
     top_level = {f[:-3] for f in os.listdir(REPO) if f.endswith(".py")} | {"plumbing"}
