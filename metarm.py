@@ -55,7 +55,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import reward
@@ -136,9 +135,8 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
     do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=lam,
                          mode=mode, gate_on_outcome=gate_on_outcome, form=form)
     for i, s in zip(do_idx, do):
-        samples[i] = dict(s, human_critique=None, f1=None, precision=None, recall=None,
-                          judged=False, judge_failed=False, judge_attempts=0, judge_why=None,
-                          r_process=None, f1_why="D_O: no human critique (MetaRM R̂ instead)",
+        samples[i] = dict(s, **reward.NOT_JUDGED, r_process=None,
+                          f1_why="D_O: no human critique (MetaRM R̂ instead)",
                           metarm_updates=mrm["updates"] if mrm is not None else None)
     metrics["order/do_reward_done_s"] = time.perf_counter() - t0
     keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged",

@@ -677,6 +677,11 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
     return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
 
 
+# a sample's judge fields before (or without: D_O) a judge call; samples.jsonl's schema
+NOT_JUDGED = {"human_critique": None, "f1": None, "precision": None, "recall": None,
+              "judge_why": None, "judge_attempts": 0, "judged": False, "judge_failed": False}
+
+
 def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True, inclusive=False,
              similarity="f1", on_failure="mask"):
     """Rewards of D_H samples: parse results + items -> judge (only where needed) -> RM-NLHF
@@ -702,9 +707,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     for i, (p, it) in enumerate(zip(parsed, items)):
         correct = p["valid"] and p["choice"] == it["winner"]
         s = {"choice": p["choice"], "valid": p["valid"], "why": p["why"], "correct": bool(correct),
-             "critique": p["critique"], "human_critique": it.get("critique"), "f1": None,
-             "precision": None, "recall": None, "judge_why": None, "judge_attempts": 0,
-             "judged": False, "judge_failed": False}
+             "critique": p["critique"], **NOT_JUDGED, "human_critique": it.get("critique")}
         samples.append(s)
         # outcome regularisation: the judge only sees valid, right verdicts (RM-NLHF §3.1); with
         # λ = 0 the process term is zero whatever S says, so the judge is never called
@@ -720,10 +723,9 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
                           judge_why=r["why"], judge_attempts=r["attempts"], judged=True,
                           judge_failed=failed)
     for s in samples:
-        s["reward"], s["r_process"] = dh_reward(s["valid"], s["correct"], s[similarity], lam=lam,
-                                                threshold=threshold,
-                                                gate_on_outcome=gate_on_outcome,
-                                                inclusive=inclusive)
+        s["reward"], s["r_process"] = dh_reward(
+            s["valid"], s["correct"], s[similarity], lam=lam, threshold=threshold,
+            gate_on_outcome=gate_on_outcome, inclusive=inclusive)
     return samples
 
 
