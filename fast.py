@@ -9,9 +9,11 @@ where there are any). Timings: docs/performance.md.
                                                            inverse-CDF sampling
     fast.token_logprobs       rollout.token_logprobs       closed-form backward, in place
     fast.completion_logprobs  rollout.completion_logprobs  each group's prompt runs once; with
-                                                           chunk_tokens, the LM head + log-softmax over
-                                                           chunks of positions (bounded logits memory)
-    fast.score_targets        reward.score_targets         the evaluator prompts' prefix tree runs once
+                                                           chunk_tokens, the LM head + log-softmax
+                                                           over chunks of positions (bounded
+                                                           logits memory)
+    fast.score_targets        reward.score_targets         the evaluator prompts' prefix tree
+                                                           runs once
     fast.score_remote         plumbing.evaluators.score_remote  batched, concurrent requests
     fast.clip_grad_norm       train.clip_grad_norm         chunked float32 norm of CPU gradients
     fast.linear               torch.nn.functional.linear   float32 on an AMD CPU: oneDNN, not MKL
@@ -163,8 +165,8 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     Args:
         prompt_ids: list[list[int]], P prompts.
         group_size: G completions per prompt; rows of one group are adjacent.
-        temperature, top_p, top_k: sampling settings (top_k=0 means off; docs/method.md §4.1: T=1, top_p=1;
-            T=0 is greedy decoding, used by evaluation).
+        temperature, top_p, top_k: sampling settings (top_k=0 means off; docs/method.md §4.1: T=1,
+            top_p=1; T=0 is greedy decoding, used by evaluation).
         seed: sampling seed; train.py derives it from (run seed, rank, step) so runs resume
             with the same samples.
         micro_batch_size: rows per decode batch (None = all P*G at once).
@@ -181,8 +183,9 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     with eval_mode(model):
         for start in range(0, len(rows), mb):
             distinct, counts = prompt_runs(rows[start:start + mb])
-            chunks.append(sample_rows(model, distinct, counts, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
-                                      temperature=temperature, top_p=top_p, top_k=top_k, generator=generator).cpu())
+            chunks.append(sample_rows(
+                model, distinct, counts, max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id,
+                temperature=temperature, top_p=top_p, top_k=top_k, generator=generator).cpu())
     return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
 
 
@@ -205,7 +208,8 @@ def prompt_runs(prompt_ids):
     return distinct, counts
 
 
-def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k, generator):
+def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature, top_p, top_k,
+                generator):
     """The decode loop: counts[d] completions of prompts[d], one token per forward.
 
     Each distinct prompt is prefilled once (a group's G rows share it, see `prefill`); rows that
@@ -226,8 +230,10 @@ def sample_rows(model, prompts, counts, max_new_tokens, eos, pad_id, temperature
     done = torch.zeros(attn.shape[0], dtype=torch.bool, device=device)
     tokens = []
     for t in range(max_new_tokens):
-        with torch.profiler.record_function("sample_next"):  # its own category in scripts/profile_step.py
-            nxt = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+        # its own category in scripts/profile_step.py
+        with torch.profiler.record_function("sample_next"):
+            nxt = sample_next(logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                              generator=generator)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
         done |= torch.isin(nxt, eos_t)
@@ -255,11 +261,12 @@ def prefill(model, prompts, counts, pad_id):
     ids, attn = left_pad(prompts, pad_id)
     ids, attn = ids.to(device), attn.to(device)
     cache = DynamicCache(config=model.config)
-    kw = dict(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn), use_cache=True, logits_to_keep=1)
+    kw = dict(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
+              use_cache=True, logits_to_keep=1)
     layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
     if torch.is_grad_enabled() and layers and all(type(c) is DynamicLayer for c in cache.layers):
-        # Under activation checkpointing (model.gradient_checkpointing) this pass is checkpointed too:
-        # a layer's K/V are written once (write_once_cache) and the replay in backward gets its
+        # Under activation checkpointing (model.gradient_checkpointing) this pass is checkpointed
+        # too: a layer's K/V are written once (write_once_cache) and the replay in backward gets its
         # recomputed K/V back without a second write, so a 6k-token prompt keeps its layer inputs,
         # not every activation (docs/scale-out.md "Memory plan"). The completion pass gets a fresh
         # cache of the same tensors: the replay still looks its layers up in `cache`.
@@ -273,7 +280,8 @@ def prefill(model, prompts, counts, pad_id):
             out = model(cache=cache, **kw)
     reps = torch.tensor(counts, device=device)
     repeat_cache(cache, reps)
-    return cache, out.logits[:, -1].repeat_interleave(reps, dim=0), attn.repeat_interleave(reps, dim=0)
+    return (cache, out.logits[:, -1].repeat_interleave(reps, dim=0),
+            attn.repeat_interleave(reps, dim=0))
 
 
 def write_once_cache(cache):
@@ -291,7 +299,8 @@ def write_once_cache(cache):
 
 
 def copy_cache(cache, config):
-    """A new DynamicCache holding `cache`'s keys and values (the same tensors, their autograd graph)."""
+    """A new DynamicCache holding `cache`'s keys and values (the same tensors, their autograd
+    graph)."""
     from transformers import DynamicCache
     new = DynamicCache(config=config)
     for layer, old in zip(new.layers, cache.layers):
@@ -336,8 +345,8 @@ def decode_cache(config, max_cache_len):
             return int(self.get_seq_length()) + query_length, 0
 
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    cache.layers = [FilledStaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [FilledStaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticLayer
+                    else layer for layer in cache.layers]
     return cache
 
 
@@ -371,7 +380,8 @@ def sample_next(logits, temperature, top_p, top_k, generator):
     cdf = probs.double().cumsum(-1)  # float64: 49k-term running sums keep tail tokens reachable
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
     # first index whose cdf exceeds u * total: token i is hit with probability p_i / total
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    return (torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+            .clamp(max=probs.shape[-1] - 1))
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -409,11 +419,14 @@ class _TokenLogprob(torch.autograd.Function):
 
 def token_logprobs(logits, targets, temperature=1.0):
     """log softmax(logits / T)[target] without materialising the log-softmax. Plain twin:
-    rollout.token_logprobs; pinned by tests/algorithm/test_fast.py::test_token_logprobs_fast_equals_plain.
+    rollout.token_logprobs; pinned by
+    tests/algorithm/test_fast.py::test_token_logprobs_fast_equals_plain.
 
     Args:
-        logits: FloatTensor [..., V] (any float dtype; computed in float32); targets: LongTensor [...].
-        temperature: the sampling temperature (RLME Eq. 6; docs/method.md §4.4: both sides divide by the same T).
+        logits: FloatTensor [..., V] (any float dtype; computed in float32);
+            targets: LongTensor [...].
+        temperature: the sampling temperature (RLME Eq. 6; docs/method.md §4.4: both sides divide by
+            the same T).
     Returns:
         FloatTensor [...] in float32. With grad, the backward is `_TokenLogprob`'s
         closed form (equal to autograd's within float32 rounding).
@@ -423,8 +436,8 @@ def token_logprobs(logits, targets, temperature=1.0):
 
 
 @onednn_linears
-def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0, prompt_model=None,
-                        chunk_tokens=0):
+def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0,
+                        prompt_model=None, chunk_tokens=0):
     """Per-token log-probs of the completions under `model`, logits divided by `temperature`.
 
     rollout.completion_logprobs's numbers (its plain twin), faster; values and gradients pinned by
@@ -446,7 +459,8 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         Works under activation
             checkpointing (both passes are checkpointed: `prefill` writes the prompt cache once).
         prompt_model: the module for the prompt pass (the unwrapped policy under DDP, so that
-            DDP sees one forward per backward); default `model`. (The plain twin has it too, unused: one forward there.)
+            DDP sees one forward per backward); default `model`. (The plain twin has it too,
+            unused: one forward there.)
         chunk_tokens: 0 = the LM head over all N x L positions at once ([N, L, V] float32 logits);
             > 0 = at most that many positions' logits exist at a time (values and gradients as
             without: tests/algorithm/test_fast.py::test_chunked_logprobs_equal_plain*).
@@ -463,17 +477,21 @@ def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1
         # that token, so its L positions predict exactly the L completion tokens: one LM head
         # over [N, L, V], and no separate first-token logits (whose backward cost a [V, d]
         # weight-gradient product per micro-batch).
-        cache, prompt_logits, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct], counts, pad_id)
-        last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)], device=device)
+        cache, prompt_logits, p_mask = prefill(prompt_model or model, [p[:-1] for p in distinct],
+                                               counts, pad_id)
+        last = torch.tensor([p[-1] for p, c in zip(distinct, counts) for _ in range(c)],
+                            device=device)
         inputs = torch.cat([last[:, None], completion_ids[:, :-1]], dim=1)
         attn = torch.cat([p_mask, p_mask.new_ones(n, length)], dim=1)
         # Under activation checkpointing (train.py) transformers replays each decoder layer in
         # backward and drops the KV cache, lest the replay write it twice. This pass only READS
         # the prompt's cache (read_only_cache), so the layers may keep it.
-        layers = [m for m in checkpointed_modules(model) if hasattr(m, "_can_checkpoint_with_cache")]
+        layers = [m for m in checkpointed_modules(model)
+                  if hasattr(m, "_can_checkpoint_with_cache")]
         with set_attribute(layers, "_can_checkpoint_with_cache", True), \
                 chunked_head(model, completion_ids, temperature, chunk_tokens) as chunked:
-            out = model(input_ids=inputs, attention_mask=attn, position_ids=positions_from_mask(attn)[:, -length:],
+            out = model(input_ids=inputs, attention_mask=attn,
+                        position_ids=positions_from_mask(attn)[:, -length:],
                         cache=read_only_cache(cache), use_cache=False, logits_to_keep=length)
         lp = out.logits if chunked else token_logprobs(out.logits, completion_ids, temperature)
         if torch.is_grad_enabled() and is_fsdp(model):
@@ -517,15 +535,17 @@ def chunked_head(model, targets, temperature, chunk_tokens):
     inner = model
     while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP / torch.compile wrappers
         inner = getattr(inner, "module", None) or inner._orig_mod
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None  # else: unchunked
+    # else: unchunked
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     config = getattr(inner, "config", None)
     if (chunk_tokens <= 0 or targets.numel() <= chunk_tokens or type(head) is not torch.nn.Linear
             or any(getattr(config, a, None) not in (None, 1, 1.0) for a in LOGIT_POSTPROCESSING)):
         yield False
         return
-    own = head.__dict__.get("forward")  # a forward set on the instance (accelerate's hooks), else None
-    head.forward = lambda hidden: head_logprobs(hidden, head.weight, head.bias, targets, temperature=temperature,
-                                                chunk_tokens=chunk_tokens)
+    # a forward set on the instance (accelerate's hooks), else None
+    own = head.__dict__.get("forward")
+    head.forward = lambda hidden: head_logprobs(hidden, head.weight, head.bias, targets,
+                                                temperature=temperature, chunk_tokens=chunk_tokens)
     try:
         yield True
     finally:
@@ -552,7 +572,8 @@ def head_logprobs(hidden, weight, bias, targets, temperature, chunk_tokens):
     """
     n, length = targets.shape
     h = hidden[:, :length].reshape(n * length, hidden.shape[-1])
-    lp = _ChunkedHeadLogprob.apply(h, weight, bias, targets.reshape(-1), float(temperature), int(chunk_tokens))
+    lp = _ChunkedHeadLogprob.apply(h, weight, bias, targets.reshape(-1), float(temperature),
+                                   int(chunk_tokens))
     return torch.nn.functional.pad(lp.view(n, length), (0, hidden.shape[1] - length))
 
 
@@ -572,7 +593,8 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, chunk):
         device_type = h.device.type
-        dt = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        dt = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+              else h.dtype)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         out = torch.empty_like(lse)
         with torch.autocast(device_type, enabled=False):
@@ -580,7 +602,8 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 z = _chunk_logits(h[s:s + chunk], w, b, dt, temperature)
                 lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-                out[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+                out[s:s + chunk] = (z.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+                                    - lse[s:s + chunk])
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.dt, ctx.temperature, ctx.chunk = dt, temperature, chunk
         return out
@@ -592,15 +615,19 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
         dt, chunk = ctx.dt, ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dh = torch.empty_like(h) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        dw = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w
+              else None)
+        db = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b
+              else None)
         with torch.autocast(h.device.type, enabled=False):
             w, b = weight.to(dt), None if bias is None else bias.to(dt)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s:s + chunk].to(dt)
                 z = _chunk_logits(hc, w, b, dt, ctx.temperature)
-                g = (grad[s:s + chunk].float() / ctx.temperature).unsqueeze(-1)  # chain rule through z / T
-                dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # -g * softmax(z), in place in z
+                # chain rule through z / T
+                g = (grad[s:s + chunk].float() / ctx.temperature).unsqueeze(-1)
+                # -g * softmax(z), in place in z
+                dz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
                 dz.scatter_add_(-1, targets[s:s + chunk, None], g)  # + g at the target
                 if db is not None:
                     db += dz.sum(0)
@@ -611,8 +638,8 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
                     dw.addmm_(dz.T, hc)
                 elif dw is not None:  # bf16 / fp16 product, summed over chunks in float32
                     dw += (dz.T @ hc).float()
-        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None)
+        return (dh, None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None)
 
 
 def _chunk_logits(h, w, b, dt, temperature):
@@ -639,7 +666,8 @@ def read_only_cache(cache):
 
     class ReadOnlyLayer(DynamicLayer):
         def update(self, key_states, value_states, *args, **kwargs):
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+            return (torch.cat([self.keys, key_states], dim=-2),
+                    torch.cat([self.values, value_states], dim=-2))
 
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
@@ -683,7 +711,8 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
     out = []
     with eval_mode(model):  # dropout off (a live evaluator is the policy, in train mode)
         for start in range(0, len(prompt_ids), micro_batch_size):
-            prompts, targets = prompt_ids[start:start + micro_batch_size], target_ids[start:start + micro_batch_size]
+            prompts, targets = (prompt_ids[start:start + micro_batch_size],
+                                target_ids[start:start + micro_batch_size])
             n, k = len(prompts), len(prompts[0])
             # B ends at least one token before each prompt's end, so every suffix row has a token
             # whose logits predict the first target token; A ends at least one token before B's end.
@@ -696,19 +725,22 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
                     runs.append([i, 1, 0])
             for r in runs:
                 members = range(r[0], r[0] + r[1])
-                r[2] = 0 if r[1] == 1 else min(_common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
-                                                min(cut[i] for i in members) - 1)
+                r[2] = 0 if r[1] == 1 else min(
+                    _common_prefix_len([prompts[i][0][:cut[i]] for i in members]),
+                    min(cut[i] for i in members) - 1)
             shared = [r[2] for r in runs for _ in range(r[1])]
             reps = torch.tensor([r[1] for r in runs], device=device)
             cache, past = DynamicCache(config=model.config), None
             # A: one row per group run (left-padded), then repeated to the run's samples
             if max(shared) > 0:
                 a_ids, a_mask = left_pad([prompts[r[0]][0][:r[2]] for r in runs], pad_id)
-                past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None, cache=cache)
+                past = _stage_forward(model, a_ids.to(device), a_mask.to(device), past_mask=None,
+                                      cache=cache)
                 repeat_cache(cache, reps)
                 past = past.repeat_interleave(reps, dim=0)
             # B: the rest of each sample's common prefix (right-padded), then repeated K times
-            b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)], pad_id, device)
+            b_ids, b_mask = _right_pad([p[0][s:c] for p, s, c in zip(prompts, shared, cut)],
+                                       pad_id, device)
             past = _stage_forward(model, b_ids, b_mask, past_mask=past, cache=cache)
             repeat_cache(cache, torch.full((n,), k, device=device))
             past = past.repeat_interleave(k, dim=0)
@@ -728,10 +760,13 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8, gro
             # tails (docs/performance.md).
             col = torch.arange(width, device=device)[None, :]
             first = torch.tensor(tgt_start, device=device)[:, None] - 1
-            pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])  # [n*k, width]
-            logits = model(input_ids=c_ids, attention_mask=full, position_ids=positions_from_mask(full)[:, -width:],
-                           cache=cache, use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
-            next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)  # column j holds the token at j+1
+            # [n*k, width]
+            pred = (col >= first) & (col < first + torch.tensor(tgt_len, device=device)[:, None])
+            logits = model(input_ids=c_ids, attention_mask=full,
+                           position_ids=positions_from_mask(full)[:, -width:], cache=cache,
+                           use_cache=True, logits_to_keep=pred).logits  # [tokens, V], row-major
+            # column j holds the token at j+1
+            next_ids = torch.cat([c_ids[:, 1:], c_ids[:, :1]], dim=1)
             lp = token_logprobs(logits, next_ids[pred])
             row = pred.nonzero()[:, 0]
             out.append(torch.zeros(n * k, device=device).index_add_(0, row, lp).view(n, k).cpu())
@@ -754,7 +789,8 @@ def _stage_forward(model, ids, mask, past_mask, cache):
     true position."""
     full = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
     pos = positions_from_mask(full)[:, full.shape[1] - ids.shape[1]:]
-    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, attention_mask=full, position_ids=pos, cache=cache, use_cache=True,
+          logits_to_keep=1)
     return full
 
 
@@ -774,13 +810,15 @@ def score_remote(r, fulls):
     tests/algorithm/test_fast.py::test_batched_requests_equal_one_request_per_prompt."""
     chunks = [fulls[i:i + r["batch_size"]] for i in range(0, len(fulls), r["batch_size"])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, r["concurrency"])) as pool:
-        out = list(pool.map(lambda c: r["request"](r, c), chunks))  # remote_request (plumbing/evaluators.py)
+        # remote_request (plumbing/evaluators.py)
+        out = list(pool.map(lambda c: r["request"](r, c), chunks))
     return [v for o in out for v in o[0]], [w for o in out for w in o[1]]
 
 
 def clip_grad_norm(policy, max_norm):
     """Its plain twin train.clip_grad_norm, with the norm of CPU gradients taken over 64K-element
-    chunks; pinned by tests/algorithm/test_fast.py::test_clip_grad_norm_fast_equals_plain (and against float64).
+    chunks; pinned by tests/algorithm/test_fast.py::test_clip_grad_norm_fast_equals_plain (and
+    against float64).
 
     Why: torch's float32 CPU norm of one long tensor drifts (torch 2.13: ~1e-3 relative at a
     28M-element tied embedding, so the logged norm and the clip coefficient were off); chunked
@@ -789,8 +827,10 @@ def clip_grad_norm(policy, max_norm):
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     if not grads or any(isinstance(g, DTensor) or g.device.type != "cpu" for g in grads):
-        gn = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm if max_norm > 0 else float("inf"))
-        return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)  # train.clip_grad_norm's two lines
+        # train.clip_grad_norm's two lines
+        gn = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                            max_norm if max_norm > 0 else float("inf"))
+        return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
     gn = torch.nn.utils.get_total_norm([c for g in grads for c in g.reshape(-1).split(1 << 16)])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(policy.parameters(), max_norm, gn)
