@@ -27,7 +27,11 @@ What is simplified, and why:
   - Speed lives in fast.py: `fast_or_plain` picks, once, the fast twins or the plain functions of
     the stage files (train.fast_paths: false), with the same signatures; the tests compare them.
   - Everything that is not the method (setup, data, checkpoints, trackers, the validation
-    monitor, DDP / FSDP2 / vLLM) is in plumbing/; this file imports a few named seams from it.
+    monitor, DDP / FSDP2 / vLLM) is in plumbing/; this file imports these seams from it: setup
+    (models, data, optimizer, resume point), emit / save_and_stop / finish (log, checkpoint, end),
+    step_metrics, compute_context (mixed precision), grad_sync / all_sum / logp_gap (the
+    collectives), validate_at_start / validation_step (the monitor), score_remote (a remote
+    evaluator's plain twin) and train_main (the command line).
 Formulas and the choices the papers leave open: docs/method.md; parallelism: docs/scale-out.md.
 """
 import functools

@@ -317,11 +317,13 @@ ONEDNN_CASES = sorted({fast.ONEDNN, True}) if HAS_ONEDNN else [False]
 @pytest.mark.skipif(not HAS_ONEDNN, reason="torch built without oneDNN")
 @pytest.mark.parametrize("shape", [(7, 5, 3), (2, 4, 33, 17), (1, 1, 1)])
 @pytest.mark.parametrize("bias, transposed", [(False, False), (True, False), (False, True)])
-def test_onednn_linear_equals_plain(shape, bias, transposed):
+@pytest.mark.parametrize("dw_chunk", [1 << 20, 16])  # 16: d W in chunks of 2 rows, one left over
+def test_onednn_linear_equals_plain(shape, bias, transposed, dw_chunk, monkeypatch):
     """_OneDNNLinear (fast.linear where fast.ONEDNN holds) == F.linear, values and gradients w.r.t.
     x, W and b. Both sum the same float32 products in different orders: each entry of an
     n-term dot product then differs by at most 2 n u sum_i |a_i b_i| (u = 2^-24, the two
     orders' rounding bounds added), the bound checked entry by entry, on any CPU."""
+    monkeypatch.setattr(fast, "DW_CHUNK_FLOATS", dw_chunk)
     *lead, d_in, d_out = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*lead, d_in, generator=gen)

@@ -104,3 +104,13 @@ def test_the_readme_recipe_leaves_hf_evaluate_its_name(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                        env=dict(os.environ, PYTHONPATH=str(site)))
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr[-1500:]
+
+
+def test_train_names_every_plumbing_seam_it_imports():
+    """train.py's docstring names each name it imports from plumbing/ (issue 32: the seams the loop
+    needs, each named), so a reader knows what the loop leans on without opening plumbing/."""
+    tree = ast.parse(open(os.path.join(REPO, "train.py")).read())
+    seams = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+             and (n.module or "").split(".")[0] == "plumbing" for a in n.names}
+    doc = ast.get_docstring(tree)
+    assert seams and not {s for s in seams if not re.search(rf"\b{s}\b", doc)}
