@@ -5,9 +5,9 @@ RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5),
 compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
 critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
 response B, GRM critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default
-nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its prediction R̂,
-clipped to [0, 1 + λ], sets the D_O reward R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8): a
-bonus of at most λ, as on D_H.
+nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its prediction R̂
+(`predict`: the raw output), clipped to [0, 1 + λ] by reward.do_reward, sets the D_O reward
+R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8): a bonus of at most λ, as on D_H.
 
 One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
     Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
@@ -240,7 +240,10 @@ def class_values(lam, gated=True):
 
 def train_target(r, mode, lam):
     """Regression/classification target for a D_H reward R (a float in {0, 1, 1 + λ}).
-    binary_retrain: 1[R > 1]; classifier: index of the nearest class value; else R itself."""
+    binary_retrain: 1[R > 1]; classifier: index of the nearest class value; else R itself.
+    ValueError: a mode that is not one of reward.METARM_MODES' trained ones."""
+    if mode not in reward.METARM_MODES or mode == "none":
+        raise ValueError(f"train_target: MetaRM mode {mode!r}")
     if mode == "binary_retrain":
         return 1.0 if r > 1.0 else 0.0
     if mode == "classifier":
@@ -278,7 +281,10 @@ def forward(model, tokenizer, texts, *, mode, max_length, dtype="float32"):
     """The MetaRM's raw outputs, float32 [B] (regression) or [B, 3] (mode 'classifier'), for B
     texts: tokenized (right-padded, cut to max_length tokens from the left: load_metarm sets the
     tokenizer so), the forward in autocast `dtype` (metarm.dtype) over float32 weights; the model: a
-    sequence classifier (its last token's logits)."""
+    sequence classifier (its last token's logits). ValueError: a tokenizer that pads on the left
+    or cuts from the right (its last token would not be the text's end)."""
+    if tokenizer.padding_side != "right" or tokenizer.truncation_side != "left":
+        raise ValueError("metarm.forward: the tokenizer must pad right and cut left (load_metarm)")
     device = next(model.parameters()).device
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
                     return_tensors="pt").to(device)
@@ -328,7 +334,7 @@ def predict(model, tokenizer, items, critiques, *, mode, lam, batch_size, max_le
     """R̂ for D_O samples (Algorithm 1, step 4; RM-NLHF Eq. 6). items: pairwise dicts; critiques:
     the GRM critiques (None for an invalid sample gives None: its reward is -1 whatever R̂ says);
     the rest: predict_texts'. Returns (list[float | None] R̂, number of inputs metarm_input cut to
-    max_length)."""
+    max_length); R̂ unclipped (reward.do_reward clips it to [0, 1 + λ], Eq. 8)."""
     idx = [i for i, c in enumerate(critiques) if c is not None]
     inputs = [metarm_input(tokenizer, items[i]["context"], items[i]["response_a"],
                            items[i]["response_b"], critiques[i], max_length=max_length)

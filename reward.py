@@ -688,7 +688,8 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     Eq. 4-5.
 
     parsed: parse_grm_output dicts, one per completion; items: their pairwise dicts (an item
-    repeated G times for a group); judge: a callable judge(pairs) -> list[dict], pairs a list of
+    repeated G times for a group; read: "winner" 'A' | 'B', "critique", and whatever the judge
+    reads); judge: a callable judge(pairs) -> list[dict], pairs a list of
     (human critique, GRM critique, item) tuples, each result {"f1", "precision", "recall", "why",
     "attempts"} with f1 None on a failure (plumbing/judge.py make_judge: the LLM judge or the
     offline proxy; the item is what judge.variant meta_judge reads); on_failure (judge.on_failure):
@@ -703,6 +704,8 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
     if any(not it.get("critique") for it in items):
         raise ValueError("score_dh: an item has no human critique (D_O items go to score_do)")
+    if on_failure not in ("mask", "zero") or similarity not in ("f1", "precision", "recall"):
+        raise ValueError(f"score_dh: on_failure {on_failure!r}, similarity {similarity!r}")
     samples, need = [], []
     for i, (p, it) in enumerate(zip(parsed, items)):
         correct = p["valid"] and p["choice"] == it["winner"]
@@ -715,6 +718,8 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
             need.append(i)
     results = (judge([(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need])
                if need else [])
+    if len(results) != len(need):  # zip would leave the rest unjudged, silently
+        raise ValueError(f"score_dh: {len(results)} judge results for {len(need)} pairs")
     for i, r in zip(need, results):
         failed = r["f1"] is None
         if failed and on_failure == "zero":  # the released code's rule: a failure scores 0

@@ -1,6 +1,7 @@
 """metarm.py (docs/method.md §5.4): inputs and targets, the MSE step, prediction modes, atomic save/load,
 cold-start training and the command line (the cold start's batches, files and resume:
 tests/plumbing/test_cold_start.py)."""
+import copy
 import math
 from types import SimpleNamespace
 
@@ -111,6 +112,21 @@ def test_pad_id_set_and_padding_does_not_change_predictions(tiny_mrm):
     assert batched == pytest.approx(alone, abs=1e-5)
 
 
+def test_a_left_padding_or_right_cutting_tokenizer_and_an_unknown_mode_are_refused(tiny_mrm):
+    """forward reads the last token as the text's end: a tokenizer as from_pretrained leaves it
+    (cutting on the right, or padding on the left) would give other numbers silently, so it is
+    refused; so is a mode train_target does not know (it used to train it as a regression)."""
+    tok = copy.copy(tiny_mrm["tokenizer"])
+    for attr, value in (("truncation_side", "right"), ("padding_side", "left")):
+        bad = copy.copy(tok)
+        setattr(bad, attr, value)
+        with pytest.raises(ValueError, match="pad right and cut left"):
+            metarm.forward(tiny_mrm["model"], bad, ["a text"], mode="online", max_length=128)
+    for mode in ("regression", "none"):
+        with pytest.raises(ValueError, match=f"MetaRM mode '{mode}'"):
+            metarm.train_target(1.0, mode, 0.5)
+
+
 def test_mse_is_the_mean_square_and_a_step_lowers_it(tiny_model_path):
     mrm = fresh(tiny_model_path, online_lr=1e-3)
     items = [item(i) for i in range(4)]
@@ -149,6 +165,7 @@ def test_metarm_loss_with_plain_numbers_hand_computed(tiny_model_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side, tok.truncation_side = "right", "left"  # as load_metarm sets them (forward checks)
     model, texts = FixedOutputs([[0.5], [1.0], [2.0]]), ["a", "b c", "d"]
     loss = metarm.metarm_loss(model, tok, texts, [0.0, 1.0, 1.5], mode="online", lam=0.5, max_length=16)
     assert loss.item() == pytest.approx(1 / 6, rel=1e-6)

@@ -231,6 +231,27 @@ def test_score_dh_rejects_items_without_critique():
         reward.score_dh(p, [{"winner": "A", "critique": "c"}] * 2, judge)
 
 
+def test_score_dh_refuses_bad_settings_before_the_judge_and_a_short_judge_answer():
+    """A mistyped on_failure (which would have meant "mask") or similarity (a KeyError after the
+    paid judge calls) is refused before any call; a judge answering fewer pairs than it was sent
+    is refused (zip would have left the rest unjudged, reward None, silently)."""
+    calls = []
+
+    def judge(pairs):
+        calls.append(len(pairs))
+        return [{"f1": 0.75, "precision": 1.0, "recall": 0.6, "why": "", "attempts": 1}]
+
+    item = {"winner": "A", "critique": "B is wrong."}
+    parsed = [reward.parse_grm_output("<critics>B errs.</critics><choice>[[A]]</choice>")] * 2
+    for bad in (dict(on_failure="zeros"), dict(similarity="F1")):
+        with pytest.raises(ValueError, match="on_failure .*similarity"):
+            reward.score_dh(parsed, [item] * 2, judge, **bad)
+    assert calls == []
+    with pytest.raises(ValueError, match="1 judge results for 2 pairs"):
+        reward.score_dh(parsed, [item] * 2, judge)
+    assert [s["reward"] for s in reward.score_dh(parsed[:1], [item], judge)] == [1.5]
+
+
 def test_score_dh_takes_a_plain_judge_callable():
     """The judge is any judge(pairs) -> list[dict] (before: a dict, and a plain callable raised
     TypeError). Only the valid right verdicts reach it (2 of 4), in order, with their items; F1
