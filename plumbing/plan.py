@@ -656,6 +656,10 @@ def print_plan(cfg, world=None, gpu_gb=None):
                          f"not divisible by the plan's world size {world} (--world-size N sets it; default $WORLD_SIZE, else 8)")
     p = memory_plan(cfg, world=world, gpu_bytes=gpu)
     print(plan_table(p), flush=True)
+    if cfg["train"]["device"] == "cpu":  # the table speaks of GPUs: say what it means for this run
+        print("train.device is cpu: the table is what one GPU would hold for this config; a CPU run "
+              "holds about the update stage less its CUDA reserve, plus the libraries, in host RAM "
+              "(not checked here)", flush=True)
     if not p["fits"]:
         print(f"does not fit: {what_to_change(p, cfg)}", flush=True)
     return p

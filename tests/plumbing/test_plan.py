@@ -164,6 +164,15 @@ def test_plan_runs_offline_for_every_shipped_gpu_preset(configs, world, tiny_mod
     assert out.rstrip().endswith(": fits"), out[-600:]  # issue 34: every shipped GPU preset fits by the corrected plan
 
 
+def test_a_cpu_presets_plan_says_what_its_gpu_table_means(tiny_model_path, capsys):
+    """configs/cpu.yaml's --plan still prints the per-GPU table (the same config on one GPU), then a
+    line that says so for a train.device: cpu run (before: only "GPU 80.0 GiB: fits")."""
+    T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), "--plan", "--world-size", "1",
+            f"model.policy={tiny_model_path}"])
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("train.device is cpu: the table is what one GPU would hold"), last
+
+
 def test_plan_flags_without_plan_and_a_world_that_does_not_divide_are_one_line_each():
     """--world-size / --gpu-memory size the plan only: without --plan they would be silently ignored
     (a run's world is torchrun's); a preset whose prompts do not divide the plan's default world of
