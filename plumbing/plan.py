@@ -635,16 +635,19 @@ def add_plan_flags(ap):
     ap.add_argument("--plan", action="store_true",
                     help="print the per-GPU memory plan (plumbing/plan.py; no weights load) and exit")
     ap.add_argument("--world-size", type=int, default=None,
-                    help="GPUs the plan is for (default: $WORLD_SIZE, else 8: the presets' one 8-GPU node)")
+                    help="GPUs the plan is for (default: $WORLD_SIZE, else 8: the presets' one 8-GPU node; "
+                         "1 for a train.device: cpu preset, one process)")
     ap.add_argument("--gpu-memory", type=float, default=None,
                     help="GiB per GPU the plan must fit (default: this machine's GPU, else 80)")
     return ap
 
 
 def print_plan(cfg, world=None, gpu_gb=None):
-    """--plan: print plan_table for `world` GPUs (default $WORLD_SIZE, else 8) of `gpu_gb` GiB
+    """--plan: print plan_table for `world` GPUs (default $WORLD_SIZE, else 8; 1 for a
+    train.device: cpu preset, which runs as one process) of `gpu_gb` GiB
     (default this GPU's, else 80). Returns the plan dict."""
-    world = world or int(os.environ.get("WORLD_SIZE", 8))
+    default = 1 if cfg["train"]["device"] == "cpu" else 8  # the CPU presets: one process (gloo)
+    world = world or int(os.environ.get("WORLD_SIZE", default))
     if world < 1 or (gpu_gb is not None and gpu_gb <= 0):
         raise SystemExit("--plan: --world-size and --gpu-memory must be positive")
     if gpu_gb is None:
@@ -653,7 +656,7 @@ def print_plan(cfg, world=None, gpu_gb=None):
         gpu = gpu_gb * GiB
     if cfg["rollout"]["prompts_per_step"] % world:
         raise SystemExit(f"config key rollout.prompts_per_step={cfg['rollout']['prompts_per_step']}: "
-                         f"not divisible by the plan's world size {world} (--world-size N sets it; default $WORLD_SIZE, else 8)")
+                         f"not divisible by the plan's world size {world} (--world-size N sets it; default $WORLD_SIZE, else {default})")
     p = memory_plan(cfg, world=world, gpu_bytes=gpu)
     print(plan_table(p), flush=True)
     if cfg["train"]["device"] == "cpu":  # the table speaks of GPUs: say what it means for this run

