@@ -205,7 +205,9 @@ def test_an_interrupt_inside_a_save_waits_for_its_end():
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_exit_130_and_says_what_resumes(tiny_model_path, tmp_path):
     out = str(tmp_path / "run")
-    cmd = [sys.executable, os.path.join(REPO, "train.py"), *small_args(tiny_model_path, out, steps=50)]
+    # 200 steps, interrupted after the first checkpoint: room for a slow poll on a loaded machine (at
+    # 50, a run of 19 s once finished before the signal landed)
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), *small_args(tiny_model_path, out, steps=200)]
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     from plumbing.checkpoints import latest_checkpoint
@@ -218,7 +220,7 @@ def test_ctrl_c_is_one_line_exit_130_and_says_what_resumes(tiny_model_path, tmp_
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("train:", "Loading weights"))]  # bars
     assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert len(lines) == 1 and lines[0].startswith("[train] interrupted after step "), err[-2000:]
-    assert "of 50; the same command resumes from step_" in lines[0]
+    assert "of 200; the same command resumes from step_" in lines[0]
     assert not [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.endswith(".tmp")]
 
 

@@ -201,9 +201,15 @@ def test_lora_update_moves_only_adapters_and_checkpointing_changes_nothing(tiny_
     plain = _lora_update(tiny_model_path, "none")
     assert all(not d.any() for n, d in plain.items() if "lora_" not in n)  # the base, bit for bit
     assert all(d.abs().max() > 0 for n, d in plain.items() if "lora_" in n)  # A and B (B != 0 here)
+    # Checkpointing replays the same products; except where fast.ONEDNN holds (an AMD CPU): without
+    # checkpointing the fast paths' linears multiply on oneDNN, with it on torch's own matmul
+    # (fast.onednn_linear_layers), so float32 summation order: 2e-5 of the largest entry, as
+    # tests/algorithm/test_fast.py allows the fast and plain gradients.
+    largest = max(d.abs().max().item() for d in plain.values())
+    tol = 2e-5 * largest if fast.ONEDNN else 1e-6
     for mode in ("full", "selective"):
         got = _lora_update(tiny_model_path, mode)
-        assert max((got[n] - plain[n]).abs().max().item() for n in plain) < 1e-6, mode
+        assert max((got[n] - plain[n]).abs().max().item() for n in plain) < tol, (mode, largest)
 
 
 # ---- runs: SmolLM2 moves only the adapters; resume is exact --------------------------------------
