@@ -135,7 +135,9 @@ def meta_build(config, *, num_labels=None, dtype=torch.float32):
 
 class RandomTokenizer:
     """The MetaRM's tokenizer stand-in: every text becomes `length` random ids (the preset's
-    metarm.max_length, the longest input it trains on), the last row of a batch padded a little."""
+    metarm.max_length, the longest input it trains on), the last row of a batch padded a little:
+    on the right, as load_metarm sets the real one (metarm.forward checks the two sides)."""
+    padding_side, truncation_side = "right", "left"
 
     def __init__(self, vocab, length, seed=0):
         self.vocab, self.length, self.g = vocab, length, torch.Generator().manual_seed(seed)

@@ -211,11 +211,14 @@ def test_plan_check_stops_inside_its_budget(tmp_path):
     start with less than --stage-min-s left is skipped and reported as such. A fast CPU may finish
     a small stage or two inside the 3 s: those come first, measured, inside the budget."""
     res, out = _plan_check(tmp_path, "--budget-s", "3", timeout=300)
-    assert res["stopped"] and res["seconds"] < 3 + 2  # the timer fires at 3 s; writing the file is all that follows
+    assert res["seconds"] < 3 + 2  # the timer fires at 3 s; writing the file is all that follows
     status = [r["status"] for r in res["rows"]]
     done = len([s for s in status if s.startswith("measured")])
     assert all(s.startswith("measured") for s in status[:done]), status  # measured ones first, then ...
-    if res["stopped"] == "budget of 3.0 s reached":  # the timer cut model building (imports, meta build): no row for it
+    if not res["stopped"]:  # the timer never fired: after the measured ones, every stage left had
+        # less than --stage-min-s to go and was skipped first (a fast CPU; seen with the oneDNN linears)
+        assert done < len(status) and all(s == "skipped: budget" for s in status[done:]), status
+    elif res["stopped"] == "budget of 3.0 s reached":  # the timer cut model building (imports, meta build): no row for it
         assert done == len(status), status  # (a loaded 2-core machine can spend the 3 s before the first stage)
     else:
         assert status[done:done + 1] in (["stopped: budget"], ["skipped: budget"]), status  # ... the one the timer cut (or the next)
