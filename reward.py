@@ -677,6 +677,8 @@ def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=Tru
     return 1.0 + min(max(float(r_hat) - 1.0, 0.0), lam)
 
 
+SIMILARITIES = ("f1", "precision", "recall")  # S(h, c) of Eq. 4: the judge number (nlhf.similarity)
+JUDGE_FAILURES = ("mask", "zero")  # what a failed judge call gives (judge.on_failure; score_dh)
 # a sample's judge fields before (or without: D_O) a judge call; samples.jsonl's schema
 NOT_JUDGED = {"human_critique": None, "f1": None, "precision": None, "recall": None,
               "judge_why": None, "judge_attempts": 0, "judged": False, "judge_failed": False}
@@ -704,7 +706,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
         raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
     if any(not it.get("critique") for it in items):
         raise ValueError("score_dh: an item has no human critique (D_O items go to score_do)")
-    if on_failure not in ("mask", "zero") or similarity not in ("f1", "precision", "recall"):
+    if on_failure not in JUDGE_FAILURES or similarity not in SIMILARITIES:
         raise ValueError(f"score_dh: on_failure {on_failure!r}, similarity {similarity!r}")
     samples, need = [], []
     for i, (p, it) in enumerate(zip(parsed, items)):

@@ -53,10 +53,10 @@ CHOICES = {
     "judge.backend": ["openai", "proxy"],
     "judge.variant": list(R.JUDGE_VARIANTS),
     "nlhf.threshold_rule": ["strict", "inclusive"],
-    "nlhf.similarity": ["f1", "precision", "recall"],
+    "nlhf.similarity": list(R.SIMILARITIES),
     "nlhf.grm_prompt": list(R.GRM_PROMPT_STYLES),
     "nlhf.do_reward": list(R.DO_REWARD_FORMS),
-    "judge.on_failure": ["mask", "zero"],
+    "judge.on_failure": list(R.JUDGE_FAILURES),
     "judge.max_tokens_field": ["max_tokens", "max_completion_tokens"],  # plumbing/judge.py MAX_TOKENS_FIELDS
     "metarm.mode": list(R.METARM_MODES),
     "metarm.dtype": ["float32", "bfloat16", "float16"],
