@@ -723,7 +723,8 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     if len(results) != len(need):  # zip would leave the rest unjudged, silently
         raise ValueError(f"score_dh: {len(results)} judge results for {len(need)} pairs")
     for i, r in zip(need, results):
-        failed = r["f1"] is None
+        # failed: no S(h, c), the number Eq. 4 reads (a judge may give an f1 but no precision)
+        failed = r[similarity] is None
         if failed and on_failure == "zero":  # the released code's rule: a failure scores 0
             r = dict(r, f1=0.0, precision=0.0, recall=0.0)
         samples[i].update(f1=r["f1"], precision=r["precision"], recall=r["recall"],

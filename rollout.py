@@ -299,12 +299,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def autocast(dtype, device_type):
-    """Compute in `dtype` ("float32" | "bfloat16" | "float16") over float32 weights: torch.autocast
-    on `device_type` ("cpu" | "cuda"), a no-op context for float32. Mixed precision of every
-    trained model (plumbing/scale.py's compute_context, metarm)."""
-    if dtype == "float32":
+    """Compute in `dtype` ("float32" | "bfloat16" | "float16", or that torch.dtype) over float32
+    weights: torch.autocast on `device_type` ("cpu" | "cuda"), a no-op context for float32. Mixed
+    precision of every trained model (plumbing/scale.py's compute_context, metarm). ValueError:
+    another dtype."""
+    dtype = DTYPES.get(dtype, dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"autocast: dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
+    if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=DTYPES[dtype])
+    return torch.autocast(device_type, dtype=dtype)
 
 
 def eos_ids(model, tokenizer):

@@ -125,34 +125,56 @@ def did_you_mean(name, known, prefix=""):
     return f"did you mean {prefix}{near[0]}? " if near else ""
 
 
-def _merge(base, new, prefix=""):
-    """Deep-merge `new` into `base` (in place), refusing keys the schema does not have."""
+def _merge(base, new, prefix="", where=lambda key: ""):
+    """Deep-merge `new` into `base` (in place), refusing keys the schema does not have. where(key):
+    the start of an error about `key` ("configs/x.yaml, line 12: " for a file's key, "" else)."""
     if not isinstance(new, dict):
-        raise SystemExit(f"config {prefix or 'file'}: expected a mapping, got {new!r}")
+        what = f"config key {prefix[:-1]}" if prefix else "config"
+        raise SystemExit(f"{where(prefix[:-1])}{what}: expected a mapping, got {new!r}")
     for k, v in new.items():
         key = f"{prefix}{k}"
         if key in RENAMED:
-            raise SystemExit(f"config key {key} was replaced by {RENAMED[key]}")
+            raise SystemExit(f"{where(key)}config key {key} was replaced by {RENAMED[key]}")
         if k not in base:
-            raise SystemExit(f"unknown config key {key} ({did_you_mean(k, base, prefix)}known: {', '.join(sorted(base))})")
+            raise SystemExit(f"{where(key)}unknown config key {key} ({did_you_mean(k, base, prefix)}known: "
+                             f"{', '.join(sorted(base))})")
         if key in FREE_MAPPINGS:
             if not isinstance(v, dict) or not all(isinstance(name, str) for name in v):
-                raise SystemExit(f"config key {key}: expected a mapping of names to values, got {v!r}")
+                raise SystemExit(f"{where(key)}config key {key}: expected a mapping of names to values, got {v!r}")
             base[k] = v
         elif key in MAPPINGS:
             if v is not None and not isinstance(v, dict):
-                raise SystemExit(f"config key {key}: expected a mapping or null, got {v!r}")
+                raise SystemExit(f"{where(key)}config key {key}: expected a mapping or null, got {v!r}")
             base[k] = None if v is None else {**(base[k] or {}), **v}
         elif isinstance(base[k], dict):
-            _merge(base[k], v, key + ".")
+            _merge(base[k], v, key + ".", where)
         else:
             if isinstance(base[k], float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
                 try:
                     v = float(v)
                 except ValueError:
                     pass
-            _check_type(key, v, base[k])
+            try:
+                _check_type(key, v, base[k])
+            except SystemExit as e:
+                raise SystemExit(f"{where(key)}{e}") from None
             base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
+
+
+def _key_lines(path):
+    """{dotted key: its 1-based line} of every mapping key in the YAML file `path` (nested
+    mappings only; a list's items are not entered): where a config error about a file's key points."""
+    with open(path, "rb") as f:
+        root = yaml.compose(f, Loader=_UniqueKeyLoader)
+    lines, todo = {}, [("", root)]
+    while todo:
+        prefix, node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                lines[key] = key_node.start_mark.line + 1
+                todo.append((key + ".", value_node))
+    return lines
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -196,7 +218,8 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
             layer = read(p)
             if not isinstance(layer, dict):
                 raise SystemExit(f"config file {p}: expected a mapping (key: value lines), got a {type(layer).__name__}")
-            _merge(cfg, layer)
+            lines = _key_lines(p)  # read again for the marks: a typo'd key is named with its line
+            _merge(cfg, layer, where=lambda key: f"config file {p}, line {lines[key]}: " if key in lines else "")
     for o in overrides:
         key, eq, val = o.partition("=")
         if not eq:

@@ -384,3 +384,20 @@ def test_do_reward_released_form_is_unclipped():
 
 
 # ---- per-response human critiques and the authors' released data ------------------------------
+
+
+@pytest.mark.parametrize("on_failure, reward_", [("mask", None), ("zero", 1.0)])
+def test_a_missing_similarity_is_a_judge_failure(on_failure, reward_):
+    """similarity: precision with a judge that gives an f1 and no precision (judge_pool's callable
+    may): Eq. 4 has no S(h, c), so the sample is a judge failure, flagged as one; before, its
+    reward was None (masked) while judge_failed said False. Right verdict, λ = 0.5: "mask" -> None,
+    "zero" -> S = 0 -> R = 1 + 0.5 x 0 = 1.0."""
+    def judge(pairs):
+        return [{"f1": 0.9, "precision": None, "recall": None, "why": "", "attempts": 1}] * len(pairs)
+
+    parsed = [reward.parse_grm_output("<critics>B errs.</critics><choice>[[A]]</choice>")]
+    item = {"winner": "A", "critique": "B is wrong."}
+    s = reward.score_dh(parsed, [item], judge, lam=0.5, similarity="precision", on_failure=on_failure)[0]
+    assert s["reward"] == reward_ and s["judge_failed"] is True and s["judged"] is True
+    f = reward.score_dh(parsed, [item], judge, lam=0.5, similarity="f1", on_failure=on_failure)[0]
+    assert f["reward"] == 1.5 and f["judge_failed"] is False  # its own number is there: judged

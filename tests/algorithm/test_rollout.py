@@ -130,3 +130,17 @@ def test_generate_plain_seeded_and_leaves_global_rng(tiny_model_path):
     assert torch.equal(mask, a["completion_mask"]) and torch.equal(trunc, a["truncated"])
 
 
+
+
+def test_autocast_takes_a_name_or_a_torch_dtype():
+    """rollout.autocast (metarm.forward's and the update's mixed precision) takes "bfloat16" or
+    torch.bfloat16 alike (a copied MetaRM loss handed torch.bfloat16 raised KeyError); float32 is
+    no autocast at all; anything else is a one-line ValueError."""
+    for dtype in ("bfloat16", torch.bfloat16):
+        with rollout.autocast(dtype, "cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    for dtype in ("float32", torch.float32):
+        with rollout.autocast(dtype, "cpu"):
+            assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(ValueError, match="dtype 'fp8'"):
+        rollout.autocast("fp8", "cpu")

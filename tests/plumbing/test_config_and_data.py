@@ -95,6 +95,25 @@ def test_a_key_given_twice_is_refused(tmp_path):
     assert str(e.value) == f"config file {dup}: invalid YAML at line 3, column 3: key 'aggregation' appears twice"
 
 
+def test_a_config_file_error_names_the_file_and_the_line(tmp_path):
+    """A typo'd key, a wrong type, a section that is not a mapping: inside a preset the one-line
+    error starts with the file and the key's line (before: the key only, and a preset has many);
+    an override's error names the override as before."""
+    cases = {"run:\n  total_steps: 3\n  totl_steps: 4\n":
+             ", line 3: unknown config key run.totl_steps (did you mean run.total_steps? ",
+             "run:\n  seed: 1\nalgo:\n  eps_high: fast\n":
+             ", line 4: config key algo.eps_high: expected float, got 'fast'",
+             "run:\n  seed: 1\nrollout: 5\n": ", line 3: config key rollout: expected a mapping, got 5"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = _write(tmp_path, f"c{i}.yaml", text)
+        with pytest.raises(SystemExit) as e:
+            load_config([path])
+        assert str(e.value).startswith(f"config file {path}{message}"), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        load_config([], ["run.totl_steps=4"])
+    assert str(e.value).startswith("unknown config key run.totl_steps (did you mean run.total_steps? ")
+
+
 def test_world_size_must_divide_prompts():
     cfg = load_config([], ["rollout.prompts_per_step=6"])
     with pytest.raises(SystemExit, match="not divisible by the world size 4"):
