@@ -73,10 +73,10 @@ def setup(cfg, passes):
     size; on a GPU the memory plan, plumbing/plan.py; the run folder's lock, guards.lock_out_dir; on a resume the config against the run's,
     guards.check_resume; data files, the judge's settings), then the policy (float32 master weights, whatever
     model.dtype says: its forwards compute in model.dtype, see compute_context; LoRA adapters on
-    it with model.lora, apply_lora), prompts over the
-    length limit dropped, the wrapped model, the rollout engine (HF or vLLM), evaluators, the GRPO reference,
-    AdamW + schedule (+ GradScaler for float16), the resume point, the MetaRM (rm_nlhf), the
-    free space the checkpoints need (guards.check_free_space), then the run folder.
+    it with model.lora, apply_lora), the free space the policy's checkpoints need (guards.check_free_space,
+    before anything slow starts), prompts over the length limit dropped, the wrapped model, the rollout
+    engine (HF or vLLM), evaluators, the GRPO reference, AdamW + schedule (+ GradScaler for float16), the
+    resume point, the MetaRM (rm_nlhf) and the free space again with its share, then the run folder.
 
     Returns:
         dict: rank, world, device, policy (unwrapped), model (what forward/backward runs on: DDP
@@ -163,6 +163,11 @@ def start_run(cfg, passes, rank, world, device):
         policy, tokenizer = load_model(source, "float32", device)
     if lora:
         policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
+    # free space, first without the MetaRM: a disk that cannot hold the policy's checkpoints stops
+    # here, not after the rollout engine started and the MetaRM cold-started (minutes to hours)
+    start = checkpoint_step(ckpt) if ckpt else 0
+    state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]))
+    stop_together(free_space_problem(cfg, start, state["checkpoint_bytes"]) if is_main else None, rank, world)
     chat = policy_chat(tokenizer, cfg["model"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
@@ -232,10 +237,13 @@ def start_run(cfg, passes, rank, world, device):
                                                       judge=state["judge"], device=device, rank=rank, world=world,
                                                       awake=state["rollout"]["awake"])
 
-    # free space for the checkpoints still to come, before the first step (every rank stops alike)
-    state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
-                                                 mrm=state["mrm"])
-    stop_together(free_space_problem(cfg, state) if is_main else None, rank, world)
+    # free space for the checkpoints still to come with the MetaRM's share, before the first step
+    # (every rank stops alike)
+    if state["mrm"] is not None:
+        state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
+                                                     mrm=state["mrm"])
+        stop_together(free_space_problem(cfg, state["start_step"], state["checkpoint_bytes"]) if is_main else None,
+                      rank, world)
 
     # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
     state["pbar"], state["trackers"] = None, []
@@ -276,9 +284,10 @@ def start_run(cfg, passes, rank, world, device):
     return state
 
 
-def free_space_problem(cfg, state):
-    """The one line why run.out_dir cannot hold the run's checkpoints, or None (guards.check_free_space)."""
-    r, start = cfg["run"], state["start_step"]
+def free_space_problem(cfg, start, nbytes):
+    """The one line why run.out_dir cannot hold the checkpoints of the steps after `start`, each
+    `nbytes` (guards.checkpoint_bytes), or None (guards.check_free_space)."""
+    r = cfg["run"]
     steps = range(start + 1, r["total_steps"] + 1)
     to_write = sum(1 for s in steps if (r["save_every"] and s % r["save_every"] == 0) or s == r["total_steps"])
     root = os.path.join(r["out_dir"], "checkpoints")
@@ -286,8 +295,8 @@ def free_space_problem(cfg, state):
     n = checkpoints_at_peak(keep=r["keep_checkpoints"], existing=existing, to_write=to_write)
     where = r["out_dir"] if os.path.isdir(r["out_dir"]) else os.path.dirname(os.path.abspath(r["out_dir"]))
     try:
-        check_free_space(where, need=n * state["checkpoint_bytes"],
-                         detail=f"{n} more checkpoint folder(s) of {state['checkpoint_bytes'] / 1e9:.2f} GB at the "
+        check_free_space(where, need=n * nbytes,
+                         detail=f"{n} more checkpoint folder(s) of {nbytes / 1e9:.2f} GB at the "
                                 f"peak, run.keep_checkpoints={r['keep_checkpoints']}")
     except SystemExit as e:
         return str(e)

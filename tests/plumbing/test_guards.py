@@ -144,6 +144,28 @@ def test_check_free_space_is_one_line():
                             "folder(s)): free space, lower run.keep_checkpoints or move run.out_dir")
 
 
+@pytest.mark.parametrize("preset", ["cpu.yaml", "cpu_rm_nlhf.yaml"])
+def test_a_full_disk_stops_the_run_before_the_engine_and_the_metarm(preset, tiny_model_path, tmp_path,
+                                                                     monkeypatch):
+    """The free-space check runs once the policy has loaded, before the rollout engine starts and
+    the MetaRM loads or cold-starts (minutes to hours at a preset's scale); before, it came after
+    both. 1 kB free: the one-line stop, and neither was reached."""
+    import train as T
+    import plumbing.run
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the rollout engine started before the free-space check")
+
+    monkeypatch.setattr(plumbing.run, "rollout_backend", reached)
+    monkeypatch.setattr(plumbing.run, "setup_metarm", reached)
+    real = guards.shutil.disk_usage
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    cfg = load_config([os.path.join(REPO, "configs", preset)],
+                      [f"model.policy={tiny_model_path}", f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit, match=r"0.00 GB free, the checkpoints need about .* GB \("):
+        T.train(cfg)
+
+
 def test_checkpoint_bytes_against_a_real_folder(tiny_model_path, tmp_path):
     """Full fine-tuning: 4 bytes of weights + 8 of AdamW moments per parameter, +2 % +16 MiB."""
     from plumbing.models import load_model
