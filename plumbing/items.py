@@ -25,6 +25,8 @@ def load_dataset_rows(source, config_name=None, split="train", key="data.train")
     import datasets
     datasets.disable_progress_bars()
     if source.endswith((".jsonl", ".json")) or os.path.exists(source):
+        if os.path.isdir(source):
+            raise SystemExit(f"data file {source} is a folder ({key}): name a .jsonl / .json file in it")
         if not os.path.isfile(source):
             raise SystemExit(f"data file {source} does not exist ({key})")
         with open(source, "rb") as f:  # bytes: read_jsonl names a line that is not UTF-8

@@ -33,6 +33,8 @@ def read_jsonl(path):
         SystemExit naming the file and line: the file does not exist, a line is not UTF-8 text
         (e.g. a UTF-16 export), a line is not valid JSON, or a line is not a JSON object.
     """
+    if os.path.isdir(path):
+        raise SystemExit(f"{path}: a folder, not a .jsonl file")
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: file does not exist")
     rows = []

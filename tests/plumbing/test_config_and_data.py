@@ -177,6 +177,12 @@ def test_missing_field_and_file(tmp_path):
         load_train_items(load_config([], [f"data.train={p}"]))
     with pytest.raises(SystemExit, match="does not exist"):
         load_train_items(load_config([], [f"data.train={tmp_path / 'nope.jsonl'}"]))
+    # a folder is named as one (it said "does not exist" of a folder that does)
+    with pytest.raises(SystemExit, match=rf"^data file {tmp_path} is a folder \(data.train\): name a .jsonl"):
+        load_train_items(load_config([], [f"data.train={tmp_path}"]))
+    from plumbing.jsonl import read_jsonl
+    with pytest.raises(SystemExit, match=rf"^{tmp_path}: a folder, not a .jsonl file$"):
+        read_jsonl(str(tmp_path))
 
 
 @pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(os.path.dirname(T.__file__), "configs", "*.yaml"))))

@@ -243,6 +243,7 @@ def test_ctrl_c_is_one_line_exit_130_and_says_what_resumes(tiny_model_path, tmp_
     assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert len(lines) == 1 and lines[0].startswith("[train] interrupted after step "), err[-2000:]
     assert "of 200; the same command resumes from step_" in lines[0]
+    assert err.rstrip().splitlines()[-1] == lines[0]  # the last line: the bar closed before it, not after
     assert not [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.endswith(".tmp")]
 
 
