@@ -92,7 +92,8 @@ class _OneDNNLinear(torch.autograd.Function):
     """F.linear's forward and backward, each product on oneDNN. Saves what autograd saves for
     F.linear (the input and the weight, no copies): d x = g W, d W = g^T x, d b = sum_rows g.
 
-    d W is written into one [d_out, d_in] tensor, DW_CHUNK_FLOATS of g at a time: handed a
+    d W is written into one [d_out, d_in] tensor, DW_CHUNK_FLOATS of g at a time (one product,
+    nothing copied, when g has no more entries than that: every layer but the LM head): handed a
     transposed view as its input, oneDNN first copies it, and the whole g^T is [d_out, M] (the LM
     head's logits' gradient: 96 MB at 512 x 49,152, on top of the step's peak); a chunk's copy is
     4 MB. Measured on that head (AMD EPYC, docs/performance.md): backward +154 MB of peak RSS
@@ -114,9 +115,11 @@ class _OneDNNLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         dx = _onednn_mm(g, weight.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw = None
-        if ctx.needs_input_grad[1]:
+        rows = max(1, DW_CHUNK_FLOATS // g.shape[0])
+        if ctx.needs_input_grad[1] and rows >= weight.shape[0]:  # one chunk: no copy into d W
+            dw = _onednn_mm(g.t(), x2.t())
+        elif ctx.needs_input_grad[1]:
             dw = torch.empty(weight.shape, dtype=weight.dtype)
-            rows = max(1, DW_CHUNK_FLOATS // g.shape[0])
             for s in range(0, weight.shape[0], rows):  # d W[s:e] = g[:, s:e]^T x
                 dw[s:s + rows] = _onednn_mm(g[:, s:s + rows].t(), x2.t())
         db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
