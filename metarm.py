@@ -240,15 +240,18 @@ def class_values(lam, gated=True):
 
 def train_target(r, mode, lam):
     """Regression/classification target for a D_H reward R (a float in {0, 1, 1 + λ}).
-    binary_retrain: 1[R > 1]; classifier: index of the nearest class value; else R itself.
-    ValueError: a mode that is not one of reward.METARM_MODES' trained ones."""
+    binary_retrain: 1[R > 1]; classifier: the index of R's class value; else R itself.
+    ValueError: a mode that is not one of reward.METARM_MODES' trained ones; for these two, an R
+    that is no class value (λ without the outcome gate, D_O's 1 + λ/2: the nearest is a guess)."""
     if mode not in reward.METARM_MODES or mode == "none":
         raise ValueError(f"train_target: MetaRM mode {mode!r}")
+    values = class_values(lam)
+    c = min(range(3), key=lambda c: abs(values[c] - r))
+    if mode in ("binary_retrain", "classifier") and abs(values[c] - r) > 1e-6:
+        raise ValueError(f"train_target: R = {r} is none of {values} (mode {mode})")
     if mode == "binary_retrain":
         return 1.0 if r > 1.0 else 0.0
-    if mode == "classifier":
-        return min(range(3), key=lambda c: abs(class_values(lam)[c] - r))
-    return float(r)
+    return c if mode == "classifier" else float(r)
 
 
 def examples_from_samples(tokenizer, items, samples, *, max_length):

@@ -58,6 +58,14 @@ def test_text_and_targets():
     assert [metarm.train_target(r, "binary", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 1.0, 1.5]  # trained as online
     assert [metarm.train_target(r, "binary_retrain", 0.5) for r in (0.0, 1.0, 1.5)] == [0.0, 0.0, 1.0]
     assert [metarm.train_target(r, "classifier", 0.5) for r in (0.0, 1.0, 1.5)] == [0, 1, 2]
+    # R = λ (a wrong verdict without the outcome gate) and 1 + λ/2 (a D_O label) are no class value:
+    # refused (the nearest class was a silent guess: 0.5 became class 0, 1.25 class 1); regression
+    # modes take them as they are
+    for mode in ("binary_retrain", "classifier"):
+        for r in (0.5, 1.25):
+            with pytest.raises(ValueError, match=rf"R = {r} is none of \(0.0, 1.0, 1.5\) \(mode {mode}\)"):
+                metarm.train_target(r, mode, 0.5)
+    assert [metarm.train_target(r, "online", 0.5) for r in (0.5, 1.25)] == [0.5, 1.25]
     # nearest values of (0.2, 1.3, 1.2, 0.6) in (0, 1, 1.5) are (0, 1.5, 1, 1) vs R (0, 1.5, 1.5, 1): 3 of 4
     assert metarm.agreement([0.2, 1.3, 1.2, 0.6], [0.0, 1.5, 1.5, 1.0], 0.5) == 0.75
     assert metarm.agreement([], [], 0.5) is None
