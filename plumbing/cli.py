@@ -2,6 +2,7 @@
 
     python train.py --config ... [key=value ...] [--plan]
                                              train_main: train.py's (it passes its train function)
+    python -m plumbing.cli STAGE ...         main: STAGE's command line below (rollout_main, ...)
     python -m plumbing.cli rollout ...       rollout_main: sample G completions per JSONL prompt
     python -m plumbing.cli reward ...        reward_main: score JSONL rows with a frozen evaluator
     python -m plumbing.cli metarm cold-start ...

@@ -32,6 +32,13 @@ fsync'd. A batch exists once its "done" line is on disk; a kill mid-batch leaves
 ignored (a redo starts the batch again with "start"), and a torn last line is ended with a newline
 before the rank appends again. The folder stays after the cold start: the record of what the MetaRM
 was first trained on (with cold_start.json).
+
+    run_cold_start(...)                    the cold start over `world` ranks (the above)
+    batch_seed, settings                   a batch's sampling seed; the files' header
+    rank_file, open_rank_file, write_batch one rank's file: its path, opened (header first), a batch
+    scan, new_lines, check_header, wait_for_batches
+                                           reading every rank's file until all batches are there
+    cold_start_settings, record_cold_start run_cold_start's arguments from the config; the set's log
 """
 import concurrent.futures
 import contextlib

@@ -13,6 +13,10 @@ that names the key (docs/method.md §3). Plumbing: skip on first read.
                                          check_report_to (TRACKERS), check_lora_config (LORA_FIELDS)
     check_evaluator_paths, check_model_path, check_single_pass, check_scale_config
                                          start-up checks setup() runs once the world size is known
+    did_you_mean, check_finite           an unknown key's nearest name; no NaN / inf anywhere
+    vllm_build, vllm_cpu_memory, check_cpu_memory_share, check_vllm_build
+                                         rollout.backend=vllm: the installed build and, on vLLM-CPU,
+                                         its share of the node's RAM
 """
 import difflib
 import math

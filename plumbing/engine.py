@@ -19,6 +19,19 @@ built here by `rollout_backend` (config key rollout.backend) with its companions
         across the sample calls inside (a stage that samples in batches: the MetaRM cold start,
         the RM-NLHF validation) and sleeps once on leaving; llm is the vllm.LLM.
 vllm is imported only when a vLLM engine is made: the stages import and run without it.
+
+    rollout_backend, hf_backend, vllm_backend, engine_state, engine_note
+                                          the engine dict of a run, per backend, its shared state
+    evaluation_sampler, as_generate       evaluate.py's --backend vllm sampler, in generate's signature
+    engine_prompt_limit, empty_rollout    the longest prompt an engine completes; no prompts
+    make_vllm_engine, sleep_mode_available, generate_vllm, vllm_sleep
+                                          a vLLM engine per rank: made, sampled, put to sleep
+    vllm_request_seeds, vllm_sampling_kwargs, vllm_token_logprobs, vllm_outputs_to_rollout
+                                          our sampling settings in, vLLM's outputs to the rollout dict
+    push_weights, push_names, vllm_push_weights, vllm_weight_name, refresh_tied_head
+                                          the updated weights into the engine (names, one reload call)
+    engine_checkpoint_names, checkpoint_names, check_push_names
+                                          the engine's own weight names: a push carries exactly those
 """
 import contextlib
 import os

@@ -10,6 +10,7 @@ says where the run is, and JSON logs that never hold NaN.
     deferred_interrupts, last_logged_step    Ctrl-C / SIGTERM: never half a save; the step a run reached
                                              (plumbing/run.py's run_interruptible: one line, exit 130)
     finite_or_none, no_signal_note           JSON-safe metrics; a step that cannot learn says so
+    stop_together, flatten                   rank 0's problem stops every rank; a config as dotted keys
 """
 import contextlib
 import datetime

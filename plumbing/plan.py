@@ -64,6 +64,17 @@ What is counted, per GPU, as rank 0 holds it (GiB = 2**30 bytes):
 Host RAM (rank 0; the other ranks hold no full model): setup and checkpoint one model at a time.
 Not counted: the no-grad passes of the update (old / reference log-probs: smaller than its
 training pass), vLLM's own CPU memory while asleep.
+
+What it holds, in file order:
+    model_config, meta_model, shard_numel, shape_facts, model_facts
+                                the model's shapes from its config, on the meta device
+    norm_bytes, layer_saved_bytes, root_saved_bytes, activation_bytes, no_grad_pass_bytes,
+    head_backward_bytes, logits_bytes, kv_bytes_per_token, distinct_prompts, lora_params,
+    reserve_bytes, decode_bytes
+                                what autograd saves and what each pass and cache holds, in bytes
+    memory_plan, plan_table, what_to_change, check_memory_plan
+                                the plan, its table, the key to change, the start-up stop
+    add_plan_flags, print_plan  train.py's --plan
 """
 import copy
 import functools

@@ -5,6 +5,19 @@ weight pushes are in plumbing/engine.py.
 train.py imports a few seams from here: all_sum / all_max / gather_records (reductions over
 ranks), compute_context (the forward's dtype), grad_sync (gradient accumulation), logp_gap
 (trainer vs rollout-engine log-probs).
+
+What it holds, in file order:
+    setup_distributed, all_sum, all_max, gather_records, peak_memory_mb
+                                          the process group, reductions, the memory metric
+    compute_context                       the forward's mixed precision
+    decoder_layers, keep_matmul_outputs, wrap_policy, reshard_root_after_no_grad, shard_frozen
+                                          DDP / FSDP2 wrapping and activation checkpointing
+    grad_sync, unsharded, full_state_items, logp_gap
+                                          accumulation, gathered weights, the rollout engine's gap
+    apply_lora, check_checkpoint_kind, is_lora, base_model, BaseModelView, merged_state_items,
+    save_merged                           LoRA (peft): adapters on, off, merged
+    broadcast_parameters, gather_pairs, rank0_metrics, forwards_alike, split_outputs, batch_share,
+    mean_over_ranks, metarm_seams         where the MetaRM's ranks meet (mrm["seams"], metarm.py)
 """
 import contextlib
 import datetime

@@ -114,3 +114,14 @@ def test_train_names_every_plumbing_seam_it_imports():
              and (n.module or "").split(".")[0] == "plumbing" for a in n.names}
     doc = ast.get_docstring(tree)
     assert seams and not {s for s in seams if not re.search(rf"\b{s}\b", doc)}
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(REPO, "plumbing")) if f.endswith(".py")))
+def test_each_plumbing_file_lists_what_it_holds(name):
+    """Each plumbing/ module's docstring names every public function and class it defines (issue 32:
+    one topic a file, with a map), as a whole word, so a reader finds a seam without opening the file."""
+    tree = ast.parse(open(os.path.join(REPO, "plumbing", name)).read())
+    doc = ast.get_docstring(tree) or ""
+    public = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
+    missing = [n for n in public if not re.search(rf"(?<![\w.]){n}(?!\w)", doc)]
+    assert not missing, f"plumbing/{name}'s docstring does not name {missing}"
