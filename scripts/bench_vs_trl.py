@@ -343,7 +343,7 @@ def main(argv=None):
     results = []
     print(f"P={a.P} G={a.G} N={a.N} micro-batch={a.micro_batch} steps/run={a.steps} (first not timed) "
           f"TRL gradient checkpointing={a.trl_gradient_checkpointing}", flush=True)
-    header = f"{'pair':>4} {'side':>5} {'step s':>7} {'rollout':>8} {'reward':>7} {'update':>7} {'tok/s':>6} {'peak GB':>8}"
+    header = f"{'pair':>4} {'side':>5} {'step s':>7} {'rollout':>8} {'reward':>7} {'update':>7} {'tok/s':>6} {'peak GiB':>8}"
     print(header, flush=True)
     for pair in range(a.pairs):
         row = {}
