@@ -245,13 +245,13 @@ def train_target(r, mode, lam):
     that is no class value (λ without the outcome gate, D_O's 1 + λ/2: the nearest is a guess)."""
     if mode not in reward.METARM_MODES or mode == "none":
         raise ValueError(f"train_target: MetaRM mode {mode!r}")
+    if mode not in ("binary_retrain", "classifier"):
+        return float(r)
     values = class_values(lam)
     c = min(range(3), key=lambda c: abs(values[c] - r))
-    if mode in ("binary_retrain", "classifier") and abs(values[c] - r) > 1e-6:
+    if abs(values[c] - r) > 1e-6:
         raise ValueError(f"train_target: R = {r} is none of {values} (mode {mode})")
-    if mode == "binary_retrain":
-        return 1.0 if r > 1.0 else 0.0
-    return c if mode == "classifier" else float(r)
+    return c if mode == "classifier" else (1.0 if r > 1.0 else 0.0)
 
 
 def examples_from_samples(tokenizer, items, samples, *, max_length):

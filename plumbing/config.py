@@ -165,11 +165,9 @@ def _merge(base, new, prefix="", where=lambda key: ""):
             base[k] = float(v) if isinstance(base[k], float) and isinstance(v, int) else v
 
 
-def _key_lines(path):
-    """{dotted key: its 1-based line} of every mapping key in the YAML file `path` (nested
+def _key_lines(root):
+    """{dotted key: its 1-based line} of every mapping key under the YAML node `root` (nested
     mappings only; a list's items are not entered): where a config error about a file's key points."""
-    with open(path, "rb") as f:
-        root = yaml.compose(f, Loader=_UniqueKeyLoader)
     lines, todo = {}, [("", root)]
     while todo:
         prefix, node = todo.pop()
@@ -208,21 +206,26 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
     overrides (values typed by YAML). Returns the nested dict. Raises SystemExit (one line) on a
     missing file, bad YAML, unknown key, wrong type or a value outside CHOICES."""
     def read(p):
+        """(the file's value, {dotted key: line}): parsed once, the lines from the same nodes."""
         try:
             with open(p, "rb") as f:  # bytes: PyYAML detects the encoding, and a bad byte is a YAMLError
-                return yaml.load(f, Loader=_UniqueKeyLoader) or {}
+                loader = _UniqueKeyLoader(f)
+                try:
+                    root = loader.get_single_node()
+                    return (loader.construct_document(root) if root is not None else None) or {}, _key_lines(root)
+                finally:
+                    loader.dispose()
         except OSError as e:
             raise SystemExit(f"config file {p}: {e.strerror}")
         except yaml.YAMLError as e:
             raise SystemExit(f"config file {p}: invalid YAML {_yaml_where(e)}")
 
-    cfg = read(schema_path)
+    cfg, _ = read(schema_path)
     for p in paths:
         if os.path.abspath(p) != os.path.abspath(schema_path):
-            layer = read(p)
+            layer, lines = read(p)  # lines: a typo'd key is named with its line
             if not isinstance(layer, dict):
                 raise SystemExit(f"config file {p}: expected a mapping (key: value lines), got a {type(layer).__name__}")
-            lines = _key_lines(p)  # read again for the marks: a typo'd key is named with its line
             _merge(cfg, layer, where=lambda key: f"config file {p}, line {lines[key]}: " if key in lines else "")
     for o in overrides:
         key, eq, val = o.partition("=")

@@ -2,8 +2,8 @@
 
     setup(cfg, passes)        models, data, optimizer, resume point: the `state` dict (its keys in
                               setup's docstring), every check that needs no model first
-                              (check_startup, free_space_problem); start_run does the work once
-                              the run folder is locked
+                              (check_startup; stop_if_disk_short / free_space_problem once the
+                              policy has loaded); start_run does the work once the run folder is locked
     update_kwargs(cfg, passes, device, ...), policy_loss(algo, ...)
                               train.update_policy's keyword arguments (the policy loss among
                               them) bound from a config as train.train binds them, for the
@@ -165,9 +165,7 @@ def start_run(cfg, passes, rank, world, device):
         policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
     # free space, first without the MetaRM: a disk that cannot hold the policy's checkpoints stops
     # here, not after the rollout engine started and the MetaRM cold-started (minutes to hours)
-    start = checkpoint_step(ckpt) if ckpt else 0
-    state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]))
-    stop_together(free_space_problem(cfg, start, state["checkpoint_bytes"]) if is_main else None, rank, world)
+    stop_if_disk_short(cfg, state, policy, start=checkpoint_step(ckpt) if ckpt else 0)
     chat = policy_chat(tokenizer, cfg["model"])
     overhead = len(rollout.build_prompt_ids(tokenizer, "", chat))
     if task == "rm_nlhf":
@@ -240,10 +238,7 @@ def start_run(cfg, passes, rank, world, device):
     # free space for the checkpoints still to come with the MetaRM's share, before the first step
     # (every rank stops alike)
     if state["mrm"] is not None:
-        state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
-                                                     mrm=state["mrm"])
-        stop_together(free_space_problem(cfg, state["start_step"], state["checkpoint_bytes"]) if is_main else None,
-                      rank, world)
+        stop_if_disk_short(cfg, state, policy, start=state["start_step"], mrm=state["mrm"])
 
     # the run folder: the resolved config, logs truncated to the resume point; trackers; the progress bar
     state["pbar"], state["trackers"] = None, []
@@ -282,6 +277,17 @@ def start_run(cfg, passes, rank, world, device):
             state["val_history"] = [{"step": m["step"], "accuracy": held_out_accuracy(m), "train_reward": None}
                                     for m in map(json.loads, f) if held_out_accuracy(m) is not None]
     return state
+
+
+def stop_if_disk_short(cfg, state, policy, *, start, mrm=None):
+    """Set state["checkpoint_bytes"] (guards.checkpoint_bytes of the policy, with the MetaRM's share
+    when `mrm` is given) and stop every rank alike when run.out_dir cannot hold the checkpoints of
+    the steps after `start` (free_space_problem, decided on rank 0)."""
+    lora = cfg["model"]["lora"]
+    state["checkpoint_bytes"] = checkpoint_bytes(policy, lora=bool(lora), merged=bool(lora and lora["merged"]),
+                                                 mrm=mrm)
+    problem = free_space_problem(cfg, start, state["checkpoint_bytes"]) if state["rank"] == 0 else None
+    stop_together(problem, state["rank"], state["world"])
 
 
 def free_space_problem(cfg, start, nbytes):
