@@ -94,11 +94,12 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
     parsed = [reward.parse_grm_output(c, max_lines, max_chars, style=style) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
-    samples = [None] * len(items)
-    metrics = {}
+    dh_items, do_items = [items[i] for i in dh_idx], [items[i] for i in do_idx]
+    do_parsed = [parsed[i] for i in do_idx]
+    samples, metrics = [None] * len(items), {}
     # Step 2: D_H rewards from the judge
-    dh = reward.score_dh([parsed[i] for i in dh_idx], [items[i] for i in dh_idx], judge, lam=lam,
-                         threshold=threshold, gate_on_outcome=gate_on_outcome, inclusive=inclusive,
+    dh = reward.score_dh([parsed[i] for i in dh_idx], dh_items, judge, lam=lam, threshold=threshold,
+                         gate_on_outcome=gate_on_outcome, inclusive=inclusive,
                          similarity=similarity, on_failure=on_failure)
     for i, s in zip(dh_idx, dh):
         s["f1_why"] = (s["judge_why"] if s["judged"]
@@ -107,33 +108,30 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
         samples[i] = dict(s, r_hat=None)
     metrics["order/judge_done_s"] = time.perf_counter() - t0
     # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
-    updates_before, truncated_before = ((mrm["updates"], mrm["truncated"]) if mrm is not None
-                                        else (0, 0))
+    before = (mrm["updates"], mrm["truncated"]) if mrm is not None else (0, 0)
     if mrm is not None:
-        train_items, train_samples = [items[i] for i in dh_idx], dh
+        train_items, train_samples = dh_items, dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
-            extra = reward.do_training_samples([parsed[i] for i in do_idx],
-                                               [items[i] for i in do_idx], lam=lam)
-            train_items, train_samples = (train_items + [items[i] for i in do_idx],
-                                          train_samples + extra)
+            train_items = dh_items + do_items
+            train_samples = dh + reward.do_training_samples(do_parsed, do_items, lam=lam)
         metrics.update(online_update(mrm, train_items, train_samples, seed=seed,
                                      gated=gate_on_outcome))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts:
     # reward -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
-    critiques = [parsed[i]["critique"] if parsed[i]["valid"] else None for i in do_idx]
+    critiques = [p["critique"] if p["valid"] else None for p in do_parsed]
     r_hat = [None] * len(do_idx)
-    # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
     if mrm is not None:
-        r_hat, cut = predict(mrm["model"], mrm["tokenizer"], [items[i] for i in do_idx], critiques,
-                             **settings(mrm), outputs=mrm["seams"]["outputs"])
+        r_hat, cut = predict(mrm["model"], mrm["tokenizer"], do_items, critiques, **settings(mrm),
+                             outputs=mrm["seams"]["outputs"])
         mrm["truncated"] += cut
-        metrics["metarm/truncated"] = mrm["truncated"] - truncated_before
-    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
+        # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
+        metrics["metarm/truncated"] = mrm["truncated"] - before[1]
+    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > before[0]
     # Step 4, continued: D_O rewards
-    do = reward.score_do([parsed[i] for i in do_idx], [items[i] for i in do_idx], r_hat, lam=lam,
-                         mode=mode, gate_on_outcome=gate_on_outcome, form=form)
+    do = reward.score_do(do_parsed, do_items, r_hat, lam=lam, mode=mode,
+                         gate_on_outcome=gate_on_outcome, form=form)
     for i, s in zip(do_idx, do):
         samples[i] = dict(s, **reward.NOT_JUDGED, r_process=None,
                           f1_why="D_O: no human critique (MetaRM R̂ instead)",
@@ -307,12 +305,11 @@ def raw_outputs(model, tokenizer, texts, *, mode, batch_size, max_length, dtype=
     """The MetaRM's raw outputs for texts, in batches of batch_size, in eval mode: floats
     (regression) or [3] logit lists (classifier). (Sharded, plumbing/scale.py forwards_alike runs
     every rank's forwards alike.)"""
-    was, out = model.training, []
-    model.eval()
-    for i in range(0, len(texts), batch_size):
-        out += forward(model, tokenizer, texts[i:i + batch_size], mode=mode, max_length=max_length,
-                       dtype=dtype).tolist()
-    model.train(was)
+    out = []
+    with rollout.eval_mode(model):
+        for i in range(0, len(texts), batch_size):
+            out += forward(model, tokenizer, texts[i:i + batch_size], mode=mode,
+                           max_length=max_length, dtype=dtype).tolist()
     return out
 
 
@@ -411,15 +408,12 @@ def fit(model, tokenizer, examples, optimizer, *, mode, lam, batch_size, max_len
     steps = []
     for epoch in range(epochs):
         for b in _batches(len(examples), batch_size, seed + epoch):
-            texts, rewards, weight = ([examples[i]["text"] for i in b],
-                                      [examples[i]["r"] for i in b], 1.0)
+            texts, rewards = [examples[i]["text"] for i in b], [examples[i]["r"] for i in b]
             # FSDP2: this rank's part of the batch, weighted so the ranks' gradient mean is the
-            # batch's
-            if share:
-                texts, rewards, weight = share(texts, rewards)
-            loss = metarm_loss(model, tokenizer, texts, rewards, mode=mode, lam=lam,
-                               max_length=max_length, dtype=dtype)
-            loss = loss * weight  # 1.0 in one process
+            # batch's (weight 1.0 in one process)
+            texts, rewards, weight = share(texts, rewards) if share else (texts, rewards, 1.0)
+            loss = weight * metarm_loss(model, tokenizer, texts, rewards, mode=mode, lam=lam,
+                                        max_length=max_length, dtype=dtype)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

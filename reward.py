@@ -504,11 +504,9 @@ def nlhf_step_items(dh, do, step, *, prompts_per_step, dh_per_step, seed, rank, 
     P = prompts_per_step
     n_dh = round(dh_per_step * P) if do else P
     # each set as one stream for the whole step (rank 0 of 1); the ranks split it below
-    both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, prompts_per_step=n_dh,
-                                                             seed=seed, rank=0, world=1)]
-            + [dict(it, set="do") for it in rollout.step_items(do, step,
-                                                               prompts_per_step=P - n_dh,
-                                                               seed=seed + 1, rank=0, world=1)])
+    dh_items = rollout.step_items(dh, step, n_dh, seed=seed, rank=0, world=1)
+    do_items = rollout.step_items(do, step, P - n_dh, seed=seed + 1, rank=0, world=1)
+    both = [dict(it, set="dh") for it in dh_items] + [dict(it, set="do") for it in do_items]
     order = torch.randperm(
         P, generator=torch.Generator().manual_seed(seed * 100_019 + step)).tolist()
     per_rank = P // world
@@ -564,7 +562,6 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     text = text or ""
     blocks = re.findall(r"<critics>(.*?)</critics>", text, flags=re.S)
     choices = re.findall(r"<choice>(.*?)</choice>", text, flags=re.S)
-    choice = None
     if style == "authors":
         critique = blocks[-1].strip() if blocks else None
         if choices:
@@ -576,12 +573,10 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
         n_lines = None if critique is None else len(critique.split("\n"))
     elif style == "ours":
         critique = (blocks[-1].strip() if blocks else None) or None
-        if choices:
-            m = re.search(r"\[\[([AB])\]\]", choices[-1])
-            choice = m.group(1) if m else None
-        if choice is None:
-            m = re.search(r"\[\[([AB])\]\]", text)
-            choice = m.group(1) if m else None
+        # the last <choice> block's [[A]] / [[B]]; without one there, the first anywhere
+        m = re.search(r"\[\[([AB])\]\]", choices[-1]) if choices else None
+        m = m or re.search(r"\[\[([AB])\]\]", text)
+        choice = m.group(1) if m else None
         n_lines = (None if critique is None
                    else len([ln for ln in critique.splitlines() if ln.strip()]))
     else:

@@ -95,19 +95,19 @@ def figures():
     return RP.measure()
 
 
-@pytest.mark.parametrize("part, key", [("rlme", "jumps"), ("rm_nlhf", "lines"), ("rm_nlhf", "jumps")])
+@pytest.mark.parametrize("part, key", [("rlme", "jumps"), ("rm_nlhf", "lines"), ("rm_nlhf", "code"),
+                                       ("rm_nlhf", "jumps")])
 def test_the_reading_path_fits_its_budget(figures, part, key):
     assert figures[part][key] <= RP.BUDGETS[part][key], (part, key, figures[part][key])
 
 
-# Over budget (docs/performance.md, 2026-12-03): with every function a value passes through named
-# and lines kept to 100 characters, the RLME step is over 700 lines / 400 code, and the closure
-# over 1,200 lines, most of it outside train.py; the RM-NLHF step's code went from 350 to 358 with
-# the input checks a copier needs (score_dh's settings and the judge's answer count, metarm.forward's
-# tokenizer, train_target's mode: each was a silently wrong number). Strict: the day a figure
+# Over budget (docs/performance.md, 2026-12-06): with every function a value passes through named,
+# lines kept to 100 characters and the docstrings the house style asks for (shapes, dtypes, the
+# equation, errors), the RLME step is over 700 lines / 400 code, and the closure over 1,200 lines:
+# the two README steps alone hold ~1,340 of the closure's lines, so 1,200 cannot be met without
+# cutting those docstrings or moving method code out of the stage files. Strict: the day a figure
 # fits, this fails until its marker goes.
 @pytest.mark.xfail(strict=True, reason="issue 32's budgets: over, said why (docs/performance.md)")
-@pytest.mark.parametrize("part, key", [("rlme", "lines"), ("rlme", "code"), ("rm_nlhf", "code"),
-                                       ("closure", "lines")])
+@pytest.mark.parametrize("part, key", [("rlme", "lines"), ("rlme", "code"), ("closure", "lines")])
 def test_the_reading_path_fits_its_budget_later(figures, part, key):
     assert figures[part][key] <= RP.BUDGETS[part][key], (part, key, figures[part][key])
