@@ -108,7 +108,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
         samples[i] = dict(s, r_hat=None)
     metrics["order/judge_done_s"] = time.perf_counter() - t0
     # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
-    before = (mrm["updates"], mrm["truncated"]) if mrm is not None else (0, 0)
+    updates_before, cut_before = (mrm["updates"], mrm["truncated"]) if mrm is not None else (0, 0)
     if mrm is not None:
         train_items, train_samples = dh_items, dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
@@ -127,8 +127,8 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
                              outputs=mrm["seams"]["outputs"])
         mrm["truncated"] += cut
         # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
-        metrics["metarm/truncated"] = mrm["truncated"] - before[1]
-    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > before[0]
+        metrics["metarm/truncated"] = mrm["truncated"] - cut_before
+    metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
     # Step 4, continued: D_O rewards
     do = reward.score_do(do_parsed, do_items, r_hat, lam=lam, mode=mode,
                          gate_on_outcome=gate_on_outcome, form=form)
