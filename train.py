@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 train.py --config config.yaml         # one 8-GPU node
 
 The step is `train()`, top to bottom; the functions after it follow in the order it calls them:
-  1. prompts     this rank's P/world items; RM-NLHF mixes D_H and D_O       step_items, prompt_of
+  1. prompts     this rank's P/world items; RM-NLHF mixes D_H and D_O        step_items, prompt_of
   2. rollout     G completions per prompt (RLME Eq. 1): HF generate or vLLM            sample
   3. reward      RLME: the evaluators' weighted log p(target) (Eq. 2-3)      rlme_reward_step
                  RM-NLHF: judge D_H, update the MetaRM, predict D_O (Alg. 1) nlhf_reward_step
@@ -13,7 +13,8 @@ The step is `train()`, top to bottom; the functions after it follow in the order
   6. log         metrics.jsonl + samples.jsonl (rank 0), TensorBoard, the bar      log_step
   7. validate    every run.eval_every steps; the monitor, the early stop     validate, watch
   8. checkpoint  atomic; re-running the same command resumes exactly     save_checkpoint
-Below them: setup (the models and data from the config), main (the command line).
+Then setup (the models and data), and how a run is run: the config (load_config), processes,
+DDP / FSDP2, LoRA, checkpoints, the run lock; main (the command line) last.
 
 What is simplified, and why:
   - On-policy by default (algo.updates_per_batch = algo.minibatches = 1): the policy that sampled
@@ -24,18 +25,33 @@ What is simplified, and why:
   - LoRA trains adapters only; "the initial policy" (frozen_self evaluators, the GRPO
     reference) is then the policy with its adapters off, not a second copy. LoRA samples with
     HF generate: the vLLM weight push sends whole weights, not merged adapters.
-  - One tracker (TensorBoard) besides metrics.jsonl; the config is read once, here: every
-    function takes numbers, tensors and callables.
+  - float32 master weights, compute in float32 or bfloat16 (float16 would need loss scaling);
+    one tracker (TensorBoard) besides metrics.jsonl; the config is read in train and setup (with
+    its parts load_data, load_models, open_run): the rest take numbers, tensors and callables.
 Formulas and the choices the papers leave open: docs/method.md; parallelism: docs/scale-out.md.
 """
 import argparse
+import copy
+import datetime
+import difflib
+import fcntl
+import functools
+import glob
 import json
 import math
 import os
+import re
+import resource
+import shutil
+import string
 import sys
 import time
+import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import yaml
 from tqdm import tqdm
 
@@ -44,10 +60,9 @@ import evaluate
 import metarm
 import reward as R
 import rollout
-from _infra import (BaseModelView, all_max, all_sum, apply_lora, checkpoint_step, gather_records,
-                    grad_sync, latest_checkpoint, load_checkpoint, load_config, load_sharded_model,
-                    lock_run, lr_lambda, peak_memory_mb, save_checkpoint, setup_process_group,
-                    shard_frozen, truncate_jsonl, unsharded, wrap_policy)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp alone: our intent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,13 +74,21 @@ def train(cfg):
     state = setup(cfg)
     if state is None:  # the run in run.out_dir is complete or stopped early
         return
-    algo, ro, run, nl, task = cfg["algo"], cfg["rollout"], cfg["run"], cfg["nlhf"], cfg["task"]
+    algo, ro, run, nl, d = cfg["algo"], cfg["rollout"], cfg["run"], cfg["nlhf"], cfg["data"]
     G, P, rank, world, seed = (ro["group_size"], ro["prompts_per_step"], state["rank"],
                                state["world"], run["seed"])
-    total, every = run["total_steps"], run["eval_every"]
+    total, every, task = run["total_steps"], run["eval_every"], cfg["task"]
+    check = functools.partial(  # 7. held-out validation (step, records) -> val/*
+        validate, state, task=task, reward=state["reward"], template=d["prompt_template"],
+        numeric=d["label_format"] != "text", max_new_tokens=ro["max_new_tokens"],
+        chunk=max(1, P * G // world), style=nl["grm_prompt"], max_lines=nl["max_critique_lines"],
+        max_chars=nl["max_critique_chars"], seed=seed, max_prompt_tokens=(
+            ro["vllm_max_model_len"] - ro["max_new_tokens"]) if state["engine"] else None)
+    stop_rule = functools.partial(watch, state, out_dir=run["out_dir"],
+                                  drop=run["early_stop_drop"], patience=run["early_stop_patience"])
     if every and run["eval_at_start"] and state["start_step"] == 0:  # the initial policy: step 0
-        log_step(state, cfg, val := validate(state, cfg, 0, []), [])
-        watch(state, cfg, val, None)  # the monitor's first point (one cannot trigger a stop)
+        log_step(state, val := check(0, []), [], out_dir=run["out_dir"])
+        stop_rule(val, None)  # the monitor's first point (one cannot trigger a stop)
     for step in range(state["start_step"], total):
         t0 = time.perf_counter()
         # --- 1. prompts: this rank's share of the step's items -------------------------------
@@ -74,62 +97,52 @@ def train(cfg):
             seed=seed, rank=rank, world=world) if task == "rm_nlhf" else rollout.step_items(
             state["items"], step, P, seed=seed, rank=rank, world=world)
         # --- 2. rollout: G completions per prompt (RLME Eq. 1), seeded by (run, step, rank) ---
-        out = sample(state, [prompt_of(state, cfg, it) for it in items], group_size=G,
+        out = sample(state, [state["prompt"](it) for it in items], group_size=G,
                      max_new_tokens=ro["max_new_tokens"], temperature=ro["temperature"],
                      top_p=ro["top_p"], seed=sampling_seed(seed, step, rank))
         if state["engine"] is not None:  # vLLM: its memory to the reward and the update
             rollout.vllm_sleep(state["engine"])
-        samples = [it for it in items for _ in range(G)]  # the item of each completion
         t1 = time.perf_counter()
-        # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"} ------------
-        if task == "rm_nlhf":  # judge D_H, update the MetaRM, it predicts D_O (Algorithm 1)
-            rew = metarm.nlhf_reward_step(
-                samples, out["completions"], judge=state["judge"], mrm=state["mrm"],
-                lam=nl["lam"], threshold=nl["threshold"],
-                inclusive=nl["threshold_rule"] == "inclusive", similarity=nl["similarity"],
-                gate_on_outcome=nl["gate_on_outcome"], on_failure=cfg["judge"]["on_failure"],
-                max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"],
-                style=nl["grm_prompt"], form=nl["do_reward"], mode=cfg["metarm"]["mode"],
-                train_on_do=cfg["metarm"]["train_on_do"], seed=seed * 7_919 + step, t0=t0)
-        else:  # the evaluators' log p(target) to the meta-questions (RLME Eq. 2-3)
-            rew = rlme_reward_step(state, cfg, samples, out["completions"])
+        # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"}: RLME's
+        # evaluators (Eq. 2-3), or RM-NLHF's judge on D_H, MetaRM update, D_O (Algorithm 1)
+        rew = state["reward"]([it for it in items for _ in range(G)], out["completions"],
+                              step=step, t0=t0)
         t2 = time.perf_counter()
         # --- 4. advantages: r - group mean (RLME Eq. 5), / std for GRPO; unknown rewards: 0 ---
         adv = group_advantages(rew["reward"], G, std=algo["advantage_std"], valid=rew["valid"],
                                unbiased=algo["std_unbiased"])
         # --- 5. update: CISPO (RLME Eq. 6-8) or GRPO + k3 KL (RM-NLHF Eq. 3) ----------------
-        batch = dict(out, advantages=adv, valid=rew["valid"])
         if cfg["model"]["lora"] and cfg["model"]["lora"]["dropout"] > 0:
             # LoRA dropout draws from torch's RNG: seeded per step, so a resumed run draws alike
             torch.manual_seed(sampling_seed(seed, step, rank))
         upd = update_policy(
-            state["model"], state["policy"], state["optimizer"], batch, loss=algo["loss"],
+            state["model"], state["policy"], state["optimizer"],
+            dict(out, advantages=adv, valid=rew["valid"]), loss=algo["loss"],
             eps_low=algo["eps_low"], eps_high=algo["eps_high"], ratio=algo["ratio"],
             clip_eps=algo["clip_eps"], kl_coef=algo["kl_coef"], aggregation=algo["aggregation"],
             max_new_tokens=ro["max_new_tokens"], updates_per_batch=algo["updates_per_batch"],
             minibatches=algo["minibatches"], group_size=G,
             micro_batch_size=cfg["train"]["micro_batch_size"], grad_clip=cfg["optim"]["grad_clip"],
             temperature=ro["temperature"], pad_id=state["tokenizer"].pad_token_id,
-            dtype=cfg["model"]["dtype"], world=world, ref_model=state["ref_model"],
-            scaler=state["scaler"])
+            dtype=cfg["model"]["dtype"], world=world, ref_model=state["ref_model"])
         if state["engine"] is not None:  # vLLM samples the next step with the updated weights
             rollout.vllm_push_weights(state["engine"], state["policy"])
         state["scheduler"].step()
-        t3 = time.perf_counter()
+        times = {"rollout": t1 - t0, "reward": t2 - t1, "update": time.perf_counter() - t2}
         # --- 6. log (rank 0 gets every rank's samples); 7. validate every run.eval_every -----
         done = step + 1
         records = sample_records(done, rank, out, rew["records"], adv, upd, G)
-        val = validate(state, cfg, done, records) if every and (
-            done % every == 0 or done == total) else {}
-        times = {"rollout": t1 - t0, "reward": t2 - t1, "update": t3 - t2}
-        metrics, records = step_metrics(state, cfg, records, upd, {**rew["metrics"], **val}, times)
-        log_step(state, cfg, metrics, records)
-        stop = bool(val) and watch(state, cfg, val, metrics)
+        val = check(done, records) if every and (done % every == 0 or done == total) else {}
+        metrics, records = step_metrics(state, records, upd, {**rew["metrics"], **val}, times,
+                                        group_size=G, nlhf=task == "rm_nlhf",
+                                        steps=algo["updates_per_batch"] * algo["minibatches"])
+        log_step(state, metrics, records, out_dir=run["out_dir"])
+        stop = bool(val) and stop_rule(val, metrics)
         # --- 8. checkpoint (the MetaRM rides along in metarm/); an early stop ends the run ---
         if (run["save_every"] and done % run["save_every"] == 0) or done == total or stop:
             save_checkpoint(run["out_dir"], done, state["policy"], state["tokenizer"],
                             state["optimizer"], state["scheduler"], run["keep_checkpoints"], rank,
-                            world, state["scaler"], extra=state["mrm"] and (
+                            world, extra=state["mrm"] and (
                                 lambda d: metarm.save_metarm(state["mrm"], f"{d}/metarm")))
         if stop:
             break
@@ -142,14 +155,12 @@ def sampling_seed(run_seed, step, rank):
     return run_seed * 1_000_003 + step * 10_007 + rank
 
 
-def prompt_of(state, cfg, item):
-    """1. An item's prompt ids: an RLME problem in data.prompt_template, or the GRM prompt of an
-    RM-NLHF pair (nlhf.grm_prompt), in the policy's chat template (or plain text)."""
-    tok, chat, nl = state["tokenizer"], state["chat"], cfg["nlhf"]
-    if cfg["task"] == "rm_nlhf":
-        return R.grm_prompt_ids(tok, item, chat, max_lines=nl["max_critique_lines"],
-                                style=nl["grm_prompt"])
-    return rollout.policy_prompt_ids(tok, item, chat, cfg["data"]["prompt_template"])
+def prompt_of(tokenizer, chat, item, *, task, template, max_lines, style):
+    """1. An item's prompt ids: an RLME problem in `template` (data.prompt_template), or the GRM
+    prompt of an RM-NLHF pair (`style`: nlhf.grm_prompt), in the policy's chat template or not."""
+    if task == "rm_nlhf":
+        return R.grm_prompt_ids(tokenizer, item, chat, max_lines=max_lines, style=style)
+    return rollout.policy_prompt_ids(tokenizer, item, chat, template)
 
 
 def sample(state, prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -170,33 +181,32 @@ def sample(state, prompt_ids, *, group_size, max_new_tokens, temperature=1.0, to
 # 3-4. Rewards and advantages
 
 
-def rlme_reward_step(state, cfg, items, completions):
-    """3. One RLME step's rewards: r = sum_j v_j sum_k w_k log p_jk (RLME Eq. 2-3), RLVR's reward
-    against the label (reward.kind rlvr), or hybrid: rlvr_weight x RLVR + the RLME terms.
-    items: N item dicts (one per completion); completions: N str. Returns {"reward" [N],
-    "valid": None, or BoolTensor [N] False where a remote evaluator failed (masked), "records":
-    N samples.jsonl dicts (every evaluator's log p per question: the reward recomputes by hand),
-    "metrics": reward/nonfinite, reward/masked, evaluator/<name>/failed}."""
-    rw, fmt, world, evs = cfg["reward"], cfg["data"]["label_format"], state["world"], state[
-        "evaluators"]
+def rlme_reward_step(state, items, completions, *, meta_questions, kind, label_format, qa_metric,
+                     rlvr_weight, renormalize, transform):
+    """3. RLME rewards of N (item, completion) pairs: r = sum_j v_j sum_k w_k log p_jk (RLME Eq.
+    2-3) over state["evaluators"], RLVR's against the label (kind rlvr), or hybrid: rlvr_weight x
+    RLVR + RLME. Returns {"reward" [N], "valid": None or BoolTensor [N] (False: a remote evaluator
+    failed, masked), "records": N samples.jsonl dicts (every log p: the reward recomputes by
+    hand), "metrics": reward/nonfinite, reward/masked, evaluator/<name>/failed}."""
+    world, evs = state["world"], state["evaluators"]
     # RLVR (docs/method.md §4.3): kind rlvr's reward, hybrid's first part; the accuracy always
     # (exact match for text labels, whatever qa_metric); no label: None
     labels = [it["label"] for it in items]
-    rlvr = torch.tensor([R.answer_reward(c, y, fmt, rw["qa_metric"]) if y is not None else 0.0
+    rlvr = torch.tensor([R.answer_reward(c, y, label_format, qa_metric) if y is not None else 0.0
                          for c, y in zip(completions, labels)])
-    correct = [R.answer_reward(c, y, fmt, "em") >= 1.0 if y is not None else None
+    correct = [R.answer_reward(c, y, label_format, "em") >= 1.0 if y is not None else None
                for c, y in zip(completions, labels)]
     logp, rlme, nonfinite, valid = None, None, 0, torch.ones(len(items), dtype=torch.bool)
-    if rw["kind"] in ("rlme", "hybrid"):
+    if kind in ("rlme", "hybrid"):
         with rollout.autocast(state["dtype"], state["device"].type):
-            o = R.rlme_reward(evs, rw["meta_questions"], problems=[it["problem"] for it in items],
+            o = R.rlme_reward(evs, meta_questions, problems=[it["problem"] for it in items],
                               solutions=completions, references=[it["answer_text"] for it in items],
                               anchored=[it["anchored"] for it in items], template=state["template"],
-                              renormalize=rw["renormalize"], transform=rw["transform"])
+                              renormalize=renormalize, transform=transform)
         rlme, logp, nonfinite, failed, valid = o["reward"], o["logp"], o["nonfinite"], o[
             "failed"], o["valid"]
-    rewards = (R.hybrid_reward(rlvr, rlme, rlvr_weight=rw["rlvr_weight"]) if rw["kind"] == "hybrid"
-               else {"rlme": rlme, "rlvr": rlvr}[rw["kind"]])
+    rewards = (R.hybrid_reward(rlvr, rlme, rlvr_weight=rlvr_weight) if kind == "hybrid"
+               else {"rlme": rlme, "rlvr": rlvr}[kind])
     records = []
     for i, (it, c) in enumerate(zip(items, completions)):  # reward None: masked
         ok = bool(valid[i])
@@ -206,7 +216,7 @@ def rlme_reward_step(state, cfg, items, completions):
         if logp is not None:  # logp [N, J evaluators, K questions]; None: a failed request
             rec["rlme_reward"] = float(rlme[i]) if ok else None
             rec["logp"] = {ev["name"]: {mq["question"]: None if failed[i, j, k] else float(
-                logp[i, j, k]) for k, mq in enumerate(rw["meta_questions"])}
+                logp[i, j, k]) for k, mq in enumerate(meta_questions)}
                 for j, ev in enumerate(evs)}
         records.append(rec)
     metrics = {"reward/nonfinite": all_sum(nonfinite, world),
@@ -246,21 +256,16 @@ def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False)
 def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, ratio, clip_eps,
                   kl_coef, aggregation, max_new_tokens, updates_per_batch, minibatches,
                   group_size, micro_batch_size, grad_clip, temperature, pad_id, dtype="float32",
-                  world=1, ref_model=None, scaler=None):
+                  world=1, ref_model=None):
     """5. One rollout batch's update (docs/method.md §4.4): `updates_per_batch` passes, each
-    `minibatches` optimizer steps over whole groups, each accumulated over micro-batches of
-    `micro_batch_size` rows. An optimizer step's loss is sum(per-token loss) / ONE normaliser
-    counted over all its micro-batches on all ranks, so 1 rank x 4 micro-batches, 2 ranks x 2
-    and 1 x 1 give the same update. No-grad passes first: pi_b when off-policy (RLME Eq. 6's
-    denominator), pi_ref for GRPO's KL (ref_model).
-
-    model: what trains (DDP / FSDP2 / the policy); policy: unwrapped. batch: "prompt_ids" (N
-    lists), "completion_ids" LongTensor [N, L], "completion_mask" [N, L], "advantages" [N],
-    "valid" BoolTensor [N] | None (False rows leave the loss). loss "cispo" (eps_low, eps_high,
-    ratio) | "grpo" (clip_eps, kl_coef); grad_clip <= 0: measured only; scaler: float16's.
-    Returns {"loss" (this rank's, summed over optimizer steps), "grad_norms" (before clipping; a
-    non-finite one: that step skipped), "is_weight", "clipped" ([N], the last pass)}.
-    """
+    `minibatches` optimizer steps over whole groups, each accumulated over micro-batches. A step's
+    loss is sum(per-token loss) / ONE normaliser counted over all its micro-batches on all ranks
+    (1 rank x 4 micro-batches = 2 x 2 = 1 x 1). No-grad passes first: pi_b when off-policy (RLME
+    Eq. 6's denominator), pi_ref for GRPO's KL. model: what trains (DDP / FSDP2 / the policy);
+    batch: "prompt_ids" (N lists), "completion_ids" LongTensor [N, L], "completion_mask" [N, L],
+    "advantages" [N], "valid" BoolTensor [N] | None (False rows leave the loss); grad_clip <= 0:
+    measured only. Returns {"loss" (this rank's, summed over steps), "grad_norms" (before
+    clipping; non-finite: step skipped), "is_weight", "clipped" ([N], the last pass)}."""
     mask = batch["completion_mask"].float()
     if batch["valid"] is not None:  # a failed judge call: the row leaves the loss
         mask = mask * batch["valid"].float()[:, None]
@@ -284,7 +289,8 @@ def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, r
             chunks = micro_batches(idx, micro_batch_size)
             for c, rows in enumerate(chunks):
                 # DDP all-reduces on the last micro-batch only (FSDP2 reduce-scatters each)
-                with grad_sync(model, world, sync=c == len(chunks) - 1):
+                ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                with model.no_sync() if ddp and c < len(chunks) - 1 else nullcontext():
                     with rollout.autocast(dtype, device.type):
                         lp, width = rows_logprobs(model, batch, rows, temperature, pad_id)
                     lp, m_rows, a = lp.float(), mask[rows, :width].to(device), adv[rows].to(device)
@@ -301,29 +307,23 @@ def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, r
                                                  kl_coef=kl_coef, ref_logp=ref_lp,
                                                  aggregation=aggregation)
                     # DDP and FSDP2 average gradients over ranks; x world makes it a global sum
-                    scaled = loss_sum * world / norm
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    (loss_sum * world / norm).backward()
                 loss_total += float(loss_sum.detach()) / norm
                 is_weights[rows] = st["is_weight"].float().cpu()
                 clipped[rows] = st["clipped"].float().cpu()
-            grad_norms.append(optimizer_step(policy, optimizer, grad_clip, scaler))
+            grad_norms.append(optimizer_step(policy, optimizer, grad_clip))
     return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights,
             "clipped": clipped}
 
 
-def optimizer_step(policy, optimizer, grad_clip, scaler=None):
+def optimizer_step(policy, optimizer, grad_clip):
     """Clip the global gradient norm to `grad_clip` (<= 0: measure only; torch's clip_grad_norm_,
     under FSDP2 reduced over the mesh) and step; a non-finite norm skips the step, so a NaN never
     reaches AdamW or a checkpoint. Returns the norm before clipping (float)."""
-    if scaler is not None:
-        scaler.unscale_(optimizer)  # clip and log the true gradient norm
     gn = torch.nn.utils.clip_grad_norm_(policy.parameters(),
                                         grad_clip if grad_clip > 0 else float("inf"))
     gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-    if scaler is not None:
-        scaler.step(optimizer)  # skipped when a gradient is inf/NaN (float16 overflow)
-        scaler.update()
-    elif math.isfinite(gn):
+    if math.isfinite(gn):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return gn
@@ -456,13 +456,13 @@ def sample_records(step, rank, out, fields, advantages, upd, group_size):
             for i, f in enumerate(fields)]
 
 
-def step_metrics(state, cfg, records, upd, reward_metrics, times):
+def step_metrics(state, records, upd, reward_metrics, times, *, group_size, steps, nlhf):
     """The step's metrics.jsonl line from every rank's records (docs/method.md §9 lists the keys);
-    every rank calls it (collectives). Returns (metrics, all records) on rank 0, else Nones."""
-    world, G, algo = state["world"], cfg["rollout"]["group_size"], cfg["algo"]
+    every rank calls it (collectives). steps: optimizer steps per batch; nlhf: task rm_nlhf.
+    Returns (metrics, all records) on rank 0, else Nones."""
+    world, G = state["world"], group_size
     records, loss = gather_records(records, world), all_sum(upd["loss"], world)
-    # steps skipped for a non-finite gradient norm (float16's GradScaler skips on its own)
-    skipped = 0 if state["scaler"] else sum(not math.isfinite(g) for g in upd["grad_norms"])
+    skipped = sum(not math.isfinite(g) for g in upd["grad_norms"])  # a non-finite norm: skipped
     if state["rank"] != 0:
         return None, None
     # reward None: a failed judge call / remote evaluator; no known reward: no mean (never 0.0)
@@ -471,7 +471,7 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
     lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
     groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None}
               for g in range(0, len(records), G)]
-    n, steps = len(records), algo["updates_per_batch"] * algo["minibatches"]
+    n = len(records)
     labelled = [r["correct"] for r in records if r["correct"] is not None]
     metrics = {
         "step": records[0]["step"], "reward/mean": rew.mean().item() if known else None,
@@ -491,7 +491,7 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
         **{f"time/{k}": v for k, v in times.items()}, "time/step": sum(times.values()),
         "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9),
         "memory/peak_mb": peak_memory_mb(state["device"]), **reward_metrics}
-    if cfg["task"] == "rm_nlhf":
+    if nlhf:
         metrics.update(R.nlhf_step_metrics(records, reward_metrics))
     else:  # the RLVR reward, boxed answers, each evaluator's log p and p per meta-question
         metrics["rlvr_reward/mean"] = sum(r["rlvr_reward"] for r in records) / n
@@ -499,16 +499,15 @@ def step_metrics(state, cfg, records, upd, reward_metrics, times):
         if "logp" in records[0]:  # None: a remote evaluator's failed request, left out
             rl = [r["rlme_reward"] for r in records if r["rlme_reward"] is not None]
             metrics["rlme_reward/mean"] = sum(rl) / len(rl) if rl else None
-            for ev in cfg["reward"]["evaluators"]:
-                for q in (mq["question"] for mq in cfg["reward"]["meta_questions"]):
-                    v = torch.tensor([x for r in records
-                                      if (x := r["logp"][ev["name"]][q]) is not None])
-                    metrics[R.logp_metric_name(ev["name"], q)] = v.mean().item() if len(v) else None
-                    metrics[f"rlme/{ev['name']}/{q}/p"] = v.exp().mean().item() if len(v) else None
+            for name, questions in records[0]["logp"].items():  # evaluators x meta-questions
+                for q in questions:
+                    v = torch.tensor([x for r in records if (x := r["logp"][name][q]) is not None])
+                    metrics[R.logp_metric_name(name, q)] = v.mean().item() if len(v) else None
+                    metrics[f"rlme/{name}/{q}/p"] = v.exp().mean().item() if len(v) else None
     return metrics, records
 
 
-def log_step(state, cfg, metrics, records):
+def log_step(state, metrics, records, *, out_dir):
     """Rank 0 (metrics not None): the metrics.jsonl line (NaN / inf as null: NaN is not JSON),
     the samples.jsonl lines, TensorBoard's scalars, the progress bar."""
     if metrics is None:
@@ -516,7 +515,7 @@ def log_step(state, cfg, metrics, records):
     training = "reward/mean" in metrics  # step 0's validation line has no reward
     if training:  # the MetaRM cold start's counts join the first step's line
         metrics = {**metrics, **state.pop("first_metrics", {})}
-    metrics, out_dir = finite(metrics), cfg["run"]["out_dir"]
+    metrics = finite(metrics)
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     with open(os.path.join(out_dir, "samples.jsonl"), "a") as f:
@@ -548,35 +547,32 @@ def finite(x):
 # 7. Validation, the reward-hacking monitor, the early stop (RLME §4; docs/method.md §4.6)
 
 
-def validate(state, cfg, step, records):
-    """Held-out validation with the current policy; every rank calls it (collectives). RLME:
-    data.val's problems answered greedily, graded as `evaluate.py math` does, their training
-    reward, the canaries' (non-answers an evaluator must not like) and the AUROC of this step's
-    rewards against correctness. RM-NLHF: the GRM's pairwise accuracy on held-out pairs, both
-    A/B orders (RM-NLHF Figs. 3, 6), sampled at T 0.6 (the release's) in calls of at most a
-    rollout's rows, as many on every rank (a rank with fewer pairs calls with none: under FSDP2
-    each call is a collective). Returns val/* (the same on every rank), val/seconds, step."""
-    t0, world, rank, ro, d, nl = (time.perf_counter(), state["world"], state["rank"],
-                                  cfg["rollout"], cfg["data"], cfg["nlhf"])
+def validate(state, step, records, *, task, reward, template, numeric, max_new_tokens, chunk,
+             style, max_lines, max_chars, max_prompt_tokens, seed):
+    """Held-out validation of the current policy; every rank calls it (collectives). RLME:
+    state["val_items"] answered greedily, graded as `evaluate.py math` does, their reward, the
+    canaries' (non-answers an evaluator must not like), the AUROC of this step's rewards against
+    correctness. RM-NLHF: the GRM's pairwise accuracy on held-out pairs, both A/B orders (RM-NLHF
+    Figs. 3, 6), sampled at T 0.6 (the release's) in as many calls of <= `chunk` rows on every
+    rank (under FSDP2 each is a collective). Returns val/* (alike on every rank), step."""
+    t0, world, rank = time.perf_counter(), state["world"], state["rank"]
     total, val = (lambda x: all_sum(x, world)), state["val_items"]  # noqa: E731
     mine = val[rank::world]
-    if cfg["task"] == "rlme":
-        inject = "{answer}" in d["prompt_template"]  # NoCheat: a seeded WRONG answer is shown
-        prompts = [rollout.policy_prompt_ids(state["tokenizer"], val[k], state["chat"],
-                                             d["prompt_template"], answer=evaluate.wrong_answer(
-                                                 val, k) if inject else None)
-                   for k in range(rank, len(val), world)]
-        greedy = sample(state, prompts, group_size=1, max_new_tokens=ro["max_new_tokens"],
+    if task == "rlme":
+        inject = "{answer}" in template  # NoCheat: a seeded WRONG answer is shown
+        prompts = [rollout.policy_prompt_ids(state["tokenizer"], val[k], state["chat"], template,
+                                             answer=evaluate.wrong_answer(val, k) if inject
+                                             else None) for k in range(rank, len(val), world)]
+        greedy = sample(state, prompts, group_size=1, max_new_tokens=max_new_tokens,
                         temperature=0.0, seed=0)
-        rew = rlme_reward_step(state, cfg, mine, greedy["completions"])
+        rew = reward(mine, greedy["completions"])
         few = mine[:max(1, 8 // world)]
-        canaries = {name: rlme_reward_step(state, cfg, few, [text] * len(few))
+        canaries = {name: reward(few, [text] * len(few))
                     for name, text in evaluate.CANARIES.items()}
         out = evaluate.rlme_val_metrics(rew, greedy["completions"], canaries, injected=inject,
-                                        numeric=d["label_format"] != "text", all_sum=total)
+                                        numeric=numeric, all_sum=total)
         out.update(evaluate.val_auroc(gather_records(records, world)))
     else:
-        chunk = max(1, ro["prompts_per_step"] * ro["group_size"] // world)
         calls = []
 
         def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperature=1.0,
@@ -586,40 +582,38 @@ def validate(state, cfg, step, records):
                           max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, seed=seed)
 
         judge = evaluate.make_grm_judge(
-            state["policy"], state["tokenizer"], max_new_tokens=ro["max_new_tokens"],
-            batch_size=chunk, chat=state["chat"], style=nl["grm_prompt"], generate=generate,
-            max_prompt_tokens=ro["vllm_max_model_len"] - ro["max_new_tokens"] if state[
-                "engine"] is not None else None,  # vLLM stops a longer prompt at its context
-            temperature=0.6, top_p=1.0, seed=cfg["run"]["seed"] * 1_000_003 + 7_919 * step + rank,
-            max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"])
+            state["policy"], state["tokenizer"], max_new_tokens=max_new_tokens, batch_size=chunk,
+            chat=state["chat"], style=style, generate=generate, max_prompt_tokens=max_prompt_tokens,
+            temperature=0.6, top_p=1.0, seed=seed * 1_000_003 + 7_919 * step + rank,
+            max_lines=max_lines, max_chars=max_chars)
         pairs = evaluate.pairwise_accuracy(mine, judge)[1] if mine else []
         for _ in range(-(-2 * -(-len(val) // world) // chunk) - len(calls)):  # rank 0's count
             generate(None, None, [], 1, 1)
         out = evaluate.nlhf_val_metrics(pairs, all_sum=total)
-    return {**out, "val/seconds": all_max(time.perf_counter() - t0, world), "step": step}
+    took = all_sum(time.perf_counter() - t0, world, op=dist.ReduceOp.MAX)
+    return {**out, "val/seconds": took, "step": step}
 
 
-def watch(state, cfg, val, metrics):
+def watch(state, val, metrics, *, out_dir, drop, patience):
     """After a validation: the reward-hacking monitor (rank 0 warns when the training reward since
-    the last validation rose while held-out accuracy fell) and the early-stop rule (run.early_
-    stop_*, every rank alike). True: stop; rank 0 then writes early_stop.json, and the same
-    command stops at start-up instead of training on."""
-    run, hist, acc = cfg["run"], state["history"], evaluate.held_out_accuracy(val)
+    the last validation rose while held-out accuracy fell) and the early-stop rule (accuracy more
+    than `drop` below its best for `patience` evaluations; 0: off; every rank alike). True: stop;
+    rank 0 then writes early_stop.json, and the same command stops at start-up."""
+    hist, acc = state["history"], evaluate.held_out_accuracy(val)
     since, state["rewards_since_eval"] = state["rewards_since_eval"], []
     warning = evaluate.monitor(hist, val["step"], acc, sum(since) / len(since) if (
         metrics is not None and since) else None)
     if warning and state["bar"] is not None:
         state["bar"].write(warning)
-    stop = bool(run["early_stop_patience"]) and evaluate.early_stop(
-        [h["accuracy"] for h in hist], run["early_stop_drop"], run["early_stop_patience"])
+    stop = bool(patience) and evaluate.early_stop([h["accuracy"] for h in hist], drop, patience)
     if stop and state["rank"] == 0:
         best = max(hist, key=lambda h: h["accuracy"])
-        with open(os.path.join(run["out_dir"], "early_stop.json"), "w") as f:
+        with open(os.path.join(out_dir, "early_stop.json"), "w") as f:
             json.dump({"step": val["step"], "accuracy": acc, "best_accuracy": best["accuracy"],
                        "best_step": best["step"]}, f, indent=1)
         print(f"[train] early stop at step {val['step']}: held-out accuracy {acc:.3f}, more than "
-              f"{run['early_stop_drop']} below its best ({best['accuracy']:.3f}, step "
-              f"{best['step']}) for {run['early_stop_patience']} evaluations", flush=True)
+              f"{drop} below its best ({best['accuracy']:.3f}, step {best['step']}) for "
+              f"{patience} evaluations", flush=True)
     return stop
 
 
@@ -642,25 +636,38 @@ def setup(cfg):
                                             if os.path.exists(stopped) else f"complete at step "
                                             f"{start} (raise run.total_steps to train on)"))
         return finish({"lock": lock, "bar": None, "writer": None})
-    lora, source = m["lora"], ckpt if ckpt and not m["lora"] else m["policy"]  # LoRA: base
-    if tc["parallel"] == "fsdp2":  # only rank 0 ever holds the full weights
-        policy, tok = load_sharded_model(
-            lambda: rollout.load_model(source, "float32", "cpu"), lambda p: wrap_policy(
-                p, "fsdp2", world, device, m["dtype"], m["gradient_checkpointing"]),
-            device, rank, world)
-    else:
-        policy, tok = rollout.load_model(source, "float32", device)
-    if lora:  # the adapters: fresh, or the checkpoint's
-        policy = apply_lora(policy, lora, seed=run["seed"], ckpt=ckpt)
+    fsdp2, nl, rw = tc["parallel"] == "fsdp2", cfg["nlhf"], cfg["reward"]
+    policy, tok = rollout.load_model(ckpt if ckpt and not m["lora"] else m["policy"],  # LoRA: base
+                                     "float32", "cpu" if fsdp2 else device)
+    if m["lora"]:  # the adapters: fresh, or the checkpoint's
+        policy = apply_lora(policy, m["lora"], seed=run["seed"], ckpt=ckpt)
+    model = wrap_policy(policy, tc["parallel"], world, device, m["dtype"],  # FSDP2: in place
+                        m["gradient_checkpointing"])
+    chat = rollout.use_chat_template(tok, m["chat_template"], m["policy"])
     state = {"rank": rank, "world": world, "device": device, "dtype": m["dtype"], "lock": lock,
-             "start_step": start, "policy": policy, "tokenizer": tok, "history": [],
-             "rewards_since_eval": [], "bar": None, "writer": None, "mrm": None, "engine": None,
-             "chat": rollout.use_chat_template(tok, m["chat_template"], m["policy"]),
-             "generate_batch": cfg["rollout"]["micro_batch_size"]}
+             "start_step": start, "policy": policy, "model": model, "tokenizer": tok, "chat": chat,
+             "history": [], "rewards_since_eval": [], "bar": None, "writer": None, "mrm": None,
+             "engine": None, "generate_batch": cfg["rollout"]["micro_batch_size"],
+             "prompt": functools.partial(  # item -> its prompt ids
+                 prompt_of, tok, chat, task=cfg["task"], template=cfg["data"]["prompt_template"],
+                 max_lines=nl["max_critique_lines"], style=nl["grm_prompt"])}
     load_data(state, cfg)
-    state["model"] = policy if tc["parallel"] == "fsdp2" else wrap_policy(
-        policy, "ddp", world, device, m["dtype"], m["gradient_checkpointing"])
     load_models(state, cfg, ckpt)
+    if cfg["task"] == "rm_nlhf":  # (items, completions, step, t0) -> rewards (Algorithm 1)
+        state["reward"] = lambda items, completions, step, t0: metarm.nlhf_reward_step(
+            items, completions, judge=state["judge"], mrm=state["mrm"], lam=nl["lam"],
+            threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+            similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+            on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
+            max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
+            mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"],
+            seed=run["seed"] * 7_919 + step, t0=t0)
+    else:  # (items, completions) -> rewards (RLME Eq. 2-3)
+        state["reward"] = lambda items, completions, step=0, t0=0: rlme_reward_step(
+            state, items, completions, meta_questions=rw["meta_questions"], kind=rw["kind"],
+            label_format=cfg["data"]["label_format"], qa_metric=rw["qa_metric"],
+            rlvr_weight=rw["rlvr_weight"], renormalize=rw["renormalize"],
+            transform=rw["transform"])
     open_run(state, cfg)
     return state
 
@@ -674,14 +681,11 @@ def load_data(state, cfg):
     limit = ro["max_prompt_tokens"] or context - ro["max_new_tokens"]
 
     def short(items):
-        return [it for it in items if len(prompt_of(state, cfg, it)) <= limit]
+        return [it for it in items if len(state["prompt"](it)) <= limit]
 
     if cfg["task"] == "rm_nlhf":
-        j = cfg["judge"]
-        state["judge"] = R.make_judge(
-            backend=j["backend"], variant=j["variant"], base_url=j["base_url"], model=j["model"],
-            api_key_env=j["api_key_env"], timeout_s=j["timeout_s"],
-            temperature=j["temperature"], max_tokens=j["max_tokens"])
+        state["judge"] = R.make_judge(**{k: v for k, v in cfg["judge"].items()
+                                         if k != "on_failure"})
         dh, do, note = data.load_nlhf_items(nl["dh"], nl["do"], seed=seed,
                                             split_dh_fraction=nl["split_dh_fraction"])
         state["dh"], state["do"], state["val_items"] = short(dh), short(do), []
@@ -699,7 +703,8 @@ def load_data(state, cfg):
             val_split=d["val_split"], val_size=d["val_size"], seed=seed,
             anchor_fraction=cfg["reward"]["anchor_fraction"], question_field=d["question_field"],
             answer_field=d["answer_field"], label_format=d["label_format"],
-            context_field=d["context_field"])
+            context_field=d["context_field"],
+            **{k: d[k] for k in ["context_max_chars"] if k in d})  # config.yaml may hold it
         state["items"], state["val_items"] = short(items), short(val)
         n = len(state["items"])
     if not n:
@@ -716,108 +721,92 @@ def load_models(state, cfg, ckpt):
     m, ro, rw, o, algo = cfg["model"], cfg["rollout"], cfg["reward"], cfg["optim"], cfg["algo"]
     policy, device, rank, world = state["policy"], state["device"], state["rank"], state["world"]
     if ro["backend"] == "vllm":  # from the policy's own weights (the checkpoint's on resume)
-        if m["lora"]:  # a push sends whole weights; merging adapters into them is not done here
-            raise SystemExit("config key model.lora: needs rollout.backend=hf")
         state["engine"] = rollout.make_vllm_engine(
             ckpt or m["policy"], dtype=m["dtype"],
             seed=(cfg["run"]["seed"] * 1_000_003 + rank) % 2 ** 32,
             gpu_memory_utilization=ro["vllm_gpu_memory_utilization"],
             max_model_len=ro["vllm_max_model_len"])
     # RLME Eq. 2-3's evaluator prompt: null = the default, "qa" = context QA's, else a string
-    state["template"] = {None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
-        rw["evaluator_template"], rw["evaluator_template"])
-    state["evaluators"] = [make_evaluator(state, cfg, i, ev) for i, ev in enumerate(
-        rw["evaluators"])] if cfg["task"] == "rlme" and rw["kind"] != "rlvr" else []
+    state["template"] = R.check_evaluator_template({
+        None: R.DEFAULT_EVALUATOR_TEMPLATE, "qa": R.QA_EVALUATOR_TEMPLATE}.get(
+        rw["evaluator_template"], rw["evaluator_template"]))
+    state["evaluators"] = [make_evaluator(
+        ev, policy=policy, tokenizer=state["tokenizer"], device=device, dtype=m["dtype"],
+        lora=m["lora"], policy_path=m["policy"], chat_template=m["chat_template"],
+        micro_batch_size=rw["micro_batch_size"]) for ev in rw["evaluators"]
+    ] if cfg["task"] == "rlme" and rw["kind"] != "rlvr" else []
     state["ref_model"] = None  # GRPO's pi_ref: the initial policy, frozen
     if algo["loss"] == "grpo" and algo["kl_coef"] > 0 and m["lora"]:
         state["ref_model"] = BaseModelView(policy)  # the policy with its adapters off
-    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0 and cfg["train"]["parallel"] == "fsdp2":
-        state["ref_model"] = load_sharded_model(  # 1/world of it a rank, as the policy
-            lambda: rollout.load_model(m["policy"], m["dtype"], "cpu"),
-            lambda r: shard_frozen(r.eval(), world, device), device, rank, world)[0]
-    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:
-        state["ref_model"] = rollout.load_model(m["policy"], m["dtype"], device)[0]
-        state["ref_model"].eval().requires_grad_(False)
+    elif algo["loss"] == "grpo" and algo["kl_coef"] > 0:  # FSDP2: 1/world of it a rank
+        fsdp2 = cfg["train"]["parallel"] == "fsdp2"
+        ref = rollout.load_model(m["policy"], m["dtype"], "cpu" if fsdp2 else device)[0]
+        state["ref_model"] = ref.eval().requires_grad_(False)
+        if fsdp2:
+            state["ref_model"] = fully_shard_layers(ref, device, world)
     # AdamW over what trains (LoRA: the adapters); fused: one kernel over all parameters
     state["optimizer"] = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],
                                            lr=o["lr"], weight_decay=o["weight_decay"], fused=True)
     state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, then constant
         state["optimizer"], lr_lambda(o["warmup_steps"]))
-    # float16 has 5 exponent bits: small gradients underflow without loss scaling (bf16: none)
-    state["scaler"] = torch.amp.GradScaler(device.type) if m["dtype"] == "float16" else None
     if ckpt:
         state["start_step"] = load_checkpoint(ckpt, policy, state["optimizer"],
-                                              state["scheduler"], state["scaler"], rank)
-    if cfg["task"] == "rm_nlhf" and cfg["metarm"]["mode"] != "none":
-        setup_metarm(state, cfg, ckpt)
-
-
-def make_evaluator(state, cfg, i, ev):
-    """reward.evaluators[i] (RLME Eq. 2-3's pi_phi_j, weight v_j) as reward.rlme_reward's dict:
-    live (the policy itself), frozen_self (the initial policy; LoRA: the policy with adapters
-    off), frozen (the model at `path`), remote (a server's prompt log-probs). live and
-    frozen_self take the policy's chat template unless they set their own."""
-    m, kind, name, weight = cfg["model"], ev["kind"], ev["name"], ev["weight"]
-    if kind == "remote":
-        settings = ("api_key_env", "timeout_s", "max_retries", "concurrency")  # else reward's
-        return R.remote_evaluator(ev["base_url"], ev["model"], name=name, weight=weight,
-                                  tokenizer=ev["path"], chat=ev["chat_template"],
-                                  **{k: ev[k] for k in settings if k in ev})
-    model, tok, path = state["policy"], state["tokenizer"], ev["path"] or m["policy"]
-    if kind == "frozen_self" and m["lora"]:
-        model = BaseModelView(model)
-    elif kind != "live":
-        model, tok = rollout.load_model(path, m["dtype"], state["device"])
-    own = kind == "frozen" or ev["chat_template"] != "auto"
-    chat = rollout.use_chat_template(
-        tok, ev["chat_template"] if own else m["chat_template"], path,
-        system=ev["system_prompt"], kwargs=ev["chat_template_kwargs"])
-    return R.local_evaluator(model, tok, chat=chat, name=name, weight=weight,
-                             micro_batch_size=cfg["reward"]["micro_batch_size"],
-                             frozen=kind != "live")
-
-
-def setup_metarm(state, cfg, ckpt):
-    """RM-NLHF's MetaRM (§3.2): restored with the checkpoint (the GRM and its MetaRM move
-    together), loaded from <out_dir>/metarm (a cold start done before), or a fresh head
-    cold-started on D_H (Algorithm 1 lines 2-10, App. G.3) through the run's engine and saved
-    there. FSDP2 with several ranks shards it like the policy."""
-    mc, nl, run, ro, m = cfg["metarm"], cfg["nlhf"], cfg["run"], cfg["rollout"], cfg["model"]
-    rank, world, device = state["rank"], state["world"], state["device"]
-    wrap = None if cfg["train"]["parallel"] != "fsdp2" or world == 1 else (
-        lambda model: wrap_policy(model, "fsdp2", world, device, mc["dtype"]))
-    path = os.path.join(ckpt or run["out_dir"], "metarm")
-    if ckpt or os.path.isfile(os.path.join(path, "metarm.json")):
-        state["mrm"] = metarm.load_metarm(path, mc["dtype"], device=device, wrap=wrap,
-                                          gradient_checkpointing=mc["gradient_checkpointing"])
+                                              state["scheduler"], rank)
+    if cfg["task"] != "rm_nlhf":
         return
-    state["mrm"] = metarm.new_metarm(
-        m["policy"], mode=mc["mode"], lam=nl["lam"], dtype=mc["dtype"],
-        batch_size=mc["batch_size"], max_length=mc["max_length"], online_lr=mc["online_lr"],
-        online_epochs=mc["online_epochs"], gradient_checkpointing=mc["gradient_checkpointing"],
-        device=device, seed=run["seed"], wrap=wrap)
-
-    def cold_sample(prompt_ids, *, group_size, max_new_tokens, temperature=1.0, seed=0):
-        return sample(state, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed)
-
-    stats = metarm.run_cold_start(
-        state["mrm"], state["dh"][:mc["cold_start_items"] or None], sample=cold_sample,
-        prompt=lambda item: prompt_of(state, cfg, item), judge=state["judge"],
-        folder=os.path.join(run["out_dir"], "cold_start"), batch_size=4,
+    # RM-NLHF's MetaRM (§3.2): the checkpoint's, a saved <out_dir>/metarm, or a fresh head
+    # cold-started on D_H (Algorithm 1 lines 2-10, App. G.3); FSDP2 shards it like the policy
+    mc, nl, run, j = cfg["metarm"], cfg["nlhf"], cfg["run"], cfg["judge"]
+    state["mrm"], _, stats = metarm.setup_metarm(
+        ckpt, mode=mc["mode"], out_dir=run["out_dir"], model_path=m["policy"], lam=nl["lam"],
+        seed=run["seed"], dtype=mc["dtype"], device=device, wrap=None if cfg["train"][
+            "parallel"] != "fsdp2" or world == 1 else lambda model: wrap_policy(
+            model, "fsdp2", world, device, mc["dtype"]),
+        gradient_checkpointing=mc["gradient_checkpointing"], batch_size=mc["batch_size"],
+        max_length=mc["max_length"], online_lr=mc["online_lr"], online_epochs=mc["online_epochs"],
+        items=state["dh"][:mc["cold_start_items"] or None], prompt=state["prompt"],
+        sample=lambda ids, **kw: sample(state, ids, **kw), judge=state["judge"],
         identity={"model.policy": m["policy"], "model.dtype": m["dtype"],
-                  "judge": [cfg["judge"][k] for k in ("backend", "model", "variant")]},
+                  "judge": [j[k] for k in ("backend", "model", "variant")]},
         rollouts_per_prompt=mc["rollouts_per_prompt"], max_new_tokens=ro["max_new_tokens"],
-        temperature=ro["temperature"], epochs=mc["epochs"], lr=1e-5, warmup_frac=0.01,
-        weight_decay=0.01, seed=run["seed"], lam=nl["lam"], threshold=nl["threshold"],
-        inclusive=nl["threshold_rule"] == "inclusive", similarity=nl["similarity"],
-        gate_on_outcome=nl["gate_on_outcome"], on_failure=cfg["judge"]["on_failure"],
-        max_lines=nl["max_critique_lines"], max_chars=nl["max_critique_chars"],
-        style=nl["grm_prompt"], rank=rank, world=world, log=print if rank == 0 else None)
-    metarm.save_metarm(state["mrm"], path)
-    if rank == 0:  # the cold-start set's size, so an empty one is seen: the first step's line
+        temperature=ro["temperature"], epochs=mc["epochs"], lr=1e-5,
+        threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+        similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+        on_failure=j["on_failure"], max_lines=nl["max_critique_lines"],
+        max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], rank=rank, world=world)
+    if stats is not None and rank == 0:  # the cold start's counts: the first step's line
         state["first_metrics"] = metarm.record_cold_start(run["out_dir"], stats,
                                                           mc["rollouts_per_prompt"])
+
+
+def make_evaluator(ev, *, policy, tokenizer, device, dtype, lora, policy_path, chat_template,
+                   micro_batch_size):
+    """A reward.evaluators item (RLME Eq. 2-3's pi_phi_j, weight v_j) as reward.rlme_reward's dict:
+    live (the policy), frozen_self (the initial policy; LoRA: adapters off), frozen (the model at
+    `path`), remote (a server's prompt log-probs; `path`: the served model's tokenizer, for its
+    chat template). live / frozen_self take the policy's chat_template unless they set one."""
+    kind, path = ev["kind"], ev["path"] or policy_path
+    own = kind == "frozen" or ev["chat_template"] != "auto"
+    template = dict(system=ev["system_prompt"], kwargs=ev["chat_template_kwargs"])
+    if kind == "remote":
+        from transformers import AutoTokenizer
+        tok = ev["path"] and AutoTokenizer.from_pretrained(rollout.resolve_model_path(path))
+        # no path: plain text + "\nAnswer:"; a path: the served model's tokenizer and template
+        settings = ("api_key_env", "timeout_s", "max_retries", "concurrency")  # else reward's
+        return R.remote_evaluator(
+            ev["base_url"], ev["model"], name=ev["name"], weight=ev["weight"],
+            tokenizer=tok or None, chat=bool(tok) and rollout.use_chat_template(
+                tok, ev["chat_template"], path, **template),
+            **{k: ev[k] for k in settings if k in ev})
+    model, tok = policy, tokenizer
+    if kind == "frozen_self" and lora:
+        model = BaseModelView(model)
+    elif kind != "live":
+        model, tok = rollout.load_model(path, dtype, device)
+    chat = rollout.use_chat_template(tok, ev["chat_template"] if own else chat_template, path,
+                                     **template)
+    return R.local_evaluator(model, tok, chat=chat, name=ev["name"], weight=ev["weight"],
+                             micro_batch_size=micro_batch_size, frozen=kind != "live")
 
 
 def open_run(state, cfg):
@@ -861,6 +850,491 @@ def finish(state):
             closable.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# ==============================================================================================
+# Config: config.yaml is the schema and the defaults; presets and key=value overrides layer on
+# top. An unknown key or a value unlike its default's type stops with one line (docs/config.md).
+
+CHOICES = {
+    "task": ["rlme", "rm_nlhf"], "model.dtype": ["float32", "bfloat16"],
+    "model.chat_template": ["auto", True, False], "model.gradient_checkpointing": ["none", "full"],
+    "data.label_format": ["gsm8k", "plain", "text"], "rollout.backend": ["hf", "vllm"],
+    "reward.kind": ["rlme", "rlvr", "hybrid"], "reward.transform": ["log", "prob"],
+    "reward.qa_metric": ["em", "f1"], "algo.loss": ["cispo", "grpo"],
+    "algo.ratio": ["sequence", "geometric_mean"], "algo.aggregation": [
+        "seq_sum", "seq_mean_token_mean", "token_mean", "micro_batch_token_mean", "dr_grpo"],
+    "nlhf.threshold_rule": ["strict", "inclusive"],
+    "nlhf.similarity": ["f1", "precision", "recall"],
+    "nlhf.do_reward": ["paper", "released"], "nlhf.grm_prompt": ["ours", "authors"],
+    "judge.backend": ["openai", "proxy"], "judge.variant": ["core", "all", "meta_judge"],
+    "judge.on_failure": ["mask", "zero"], "metarm.mode": [
+        "none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier"],
+    "metarm.dtype": ["float32", "bfloat16", "float16"], "train.parallel": ["ddp", "fsdp2"],
+    "train.device": ["auto", "cpu", "cuda"]}
+NULLABLE = {"data.answer_field", "nlhf.do", "judge.temperature", "judge.max_tokens"}  # null: off
+OPT = (str, type(None))
+ITEM_FIELDS = {  # the fields a list item may hold, and their types (defaults: _check_items)
+    "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": OPT,
+                          "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
+                          "system_prompt": OPT, "base_url": str, "model": str, "api_key_env": OPT,
+                          "timeout_s": float, "max_retries": int, "concurrency": int},
+    "reward.meta_questions": {"question": str, "weight": float, "target": str, "negative": str},
+    "model.lora": {"r": int, "alpha": float, "dropout": float, "target_modules": (list, str)}}
+
+
+def _keys(d, prefix=""):
+    """Every dotted leaf key of a nested dict."""
+    for k, v in d.items():
+        yield from _keys(v, prefix + k + ".") if isinstance(v, dict) and v else [prefix + k]
+
+
+def _type_ok(value, t):
+    """isinstance, except that a bool is no number and an int is a float."""
+    types = t if isinstance(t, tuple) else (t,)
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types) or (float in types and isinstance(value, int))
+
+
+def _merge(base, new, where, schema, prefix=""):
+    """Deep-merge `new` into `base` in place; one-line SystemExit on an unknown key or wrong type.
+    A non-empty mapping is a section; a null or {} default takes any value (replaced whole)."""
+    if not isinstance(new, dict):
+        what = f"config key {prefix[:-1]}:" if prefix else "the file"
+        raise SystemExit(f"{where}: {what} must be a mapping, got {new!r}")
+    for k, v in new.items():
+        key = f"{prefix}{k}"
+        if k not in base:
+            known = list(_keys(schema))  # the nearest name, or the same name in another section
+            near = ([n for n in known if n.split(".")[-1] == k]
+                    or difflib.get_close_matches(key, known, n=1, cutoff=0.6) or [None])[0]
+            raise SystemExit(f"{where}: unknown config key {key}"
+                             + (f" (did you mean {near}?)" if near else ""))
+        default = base[k]
+        if isinstance(default, dict) and default:
+            _merge(default, v, where, schema, key + ".")
+            continue
+        if isinstance(default, float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        ok = default is None or (v is None and key in NULLABLE) or (
+            any(type(v) is type(c) and v == c for c in CHOICES[key]) if key in CHOICES
+            else _type_ok(v, type(default)))
+        if not ok:
+            want = (f"one of {CHOICES[key]}" if key in CHOICES else type(default).__name__)
+            raise SystemExit(f"{where}: config key {key}: expected {want}, got {v!r}")
+        base[k] = float(v) if isinstance(default, float) and isinstance(v, int) else v
+
+
+def _read_yaml(path):
+    try:
+        with open(path, "rb") as f:
+            return yaml.safe_load(f) or {}
+    except OSError as e:
+        raise SystemExit(f"config file {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise SystemExit(f"config file {path}: invalid YAML{at}: {getattr(e, 'problem', e)}")
+
+
+def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml")):
+    """config.yaml, then each preset in `paths`, then `key.sub=value` overrides (typed by YAML).
+    Returns the nested dict, list items with their defaults filled in. Raises SystemExit (one
+    line) on a missing file, bad YAML, unknown key, wrong type or a rule of _check broken."""
+    schema = _read_yaml(schema_path)
+    cfg = copy.deepcopy(schema)
+    for p in paths:
+        if os.path.abspath(p) != os.path.abspath(schema_path):
+            _merge(cfg, _read_yaml(p), f"config file {p}", schema)
+    for o in overrides:
+        key, eq, val = o.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"override {o!r}: expected key.sub=value (files go after --config)")
+        try:
+            value = yaml.safe_load(val)
+        except yaml.YAMLError:
+            raise SystemExit(f"override {o!r}: the value is not valid YAML (quote it)")
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        _merge(cfg, value, f"override {o!r}", schema)
+    _check(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    return cfg
+
+
+def _check_items(cfg):
+    """List items (evaluators, meta-questions) and model.lora: known fields, types, defaults."""
+    for key, fields in ITEM_FIELDS.items():
+        items = cfg[key.split(".")[0]][key.split(".")[1]]
+        if key == "model.lora":  # null (off) or one mapping
+            items = [] if items is None else [items]
+        elif not isinstance(items, list) or not items:
+            raise SystemExit(f"config key {key}: expected a non-empty list")
+        for i, item in enumerate(items):
+            where = key if key == "model.lora" else f"{key}[{i}]"
+            for f, v in item.items() if isinstance(item, dict) else [("", item)]:
+                near = difflib.get_close_matches(f, list(fields), n=1)
+                if f not in fields or not _type_ok(v, fields[f]):
+                    raise SystemExit(f"config key {where}.{f}: " + (
+                        f"bad value {v!r}" if f in fields else "unknown"
+                        + (f" (did you mean {near[0]}?)" if near else "")))
+    for i, mq in enumerate(cfg["reward"]["meta_questions"]):
+        mq.setdefault("weight", 1.0)
+        if not (mq.get("question") and mq.setdefault("target", "Yes").strip()
+                and mq.setdefault("negative", "No").strip()):
+            raise SystemExit(f"config key reward.meta_questions[{i}]: needs a question, a target")
+    for i, ev in enumerate(cfg["reward"]["evaluators"]):
+        kind = ev.setdefault("kind", "live")
+        for f, v in (("name", f"{kind}{i}"), ("weight", 1.0), ("path", None),
+                     ("chat_template", "auto"), ("chat_template_kwargs", None),
+                     ("system_prompt", None)):
+            ev.setdefault(f, v)
+        for bad, why in [
+                (kind not in ("live", "frozen_self", "frozen", "remote"), "kind: not one of live, "
+                 "frozen_self, frozen, remote"),
+                (kind == "frozen" and not ev["path"], "path: frozen needs a model"),
+                (kind == "remote" and not {"base_url", "model"} <= set(ev), "kind: remote needs "
+                 "base_url and model")]:
+            if bad:
+                raise SystemExit(f"config key reward.evaluators[{i}].{why}")
+    names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
+    lora = cfg["model"]["lora"]
+    if lora is not None and not (lora.setdefault("dropout", 0.0) < 1 and min(
+            lora.get("r", 0), lora.get("alpha", 0)) > 0 and lora.get("target_modules")):
+        raise SystemExit("config key model.lora: needs r > 0, alpha > 0, target_modules "
+                         "(names or all-linear); dropout in [0, 1)")
+
+
+def _check(cfg, world):
+    """Finite numbers, list items, and the few rules across keys; one-line SystemExit."""
+    def finite(v, key):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SystemExit(f"config key {key}: {v} is not a finite number")
+        for k, x in v.items() if isinstance(v, dict) else ():
+            finite(x, f"{key}.{k}" if key else k)
+        for i, x in enumerate(v) if isinstance(v, list) else ():
+            finite(x, f"{key}[{i}]")
+    finite(cfg, "")
+    _check_items(cfg)
+    for key in ("rollout.prompts_per_step", "rollout.max_new_tokens", "train.micro_batch_size",
+                "algo.updates_per_batch", "algo.minibatches", "run.total_steps",
+                "run.keep_checkpoints"):
+        if cfg[key.split(".")[0]][key.split(".")[1]] < 1:
+            raise SystemExit(f"config key {key}: must be >= 1")
+    ro, a, o, nl, run, d, rw = (cfg[k] for k in (
+        "rollout", "algo", "optim", "nlhf", "run", "data", "reward"))
+    n, par = ro["prompts_per_step"] // world, cfg["train"]["parallel"]
+    fields = {f for _, f, _, _ in string.Formatter().parse(d["prompt_template"]) if f}
+    zero = cfg["task"] == "rlme" and rw["kind"] != "rlvr" and any(
+        all(x["weight"] == 0 for x in rw[k]) for k in ("evaluators", "meta_questions"))
+    for bad, msg in [  # (broken, "key: what it needs")
+            (ro["group_size"] < 2, "rollout.group_size: must be >= 2 (A = r - mean(group))"),
+            (ro["prompts_per_step"] % world, f"rollout.prompts_per_step: not divisible by {world}"),
+            (n % a["minibatches"], f"algo.minibatches: must divide the {n} groups of a rank"),
+            (a["loss"] == "cispo" and a["kl_coef"] > 0, "algo.kl_coef: needs algo.loss grpo"),
+            (ro["temperature"] <= 0 or not 0 < ro["top_p"] <= 1, "rollout.temperature / top_p: "
+                                                                 "> 0 / in (0, 1]"),
+            (min(o["weight_decay"], o["grad_clip"], o["warmup_steps"]) < 0 or not o["lr"] > 0,
+             "optim: lr must be > 0, weight_decay / grad_clip / warmup_steps >= 0"),
+            (zero, "reward.evaluators / meta_questions: every weight is 0 (RLME Eq. 3: no reward)"),
+            (d["answer_field"] is None and rw["kind"] != "rlme", "reward.kind: needs labels"),
+            ("question" not in fields or fields - {"question", "context", "answer"},
+             "data.prompt_template: needs {question}; may hold {context}, {answer}"),
+            (cfg["model"]["lora"] and par != "ddp", "model.lora: needs train.parallel ddp"),
+            (cfg["model"]["lora"] and ro["backend"] == "vllm",
+             "model.lora: needs rollout.backend hf"),
+            (any(not 0 <= nl[k] <= 1 for k in ("dh_per_step", "lam", "threshold")),
+             "nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
+            (not 0 <= nl["split_dh_fraction"] < 1 or nl["split_dh_fraction"] and nl["do"],
+             "nlhf.split_dh_fraction: in [0, 1), and only with nlhf.do: null"),
+            (cfg["metarm"]["mode"] in ("binary", "binary_retrain", "classifier")
+             and not nl["gate_on_outcome"], "metarm.mode: binary/classifier need gate_on_outcome"),
+            ((run["early_stop_drop"] > 0) != (run["early_stop_patience"] > 0),
+             "run.early_stop_drop / early_stop_patience: set both or neither"),
+            (bool(run["eval_every"]) != bool(d["val"]), "run.eval_every / data.val: both or none")]:
+        if bad:
+            raise SystemExit(f"config key {msg}")
+
+
+# ==============================================================================================
+# Processes: torchrun's environment, the process group, reductions over ranks
+
+
+def setup_process_group(device_setting, parallel, timeout_s=1800.0):
+    """The process group under torchrun (gloo on CPU, nccl on GPU; FSDP2 needs one even alone);
+    timeout_s: a collective's wait for the slowest rank. Returns (rank, world, device)."""
+    cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized() and (world > 1 or parallel == "fsdp2"):
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                store=None if world > 1 else dist.HashStore(),  # alone: no port
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, torch.device("cuda", local) if cuda else torch.device("cpu")
+
+
+def all_sum(x, world, op=dist.ReduceOp.SUM):
+    """A number summed (or `op`) over ranks, as a float."""
+    if world == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def gather_records(records, world):
+    """Every rank's list of per-sample dicts, in rank order, on every rank."""
+    if world == 1:
+        return records
+    out = [None] * world
+    dist.all_gather_object(out, records)
+    return [r for part in out for r in part]
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
+
+
+# ==============================================================================================
+# Wrapping: DDP or FSDP2 (docs/scale-out.md). The trained weights and AdamW state are float32
+# master weights, compute runs in model.dtype: an AdamW step of 1e-6 on a bf16 weight of 0.02
+# (bf16's spacing there: ~1e-4) would round to nothing.
+
+
+def fully_shard_layers(model, device, world, mp_dtype=None):
+    """fully_shard each decoder layer (the model's _no_split_modules), then the root: FSDP2
+    changes the model's class in place and moves this rank's 1/world of each weight to `device`
+    (every rank loaded the whole model on CPU). mp_dtype: gather in it for compute, reduce in
+    float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = {"mesh": init_device_mesh(device.type, (world,))}
+    if mp_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for layer in [m for m in model.modules() if type(m).__name__ in names]:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def wrap_policy(policy, parallel, world, device, dtype="float32", gradient_checkpointing="none"):
+    """The module to run forward/backward on. ddp: DistributedDataParallel when world > 1, else
+    the policy. fsdp2: fully_shard per decoder layer and the root; on GPU a MixedPrecisionPolicy
+    computes in `dtype` (on CPU gloo keeps float32). gradient_checkpointing "full": only each
+    decoder layer's input is kept, the layer replayed in backward (same numbers, less memory)."""
+    if gradient_checkpointing == "full":  # non-reentrant: the variant FSDP2 and no_sync take
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False})
+    if parallel == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(policy, ids) if world > 1 else policy
+    cuda_mp = device.type == "cuda" and dtype != "float32"
+    return fully_shard_layers(policy, device, world, getattr(torch, dtype) if cuda_mp else None)
+
+
+@contextmanager
+def unsharded(model):
+    """Full FSDP2 parameters through a block of forwards (HF generate: ranks stop at different
+    steps, so per-layer all-gathers would deadlock): one gather, then reshard. Else a no-op."""
+    from torch.distributed.fsdp import FSDPModule
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)  # fully_shard's default
+
+
+# ==============================================================================================
+# LoRA (model.lora; docs/method.md §4.7): W x + (alpha / r) B A x, only A and B train.
+
+
+def apply_lora(policy, lora, seed, ckpt=None):
+    """The policy with peft LoRA adapters on lora["target_modules"], A drawn under `seed` and
+    B = 0 (at step 0 the policy IS the base), or the adapter saved in `ckpt`. A PeftModel."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    names = {n.rsplit(".", 1)[-1] for n, m in policy.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    for t in [] if lora["target_modules"] == "all-linear" else lora["target_modules"]:
+        if t not in names:
+            raise SystemExit(f"config key model.lora.target_modules: no Linear layer {t!r} "
+                             f"(the model's: {', '.join(sorted(names))})")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers name
+        torch.manual_seed(seed)
+        model = get_peft_model(policy, LoraConfig(
+            r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+            target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+    if ckpt is not None:
+        path = os.path.join(ckpt, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise SystemExit(f"checkpoint {ckpt} holds no LoRA adapter: resume without model.lora")
+        set_peft_model_state_dict(model, load_file(path))
+    return model
+
+
+class BaseModelView(torch.nn.Module):
+    """The LoRA policy with its adapters off: the initial policy (frozen_self evaluators, the GRPO
+    reference) without a second copy of the weights; it shares, never changes, the policy's."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.config = policy, policy.config
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.policy.get_output_embeddings()
+
+
+# ==============================================================================================
+# Checkpoints, the run lock: out_dir/checkpoints/step_NNNNNN, written into step_NNNNNN.tmp and
+# renamed: a folder without .tmp is whole. The weights: save_pretrained (float32; any HF loader
+# reads them). AdamW: torch.distributed.checkpoint, every rank its own shard, resharded to any
+# world size on resume.
+
+
+def lr_lambda(warmup_steps):
+    """LambdaLR's factor: linear warmup (step + 1) / (warmup_steps + 1), then constant."""
+    return lambda step: (step + 1) / (warmup_steps + 1) if step < warmup_steps else 1.0
+
+
+def save_checkpoint(out_dir, step, policy, tokenizer, optimizer, scheduler, keep, rank=0, world=1,
+                    extra=None):
+    """Every rank calls this. step_NNNNNN holds the weights (rank 0; under FSDP2 gathered, a
+    collective; under LoRA the adapter), optimizer/ (every rank its part), trainer_state.pt (step,
+    scheduler), rng_<rank>.pt, and what `extra(folder)` writes on every rank (the
+    MetaRM). Rank 0 then renames it into place and deletes all but the newest `keep`."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    policy = getattr(policy, "module", policy)  # never the DDP wrapper
+    final = os.path.join(root := os.path.join(out_dir, "checkpoints"), f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if world > 1:
+        dist.barrier()
+    dcp.save(get_optimizer_state_dict(policy, optimizer),  # every rank its part, in parallel
+             checkpoint_id=os.path.join(tmp, "optimizer"), no_dist=not dist.is_initialized())
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    if rank == 0:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # its bars would break the training bar's line
+        policy.save_pretrained(tmp, state_dict=full)
+        hf_logging.enable_progress_bar()
+        tokenizer.save_pretrained(tmp)
+        torch.save({"step": step, "scheduler": scheduler.state_dict()},
+                   os.path.join(tmp, "trainer_state.pt"))
+    del full
+    torch.save(torch.get_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))  # e.g. LoRA dropout
+    if extra is not None:
+        extra(tmp)
+    if world > 1:
+        dist.barrier()  # every rank's files are written before the rename
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+        for d in done[:-keep]:
+            shutil.rmtree(os.path.join(root, d))
+
+
+def checkpoint_step(ckpt):
+    return int(os.path.basename(ckpt).split("_")[1])
+
+
+def _unreadable(folder):
+    """Why a checkpoint cannot be resumed from, or None. A weights file cut short reads as
+    safetensors' "incomplete metadata"; any read error counts."""
+    from safetensors import safe_open
+    try:
+        weights = glob.glob(f"{folder}/**/*.safetensors", recursive=True)  # the MetaRM's too
+        for f in weights or [os.path.join(folder, "model.safetensors")]:
+            with safe_open(f, "pt"):
+                pass
+        torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
+        open(os.path.join(folder, "optimizer", ".metadata"), "rb").close()
+    except Exception as e:  # noqa: BLE001  (whatever it is, the older checkpoint is tried)
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
+def latest_checkpoint(out_dir, rank=0):
+    """The newest checkpoint in out_dir/checkpoints that reads, or None. A damaged one (a weights
+    file cut short by a crash) is reported in one line (rank 0) and the one before it is used."""
+    root = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    for name in sorted((n for n in names if re.fullmatch(r"step_\d+", n)), reverse=True):
+        why = _unreadable(os.path.join(root, name))
+        if why is None:
+            return os.path.join(root, name)
+        if rank == 0:
+            print(f"[resume] skipping checkpoint {root}/{name}: {why}", file=sys.stderr)
+    return None
+
+
+def load_checkpoint(ckpt, policy, optimizer, scheduler, rank=0):
+    """Restore AdamW (resharded to this run's ranks), the scheduler and this rank's RNG; returns
+    the step. The weights come from `ckpt` already (load_model, apply_lora)."""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    policy = getattr(policy, "module", policy)
+    osd = get_optimizer_state_dict(policy, optimizer)  # this rank's layout, for dcp to fill
+    dcp.load(osd, checkpoint_id=os.path.join(ckpt, "optimizer"), no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(policy, optimizer, osd)
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    scheduler.load_state_dict(state["scheduler"])
+    if os.path.isfile(rng := os.path.join(ckpt, f"rng_{rank}.pt")):
+        torch.set_rng_state(torch.load(rng))
+    return state["step"]
+
+
+def truncate_jsonl(path, last_step):
+    """Drop the lines of metrics.jsonl / samples.jsonl after `last_step` (a resume redoes them)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+
+
+def lock_run(out_dir, rank=0):
+    """The run lock, one live run per out_dir: rank 0 flocks <out_dir>/run.lock (holding its pid)
+    for this process's life and returns the open file (None on other ranks); the kernel drops a
+    dead process's lock (kill -9 too). SystemExit naming the pid of a live run that holds it."""
+    if rank != 0:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise SystemExit(f"{out_dir}: another run (pid {f.read().strip() or '?'}) is using this "
+                         "folder; wait for it, stop it, or set another run.out_dir")
+    f.truncate(0), f.write(str(os.getpid())), f.flush()
+    return f
 
 
 def main(argv=None):

@@ -30,7 +30,7 @@ def fixture(name):
 # ---- rows: bad files and lines ------------------------------------------------------------------
 
 @pytest.mark.parametrize("content, message", [
-    ('{"question": "a"}\n{"question": "b", "answer": \n', ":2: not valid JSON ("),
+    ('{"question": "a"}\n{"question": "b", "answer": \n', ":2: not UTF-8 JSON (Expecting value"),
     ('{"a": 1}\n[1, 2]\n', ":2: expected a JSON object, got list"),
     ("", ": no rows"),
 ])
@@ -42,7 +42,8 @@ def test_bad_jsonl_files_name_the_line(tmp_path, content, message):
 def test_not_utf8_missing_file_folder_and_too_few_rows(tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_bytes('{"question": "a"}\n{"question": "é"}\n'.encode("latin-1"))
-    assert refused(D.read_jsonl, str(p)).startswith(f"{p}:2: not UTF-8 text (byte b'\\xe9'")
+    assert refused(D.read_jsonl, str(p)).startswith(
+        f"{p}:2: not UTF-8 JSON ('utf-8' codec can't decode byte 0xe9")
     nope = str(tmp_path / "nope.jsonl")
     assert refused(D.load_rows, nope) == refused(D.load_pairwise, nope) == \
         f"{nope}: file does not exist"
@@ -63,7 +64,7 @@ def items_of(tmp_path, rows, **kw):
     p = write_jsonl(tmp_path / "train.jsonl", rows)
     return D.load_items(D.load_rows(p), where=f"data.train: {p}", **kw)
 
-def test_gsm8k_items_are_the_old_dicts_and_anchoring_is_seeded():
+def test_gsm8k_items_are_the_old_dicts_and_anchoring_is_seeded(tmp_path):
     p = data_path("gsm8k", "train.jsonl")
     items = D.load_items(D.load_rows(p), where=f"data.train: {p}")
     assert len(items) == 7473 and items[16]["where"] == f"data.train: {p} row 17"
@@ -73,7 +74,8 @@ def test_gsm8k_items_are_the_old_dicts_and_anchoring_is_seeded():
                         "answer_text": "72", "anchored": False, "messages": None,
                         "where": f"data.train: {p} row 1"}
     # round(0.25 x 40) = 10 items: torch.randperm(40) of Generator().manual_seed(0), first ten
-    idx = [it["index"] for it in D.anchor(items[:40], 0.25, seed=0) if it["anchored"]]
+    p40 = write_jsonl(tmp_path / "t40.jsonl", D.load_rows(p, n=40))
+    idx = [it["index"] for it in D.load_rlme_items(p40, anchor_fraction=0.25)[0] if it["anchored"]]
     assert idx == [4, 5, 11, 14, 16, 17, 21, 26, 29, 39]
 
 def test_holdout_and_val_file(tmp_path):
@@ -183,6 +185,10 @@ def test_bad_pairwise_rows_give_one_line_errors(tmp_path):
     p = write_jsonl(tmp_path / "cr.jsonl", [dict(prompt="p", chosen="x", rejected="y"),
                                             dict(prompt="p", chosen="x", rejected=None)])
     assert refused(D.load_pairwise, p).startswith(f"{p}:2: missing field 'rejected' (schema")
+    p = write_jsonl(tmp_path / "trl.jsonl", [dict(prompt="p", chosen=[msg("assistant", "x")],
+                                                  rejected=[msg("assistant", "y")])])
+    assert refused(D.load_pairwise, p) == (f"{p}:1: 'chosen' and 'rejected' must be strings (chat "
+                                           f"messages are not read) (schema chosen_rejected)")
     p = write_jsonl(tmp_path / "lb.jsonl", [dict(input="q", output_1="a", output_2="b", label=3)])
     assert refused(D.load_pairwise, p) == (
         f"{p}:1: field 'label' must be one of [1, 2], got 3 (schema llmbar)")
@@ -195,48 +201,9 @@ def test_generic_chosen_rejected_with_optional_critique(tmp_path):
     assert [(it["context"], it["response_a"], it["critique"]) for it in items] == [
         ("Q1", "good", "Response B is rude."), ("User: Q2", "c", None)]
 
-def trl_rows(n, implicit=False):
-    rows = []
-    for k in range(n):
-        prompt = [{"role": "user", "content": f"Question {k}?"}]
-        chosen = [{"role": "assistant", "content": f"good {k}"}]
-        rejected = [{"role": "assistant", "content": f"bad {k}"}]
-        rows.append({"chosen": prompt + chosen, "rejected": prompt + rejected} if implicit
-                    else {"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return rows
-
-@pytest.mark.parametrize("implicit", [False, True])
-def test_trl_preference_rows_are_pairwise_items(tmp_path, implicit):
-    p = write_jsonl(tmp_path / "trl.jsonl", trl_rows(40, implicit))
-    items = D.load_pairwise(p, seed=3)
-    assert D._detect(trl_rows(1, implicit)[0], "x") == "trl_conversational" and len(items) == 40
-    for k, it in enumerate(items):
-        assert it["context"] == f"User: Question {k}?"
-        assert it["meta"]["turns"] == [{"role": "user", "content": f"Question {k}?"}]
-        pair = (it["response_a"], it["response_b"])
-        assert pair[::1 if it["winner"] == "A" else -1] == (f"good {k}", f"bad {k}")
-    assert 5 < [it["winner"] for it in items].count("A") < 35
-    assert [it["winner"] for it in D.load_pairwise(p, shuffle=False)] == ["A"] * 40
-    shared = CONVERSATION[:3] + [msg("user", "Tell a joke.")]  # a multi-turn implicit prompt
-    rows = [{"chosen": shared + [msg("assistant", "A pun.")],
-             "rejected": shared + [msg("assistant", "No.")]}]
-    it = D.load_pairwise(write_jsonl(tmp_path / "multi.jsonl", rows), shuffle=False)[0]
-    assert [it["meta"]["turns"], it["response_a"], it["response_b"]] == [shared, "A pun.", "No."]
-    assert it["context"] == ("System: Answer with a number.\n\nUser: I have 2 apples.\n\n"
-                             "Assistant: Fine.\n\nUser: Tell a joke.")
-
-@pytest.mark.parametrize("row, what", [
-    ({"prompt": [msg("user", "Q")], "chosen": [msg("assistant", "a"), msg("user", "b")],
-      "rejected": [msg("assistant", "c")]}, "a completion is not one assistant message"),
-    ({"chosen": [msg("user", "Q1"), msg("assistant", "a")],
-      "rejected": [msg("user", "Q2"), msg("assistant", "b")]},
-     "no 'prompt' field, and 'chosen' and 'rejected' share no prompt"),
-    ({"prompt": [msg("user", " ")], "chosen": [msg("assistant", "a")],
-      "rejected": [msg("assistant", "b")]}, "the prompt (prompt) is empty"),
-])
-def test_trl_rows_that_cannot_be_mapped_are_refused(tmp_path, row, what):
-    p = write_jsonl(tmp_path / "trl.jsonl", [trl_rows(1)[0], row])
-    assert refused(D.load_pairwise, p) == f"{p}:2: {what} (schema trl_conversational)"
+def pair_rows(n):
+    return [{"prompt": f"Question {k}?", "chosen": f"good {k}", "rejected": f"bad {k}"}
+            for k in range(n)]
 
 @pytest.mark.parametrize("row, field, schema", [
     ({"prompt": "", "chosen": "c", "rejected": "r"}, "prompt", "chosen_rejected"),
@@ -353,7 +320,7 @@ def test_mr_ben_pairs_on_the_real_file():
         assert it["context"].startswith(sols["GPT3.5"]["Question"])
         assert "Options:\nA:" in it["context"]
 
-# ---- D_H, D_O and the held-out pairs (RM-NLHF §3.2.1, App. F) ------------------------------------
+# ---- D_H, D_O and the held-out pairs (RM-NLHF §3.2.1, App. F) -----------------------------------
 
 def test_split_one_dataset_into_dh_and_do(tmp_path):
     """Item k's key is random.Random(f"{seed}:split:trl:{k}").random(); by hand for 7 items, seed 0:
@@ -361,7 +328,7 @@ def test_split_one_dataset_into_dh_and_do(tmp_path):
     floor(3.5 + 0.5) = 4 smallest, items 3, 0, 2, 1, are D_H and 4, 5, 6 D_O; seed 1: keys (0.6590,
     0.4891, 0.3398, 0.7111, 0.6713, 0.4624, 0.5132) -> D_H 2, 5, 1, 6; f = 0.3, seed 0:
     floor(2.1 + 0.5) = 2 -> D_H 3, 0."""
-    rows = [dict(r, critique=f"Response 1 is right about {k}.") for k, r in enumerate(trl_rows(7))]
+    rows = [dict(r, critique=f"Response 1 is right about {k}.") for k, r in enumerate(pair_rows(7))]
     p = write_jsonl(tmp_path / "trl.jsonl", rows)
     for seed, frac, want_dh in [(0, 0.5, [0, 1, 2, 3]), (1, 0.5, [1, 2, 5, 6]), (0, 0.3, [0, 3])]:
         dh, do, note = D.load_nlhf_items(p, seed=seed, split_dh_fraction=frac)
@@ -378,7 +345,7 @@ def test_split_one_dataset_into_dh_and_do(tmp_path):
     assert [len(x) for x in D.load_nlhf_items(p, seed=0)[:2]] == [7, 0]
 
 def test_dh_needs_critiques_and_do_drops_them(tmp_path):
-    rows = trl_rows(4)
+    rows = pair_rows(4)
     rows[1]["critique"] = "Response 1 answers the question; Response 2 does not."
     p = write_jsonl(tmp_path / "trl.jsonl", rows)
     dh, do, note = D.load_nlhf_items(p, p, seed=0)
@@ -386,7 +353,7 @@ def test_dh_needs_critiques_and_do_drops_them(tmp_path):
     win, lose = dh[0]["winner"], "B" if dh[0]["winner"] == "A" else "A"  # letters follow the coin
     assert dh[0]["critique"] == f"Response {win} answers the question; Response {lose} does not."
     assert len(do) == 4 and all(it["critique"] is None for it in do)
-    q = write_jsonl(tmp_path / "plain.jsonl", trl_rows(2))
+    q = write_jsonl(tmp_path / "plain.jsonl", pair_rows(2))
     assert refused(D.load_nlhf_items, q, seed=0) == (
         f"config key nlhf.dh={q}: no item has a human critique (D_H needs them)")
 

