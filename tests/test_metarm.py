@@ -386,8 +386,8 @@ def cold(mrm, folder, items, sample, **kw):
     args = dict(sample=sample, prompt=lambda it: [int(it["id"][1:]), 7, 7],
                 judge=reward.make_judge(backend="proxy"), folder=folder,
                 identity={"policy": "tiny"}, batch_size=2, rollouts_per_prompt=2,
-                max_new_tokens=8, temperature=1.0, epochs=1, lr=1e-4, warmup_frac=0.01,
-                weight_decay=0.01, seed=3, lam=0.5, threshold=0.5, inclusive=False,
+                max_new_tokens=8, temperature=1.0, epochs=1, lr=1e-4, seed=3, lam=0.5,
+                threshold=0.5, inclusive=False,
                 similarity="f1", gate_on_outcome=True, on_failure="mask", max_lines=4,
                 max_chars=1500, style="ours", poll_s=0.01)
     return metarm.run_cold_start(mrm, items, **dict(args, **kw))

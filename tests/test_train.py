@@ -485,19 +485,16 @@ def test_layering_and_overrides(tmp_path):
     (["optim.lr"], "override 'optim.lr': expected key.sub=value"),
     (["configs/cpu.yaml"], "expected key.sub=value (files go after --config)"),
     (["reward.meta_questions=[{question: Is it right?, weight: 1}]"], "not valid YAML"),
-    (["optim.lr=nan"], "config key optim.lr: nan is not a finite number"),
-    (["reward.evaluators=[{name: self, kind: live, weight: .inf}]"],
-     "config key reward.evaluators[0].weight: inf is not a finite number"),
     (["reward.evaluators=[{name: self, kind: live, wieght: 1.0}]"],
      "config key reward.evaluators[0].wieght: unknown (did you mean weight?)"),
     (["reward.meta_questions=[{question: q, taget: Yes}]"], "taget: unknown (did you mean target"),
-    (["reward.meta_questions=[{weight: 1}]"], "reward.meta_questions[0]: needs a question"),
+    (["reward.meta_questions=[{weight: 1}]"], "reward.meta_questions: each needs a question"),
     (["reward.meta_questions=[{question: q, target: ''}]"], "needs a question, a target"),
     (["reward.meta_questions=[]"], "reward.meta_questions: expected a non-empty list"),
     (["reward.meta_questions=[{question: a, weight: 0}]"], "every weight is 0"),
-    (["reward.evaluators=[{kind: frozen}]"], "reward.evaluators[0].path: frozen needs a model"),
-    (["reward.evaluators=[{kind: judge}]"], "reward.evaluators[0].kind: not one of live"),
-    (["reward.evaluators=[{kind: remote, model: m}]"], "kind: remote needs base_url and model"),
+    (["reward.evaluators=[{kind: frozen}]"], "kind must be live, frozen_self, frozen"),
+    (["reward.evaluators=[{kind: judge}]"], "reward.evaluators[0]: kind must be live"),
+    (["reward.evaluators=[{kind: remote, model: m}]"], "or remote (needs base_url, model)"),
     (["reward.evaluators=[{name: a}, {name: a, kind: frozen_self}]"], "names must be unique"),
     (["train.parallel=ddp", "model.lora={r: 8, alpah: 16, target_modules: all-linear}"],
      "config key model.lora.alpah: unknown"),
@@ -508,11 +505,14 @@ def test_layering_and_overrides(tmp_path):
     (["algo.kl_coef=0.01"], "config key algo.kl_coef: needs algo.loss grpo"),
     (["rollout.group_size=1"], "config key rollout.group_size: must be >= 2"),
     (["rollout.prompts_per_step=0"], "config key rollout.prompts_per_step: must be >= 1"),
+    (["optim.lr=nan"], "config key optim.lr: expected float, got nan"),
+    (["reward.evaluators=[{name: self, kind: live, weight: .inf}]"],
+     "config key reward.evaluators[0].weight: bad value inf"),
+    (["optim.lr=-1"], "config key optim: lr > 0; weight_decay, grad_clip, warmup_steps >= 0"),
+    (["nlhf.lam=1.5"], "config key nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
     (["algo.minibatches=3"], "config key algo.minibatches: must divide the 64 groups of a rank"),
     (["rollout.top_p=1.5"], "config key rollout.temperature / top_p: > 0"),
     (["rollout.temperature=0"], "rollout.temperature / top_p"),
-    (["optim.lr=-1"], "config key optim: lr must be > 0"),
-    (["nlhf.lam=1.5"], "config key nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
     (["nlhf.split_dh_fraction=0.5"], "only with nlhf.do: null"),
     (["metarm.mode=binary", "nlhf.gate_on_outcome=false"], "need gate_on_outcome"),
     (["model.dtype=float16"], "model.dtype: expected one of ['float32', 'bfloat16']"),
@@ -581,7 +581,7 @@ def test_lr_lambda_and_a_checkpoint_round_trip_is_exact(tmp_path):
     opt, sched = train_steps(model)
     T.save_checkpoint(str(tmp_path), 2, model, Tok(), opt, sched, keep=2)
     ckpt = T.latest_checkpoint(str(tmp_path))
-    assert ckpt == str(tmp_path / "checkpoints" / "step_000002") and T.checkpoint_step(ckpt) == 2
+    assert ckpt == str(tmp_path / "checkpoints" / "step_000002")
     assert not glob.glob(f"{tmp_path}/checkpoints/*.tmp")
     back = LlamaForCausalLM.from_pretrained(ckpt)  # the weights: a plain HF folder, float32
     for (n, a), b in zip(model.state_dict().items(), back.state_dict().values()):
@@ -657,7 +657,7 @@ def test_one_process_ddp_is_the_policy_and_an_fsdp2_checkpoint_reads_back(tmp_pa
     assert (rank, world, device.type) == (0, 1, "cpu") and not torch.distributed.is_initialized()
     assert T.all_sum(3, 1) == 3.0 and T.gather_records([{}], 1) == [{}]
     plain = tiny()
-    assert T.wrap_policy(plain, "ddp", 1, device) is plain and T.peak_memory_mb(device) > 0
+    assert T.wrap_policy(plain, "ddp", 1, device) is plain
     try:
         rank, world, device = T.setup_process_group("cpu", "fsdp2")
         wrap = lambda m: T.wrap_policy(m, "fsdp2", world, device, gradient_checkpointing="full")

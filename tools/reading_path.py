@@ -213,6 +213,69 @@ def print_step(label, f, show):
         print(f"    {name:52s} {n:4d} {c:4d}  {how}")
 
 
+# ----------------------------------------------------------------------------------------------
+# Copying a piece: what a reader pastes to use one reward in their own trainer
+
+COPIES = {  # issue 42's two cases and budgets (lines pasted; edits: 0)
+    "RLME reward (one local evaluator, weighted meta-questions)": (
+        ["reward.py:local_evaluator", "reward.py:rlme_reward", "reward.py:meta_question_dicts",
+         "reward.py:DEFAULT_EVALUATOR_TEMPLATE"], 120),
+    "D_H reward (your judge callable) + the MetaRM loss and predict": (
+        ["reward.py:parse_grm_output", "reward.py:score_dh",
+         "metarm.py:metarm_loss", "metarm.py:predict"], 150),
+}
+
+
+def copy_closure(entries, root=ROOT):
+    """{"lines", "pieces", "edits", "imports"} of pasting `entries` (FILE:NAME) and every top-level
+    function, class or constant of the product they reach by name, transitively, into one file.
+    lines: the pieces' spans (decorators included) + one line per import statement they use;
+    edits: distinct `module.NAME` references to another product file (to rewrite as `NAME`)."""
+    trees = {f: ast.parse(open(os.path.join(root, f), encoding="utf-8").read())
+             for f in product_files(root)}
+    tops, aliases, imports = {}, {}, {}
+    for f, tree in trees.items():
+        for node in tree.body:
+            names = [node.name] if hasattr(node, "name") else [
+                t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                if isinstance(t, ast.Name)]
+            for n in names:
+                tops[(f, n)] = node
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    bound = (a.asname or a.name).split(".")[0]
+                    mod = f"{a.name if isinstance(node, ast.Import) else node.module}.py"
+                    if mod in trees and isinstance(node, ast.Import):
+                        aliases[(f, bound)] = mod
+                    elif mod in trees:  # from rollout import autocast: read in rollout.py
+                        imports[(f, bound)] = (mod, a.name)
+                    else:
+                        imports[(f, bound)] = node
+    todo, seen, edits, used = [tuple(e.split(":")) for e in entries], set(), set(), set()
+    while todo:
+        key = todo.pop()
+        if key in seen or key not in tops:
+            continue
+        seen.add(key)
+        for sub in ast.walk(tops[key]):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                    and (key[0], sub.value.id) in aliases:
+                target = (aliases[(key[0], sub.value.id)], sub.attr)
+                edits.add(f"{sub.value.id}.{sub.attr}")
+                todo.append(target)
+            elif isinstance(sub, ast.Name):
+                if (key[0], sub.id) in tops:
+                    todo.append((key[0], sub.id))
+                elif isinstance(imports.get((key[0], sub.id)), tuple):
+                    todo.append(imports[(key[0], sub.id)])
+                elif (key[0], sub.id) in imports:
+                    used.add(id(imports[(key[0], sub.id)]))
+    spans = sum(tops[k].end_lineno - min([tops[k].lineno] + [d.lineno for d in getattr(
+        tops[k], "decorator_list", [])]) + 1 for k in seen)
+    return {"lines": spans + len(used), "pieces": sorted(f"{f}:{n}" for f, n in seen),
+            "edits": sorted(edits), "imports": len(used)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--static", action="store_true", help="the static figures only (no run)")
@@ -231,6 +294,11 @@ def main(argv=None):
     over = f"{len(s['over_80'])} ({', '.join(s['over_80'])})" if s["over_80"] else "0"
     print(f"longest function: {s['longest'][0]} ({s['longest'][1]} lines); functions over 80 "
           f"lines: {over}; lines over 100 characters: {s['long_lines']}")
+    for label, (entries, budget) in COPIES.items():
+        c = copy_closure(entries)
+        print(f"copy {label}: {c['lines']} lines in {len(c['pieces'])} pieces + {c['imports']} "
+              f"imports, {len(c['edits'])} edits (budget {budget}, 0 edits)"
+              + (f": {', '.join(c['pieces'])}; edits {', '.join(c['edits'])}" if a.list else ""))
     if a.static:
         return 0
     over = False
