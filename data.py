@@ -459,7 +459,8 @@ def load_benchmark(path, n, seed, schema="auto", split="train", config=None):
     groups = [it["meta"].get("group", k) for k, it in enumerate(items)]  # an item is its own unit
     units = list(dict.fromkeys(groups))
     if n and n < len(units):
-        kept = {units[i] for i in random.Random(f"{seed}:{path}").sample(range(len(units)), n)}
+        name = os.path.basename(os.path.normpath(path))  # not the path: the same in any checkout
+        kept = {units[i] for i in random.Random(f"{seed}:{name}").sample(range(len(units)), n)}
         items = [it for it, g in zip(items, groups) if g in kept]
     return items
 

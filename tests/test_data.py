@@ -400,10 +400,12 @@ def test_benchmarks_and_their_seeded_subsets():
         "split": "validation", "config": "preference", "file": "validation",
         "path": "nvidia/HelpSteer3", "hub": True}]
     rb2 = D.load_benchmark(fixture("reward_bench_2_sample.jsonl"), 2, seed=0)  # whole groups
-    assert [it["id"] for it in rb2] == ["f2:0", "f2:1", "f2:2", "g2:0", "g2:1", "g2:2"]
+    # units f1 f2 f3 f4 g1 g2 (file order); random.Random("0:reward_bench_2_sample.jsonl") keeps 0, 2
+    assert [it["id"] for it in rb2] == ["f1:0", "f1:1", "f1:2", "f3:0", "f3:1", "f3:2"]
     path = data_path("rm_bench", "chat_filtered.jsonl")
     every = D.load_pairwise(path, seed=0)
-    keep = sorted(random.Random(f"0:{path}").sample(range(len(every)), 5))  # seeded by (seed, path)
+    keep = sorted(random.Random("0:chat_filtered.jsonl").sample(range(len(every)), 5))  # (seed,
+    # the file's name): the same subset in every checkout
     assert D.load_benchmark(path, 5, seed=0) == [every[i] for i in keep]  # a sample, in file order
 
 def test_judge_check_items(tmp_path):
