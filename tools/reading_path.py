@@ -233,7 +233,7 @@ def copy_closure(entries, root=ROOT):
     edits: distinct `module.NAME` references to another product file (to rewrite as `NAME`)."""
     trees = {f: ast.parse(open(os.path.join(root, f), encoding="utf-8").read())
              for f in product_files(root)}
-    tops, aliases, imports = {}, {}, {}
+    tops, aliases, imports, from_product = {}, {}, {}, {}
     for f, tree in trees.items():
         for node in tree.body:
             names = [node.name] if hasattr(node, "name") else [
@@ -248,7 +248,7 @@ def copy_closure(entries, root=ROOT):
                     if mod in trees and isinstance(node, ast.Import):
                         aliases[(f, bound)] = mod
                     elif mod in trees:  # from rollout import autocast: read in rollout.py
-                        imports[(f, bound)] = (mod, a.name)
+                        from_product[(f, bound)] = (mod, a.name)
                     else:
                         imports[(f, bound)] = node
     todo, seen, edits, used = [tuple(e.split(":")) for e in entries], set(), set(), set()
@@ -266,8 +266,8 @@ def copy_closure(entries, root=ROOT):
             elif isinstance(sub, ast.Name):
                 if (key[0], sub.id) in tops:
                     todo.append((key[0], sub.id))
-                elif isinstance(imports.get((key[0], sub.id)), tuple):
-                    todo.append(imports[(key[0], sub.id)])
+                elif (key[0], sub.id) in from_product:
+                    todo.append(from_product[(key[0], sub.id)])
                 elif (key[0], sub.id) in imports:
                     used.add(id(imports[(key[0], sub.id)]))
     spans = sum(tops[k].end_lineno - min([tops[k].lineno] + [d.lineno for d in getattr(
