@@ -981,11 +981,7 @@ def all_sum(x, world, op=dist.ReduceOp.SUM):
 
 def gather_records(records, world):
     """Every rank's list of per-sample dicts, in rank order, on every rank."""
-    if world == 1:
-        return records
-    out = [None] * world
-    dist.all_gather_object(out, records)
-    return [r for part in out for r in part]
+    return records if world == 1 else [r for part in metarm.all_ranks(records) for r in part]
 
 
 # ==== Wrapping: DDP or FSDP2 (docs/scale-out.md); float32 master weights, compute in model.dtype.
