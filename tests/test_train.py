@@ -698,3 +698,23 @@ def test_lora_adapters_round_trip_and_the_base_view_is_the_initial_policy(tmp_pa
     torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits)
     with pytest.raises(SystemExit, match="no Linear layer 'qq_proj'"):
         T.apply_lora(tiny(), {**lora, "target_modules": ["qq_proj"]}, seed=0)
+
+
+def test_each_task_arm_runs_a_step_and_the_figure_draws(tiny_model_path, tmp_path):
+    """configs/tasks/: one step of each arm of the miniature Fig. 2 at tiny size (held-out
+    accuracy at steps 0 and 1), then `evaluate.py plot` of all four (no timing here)."""
+    import evaluate
+    runs = []
+    for arm in ("rlvr", "rlme_live", "rlme_frozen", "format_only"):
+        T.main(["--config", f"{REPO}/configs/tasks/larger.yaml", "--config",
+                f"{REPO}/configs/tasks/{arm}.yaml", "model.policy=" + tiny_model_path,
+                f"data.train={REPO}/tasks/larger/train.jsonl",
+                f"data.val={REPO}/tasks/larger/val.jsonl", "data.val_size=4",
+                "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+                "run.total_steps=1", "run.eval_every=1", f"run.out_dir={tmp_path / arm}"])
+        lines = _lines(tmp_path / arm / "metrics.jsonl")
+        assert [m["step"] for m in lines] == [0, 1] and "val/accuracy" in lines[1], arm
+        assert any(k.startswith("rlme/") for k in lines[1]) == (arm != "rlvr"), arm
+        runs.append(f"{arm}={tmp_path / arm / 'metrics.jsonl'}")
+    rows = evaluate.main(["plot", *runs, "--out", str(tmp_path / "plot")])
+    assert (tmp_path / "plot" / "curves.png").stat().st_size > 0 and len(rows) == 8
