@@ -159,26 +159,22 @@ def test_bench_check_loss_tiny(tiny_model_path, capsys):
 
 # ---- the short-answer tasks (RLME Fig. 2 in miniature; configs/tasks/) ---------------------------
 
-def test_task_splits_share_no_problem_answer_right_and_are_the_committed_files(tmp_path):
+def test_task_splits_share_no_problem_answer_right_and_are_the_committed_files():
+    task = make_tasks.make_task
     for name, sizes in [("larger", (3705, 100, 200)), ("add1", (33, 11, 11)),
-                        ("add2", (3795, 100, 200)), ("capital", (30, 10, 10))]:
-        splits = make_tasks.make_task(name)
+                        ("add2", (3795, 100, 200))]:
+        splits = task(name)
         assert tuple(len(splits[s]) for s in ("train", "val", "test")) == sizes, name
         qs = [{r["question"] for r in splits[s]} for s in ("train", "val", "test")]
         assert not (qs[0] & qs[1] or qs[0] & qs[2] or qs[1] & qs[2]), name
         for split, rows in splits.items():  # the files the presets read are these rows
             with open(os.path.join(REPO, "tasks", name, f"{split}.jsonl")) as f:
                 assert [json.loads(line) for line in f] == rows, (name, split)
-    assert make_tasks.make_task("larger", seed=1) != make_tasks.make_task("larger")
-    rows = make_tasks.make_task("larger")["train"] + make_tasks.make_task("add2")["train"]
+    assert task("larger", seed=1) != task("larger")
+    rows = [r for name in ("larger", "add2") for s in task(name).values() for r in s]
     by_hand = {"Which number is larger, 40 or 93?": "#### 93", "What is 86 + 95?": "#### 181",
-               "Which number is larger, 81 or 44?": "#### 81", "What is 54 + 31?": "#### 85"}
-    for r in make_tasks.make_task("larger")["test"] + make_tasks.make_task("add2")["test"] + rows:
-        assert by_hand.get(r["question"], r["answer"]) == r["answer"]
-    assert sum(r["question"] in by_hand for r in make_tasks.make_task("larger")["test"]
-               + make_tasks.make_task("add2")["test"]) >= 3
-    first = [r["question"].split()[-3] for r in make_tasks.make_task("larger")["train"]]
-    larger_first = sum(r["answer"][5:] == q for r, q in zip(make_tasks.make_task("larger")["train"], first))
-    assert 0.45 < larger_first / len(first) < 0.55  # the answer is not always the first number
-    assert {"question": "What is the capital of India?", "answer": "New Delhi"} in [
-        r for s in make_tasks.make_task("capital").values() for r in s]
+               "Which number is larger, 44 or 81?": "#### 81", "What is 54 + 31?": "#### 85"}
+    assert sum(r["question"] in by_hand and by_hand[r["question"]] == r["answer"]
+               for r in rows) == 4
+    first = [r["question"].split()[-3] == r["answer"][5:] for r in task("larger")["train"]]
+    assert 0.45 < sum(first) / len(first) < 0.55  # the larger is not always the first number
