@@ -53,8 +53,9 @@ def load_rows(path, config=None, split="train", n=None):
         raise SystemExit(f"{path}: " + (f"only {len(rows)} rows, {n} asked" if rows else "no rows"))
     return rows[:n]
 
-def _clean_number(s):
-    """reward.clean_number (data.py imports nothing of ours): ',', '$', ' ', '%', \\text{} out."""
+def clean_number(s):
+    """A number's text without ',', '$', spaces, a trailing '.', '%' and a wrapping \\text{...}
+    (labels here; both sides of reward.numeric_equal)."""
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
     for junk in ("\\$", "$", ",", " ", "\\%", "%", "\\!"):
         s = s.replace(junk, "")
@@ -110,7 +111,7 @@ def load_items(rows, *, question_field="question", answer_field="answer", label_
             if label_format == "gsm8k" and "####" not in str(value):
                 raise SystemExit(f"{w}: field {answer_field!r} has no '####' "
                                  f"(set data.label_format=plain for bare answers)")
-            label = _clean_number(str(value).split("####")[-1] if label_format == "gsm8k"
+            label = clean_number(str(value).split("####")[-1] if label_format == "gsm8k"
                                   else str(value))
         if label == []:
             raise SystemExit(f"{w}: field {answer_field!r} holds no answer")
@@ -297,14 +298,15 @@ def finalize_pair(raw, seed, shuffle=True):
     one, two = ("B", "A") if swap else ("A", "B")  # the final letters of response 1 and response 2
     relabel = lambda t: re.sub(r"@?\b[Rr]esponse\s*([12])\b",  # noqa: E731
                                lambda m: f"Response {one if m.group(1) == '1' else two}", t)
-    critique = raw["critique"] and relabel(raw["critique"])
+    critique, meta = raw["critique"] and relabel(raw["critique"]), dict(raw["meta"], swapped=swap)
     if raw["critique_parts"]:  # kept per response (RM-NLHF §2.3): 'Response A strengths: ...'
-        parts = {x: raw["critique_parts"][i] for i, x in ((1, one), (2, two))}
-        critique = "\n".join(f"Response {x} {k}: {relabel(parts[x][k]).strip() or 'none noted'}"
+        parts = meta["critique_parts"] = {x: {k: relabel(v).strip() for k, v in raw[
+            "critique_parts"][i].items()} for i, x in ((1, one), (2, two))}  # judge.variant authors
+        critique = "\n".join(f"Response {x} {k}: {parts[x][k] or 'none noted'}"
                              for x in "AB" for k in ("strengths", "weaknesses"))
     return {"id": raw["id"], "context": raw["context"], "response_a": raw["r2" if swap else "r1"],
             "response_b": raw["r1" if swap else "r2"], "winner": one if raw["winner"] == 1 else two,
-            "critique": critique, "source": raw["source"], "meta": dict(raw["meta"], swapped=swap)}
+            "critique": critique, "source": raw["source"], "meta": meta}
 
 def load_pairwise(path, schema="auto", seed=0, shuffle=True, split="train", max_items=None,
                   config=None):
@@ -372,7 +374,7 @@ def load_math_problems(path, n=None, split="test", config=None):
     out = []
     for i, r in enumerate(load_rows(path, config, split, n)):
         if "question" in r and "####" in str(r.get("answer")):
-            label = _clean_number(r["answer"].split("####")[-1])
+            label = clean_number(r["answer"].split("####")[-1])
             out.append({"id": i, "question": r["question"], "label": label, "answer_text": label,
                         "kind": "gsm8k", "reference": r["answer"]})
         elif "problem" in r and "answer" in r:

@@ -2,9 +2,10 @@
 val_auroc, nlhf_val_metrics, held_out_accuracy, monitor, early_stop), the Fig. 2 plot, and
 `python evaluate.py SUBCOMMAND ...` (each writes <out>/<name>.json and <name>.items.jsonl):
 
-    math             GSM8K / MATH-500 greedy accuracy and sampled pass@1 (RLME §4.1; grade); a
+    math             GSM8K (RLME §4.1) / MATH-500 greedy accuracy, sampled pass@1 (ours; grade); a
                      NoCheat template ({answer}) + --inject wrong = counterfactual accuracy (Fig. 7)
     qa               context-QA exact match and token F1 (RLME Tables 1-2; grade_qa)
+                     (Fig. 7, Tables 1-2: per secondary notes, docs/method.md §10)
     pairwise         a GRM's accuracy per benchmark in both A/B orders, Overall = mean over
                      benchmarks (RM-NLHF §4.2, Table 2); default set: App. G.1's rule
     bon              Best-of-N judged by the GRM: knockout / double elimination (RM-NLHF §4.4)
@@ -96,7 +97,8 @@ def answer_summary(items, fields={"correct": ("acc", "pass1")}):
         s["n_samples"] = n
         for f, (_, name) in fields.items():
             per_j = [sum(it["samples"][j][f] for it in items) / m for j in range(n)]
-            s[f"sampled_{name}_mean"], s[f"sampled_{name}_std"] = mean_std(per_j)
+            s[f"sampled_{name}_mean"] = statistics.mean(per_j)
+            s[f"sampled_{name}_std"] = statistics.pstdev(per_j)  # population std
             s[f"sampled_{name}_per_sample"] = per_j
         s["sampled_pass_at_n"] = sum(any(x["correct"] for x in it["samples"]) for it in items) / m
     return s
@@ -257,15 +259,6 @@ def best_of_n(item, n, judge, method, rng):
 
 # ---- statistics ----------------------------------------------------------------------------------
 
-def mean_std(xs):
-    """(mean, population std) of a non-empty list."""
-    m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-
-def sample_std(xs):
-    """Sample std (n - 1); None for fewer than two values (one run: no band, not a 0-wide one)."""
-    return statistics.stdev(xs) if len(xs) > 1 else None
-
 def ema(values, alpha=0.9):
     """Bias-corrected EMA (RLME §4.1's 0.9): m_t = alpha m_{t-1} + (1 - alpha) v_t, m_0 = 0,
     e_t = m_t / (1 - alpha^t) (Adam's debiasing: the first point weighs as any other)."""
@@ -303,7 +296,7 @@ def judge_check_summary(rows, threshold=0.5):
                            if ok else None)
     return out
 
-# ---- in-run validation (RLME §4: held-out accuracy, early stop against reward hacking) ----------
+# ---- in-run validation (docs/method.md §4.6: held-out accuracy, early stop against hacking) -----
 # train.py generates and scores; these turn the numbers into val/* metrics (the same on every
 # rank: all_sum(x) sums a number across ranks).
 
@@ -388,7 +381,7 @@ def curve(paths, key, alpha=0.9):
     n, emas = len(runs), [[e[x] for _, e in runs] for x in common]
     return {"x": common, "raw": [sum(raw[x] for raw, _ in runs) / n for x in common],
             "ema": [sum(v) / n for v in emas],
-            "std": [sample_std(v) for v in emas] if n > 1 else None, "runs": n}
+            "std": [statistics.stdev(v) for v in emas] if n > 1 else None, "runs": n}
 
 def plot_curves(curves, keys, path, alpha=0.9, min_span=0.1):
     """A PNG at `path`, one panel per key: raw values faint, the ±1 std band, the EMA (gids

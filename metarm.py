@@ -8,8 +8,8 @@ Modes (metarm.mode; Table 3, App. H.1, Table 10): none (no MetaRM: D_O outcome o
 clip(R̂, 0, 1 + λ)) | binary (the online regressor discretised: R̂ = 1 + λ·1[ŷ > 1 + λ/2]) |
 binary_retrain (ours: regress 1[R > 1], R̂ = 1 + λ·1[ŷ >= 0.5]) | classifier (ours; the paper says
 "classification head": cross-entropy over (0, 1, 1 + λ), R̂ = Σ p_c·value_c).
-The state `mrm`, a plain dict: model, tokenizer, optimizer (online AdamW), SAVED, dtype, updates,
-truncated. Every rank makes the same update on all ranks' D_H samples (torchrun, FSDP2 too).
+The state `mrm`: model, tokenizer, optimizer (online AdamW), SAVED, dtype, micro_batch_size,
+updates, truncated. Every rank does the same update on all ranks' D_H samples (torchrun, FSDP2 too).
 """
 import argparse
 import hashlib
@@ -86,7 +86,7 @@ def nlhf_reward_step(items, completions, *, judge, mrm, lam, threshold, inclusiv
 
 def online_update(mrm, items, samples, *, seed, gated=True):
     """Step 3 on EVERY rank's scored samples: the agreement with the judge first (held out), then
-    online_epochs passes of the persistent AdamW (App. H.1 "Aggressive": 2); offline: none."""
+    online_epochs passes ("Aggressive": 2), a step per online_batch_size (0: all); offline: none."""
     pairs = [x for p in all_ranks(list(zip(items, samples))) for x in p]  # every rank's, in order
     ex = examples_from_samples(mrm, [it for it, _ in pairs], [s for _, s in pairs])
     mrm["truncated"] += sum(e["truncated"] for e in ex)
@@ -98,7 +98,8 @@ def online_update(mrm, items, samples, *, seed, gated=True):
         if mrm["optimizer"] is None:
             mrm["optimizer"] = torch.optim.AdamW(mrm["model"].parameters(), lr=mrm["online_lr"],
                                                  weight_decay=mrm["weight_decay"])
-        steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed)
+        steps = fit(mrm, ex, mrm["optimizer"], epochs=mrm["online_epochs"], seed=seed,
+                    batch_size=mrm["online_batch_size"])
         metrics["metarm/loss"] = sum(x * n for x, n in steps) / (len(ex) * mrm["online_epochs"])
         mrm["updates"] += 1
         broadcast_weights(mrm["model"])
@@ -199,8 +200,8 @@ def forward(mrm, texts):
 # ---- PREDICT (Eq. 6) AND FIT (Eq. 7) --------------------------------------------------------
 @torch.no_grad()
 def raw_outputs(mrm, texts):
-    """forward over texts in batches of mrm["batch_size"], in eval mode: floats or [3] lists."""
-    bs = mrm["batch_size"]
+    """forward over texts in batches of mrm["micro_batch_size"], eval mode: floats or [3] lists."""
+    bs = mrm["micro_batch_size"]
     with eval_mode(mrm["model"]):
         return [o for i in range(0, len(texts), bs) for o in forward(mrm, texts[i:i + bs]).tolist()]
 
@@ -237,36 +238,40 @@ def agreement(outputs, rewards, lam, mode="online", gated=True):
         guess = [min(class_values(lam, gated), key=lambda v: abs(v - o)) for o in outputs]
     return sum(abs(g - t) < 1e-9 for g, t in zip(guess, targets)) / len(targets)
 
-def fit(mrm, examples, optimizer, *, epochs, seed, lr_at=None):
-    """Eq. 7: `epochs` passes over examples {"text", "r"}, pass e in batches shuffled by seed + e,
-    grad norm clipped to 1, lr_at(t) the lr multiplier. -> [(batch mean loss, batch size)]."""
+def fit(mrm, examples, optimizer, *, epochs, seed, batch_size, lr_at=None):
+    """Eq. 7: `epochs` passes over examples {"text", "r"}, pass e shuffled by seed + e; an AdamW
+    step per batch_size examples (0: all), accumulated over micro-batches of mrm["micro_batch_size"]
+    (the release's dp_reward.py), grad norm clipped to 1, lr_at(t) the lr factor. -> [(loss, n)]."""
     mrm["model"].train()
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at) if lr_at is not None else None
-    steps = []
+    steps, bs, mb = [], batch_size or max(1, len(examples)), mrm["micro_batch_size"]
     for epoch in range(epochs):
-        order = list(range(len(examples)))
-        random.Random(seed + epoch).shuffle(order)
-        for b in (order[i:i + mrm["batch_size"]] for i in range(0, len(order), mrm["batch_size"])):
-            loss = metarm_loss(mrm, [examples[i]["text"] for i in b], [examples[i]["r"] for i in b])
+        random.Random(seed + epoch).shuffle(order := list(range(len(examples))))
+        for b in (order[i:i + bs] for i in range(0, len(order), bs)):
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            mean = 0.0
+            for m in ([examples[i] for i in b[j:j + mb]] for j in range(0, len(b), mb)):
+                loss = metarm_loss(mrm, [e["text"] for e in m], [e["r"] for e in m])
+                (loss * (len(m) / len(b))).backward()  # grads add up to the batch mean's
+                mean += loss.item() * len(m) / len(b)
             torch.nn.utils.clip_grad_norm_(mrm["model"].parameters(), 1.0)
             optimizer.step()
             if sched is not None:
                 sched.step()
-            steps.append((loss.item(), len(b)))
+            steps.append((mean, len(b)))
     return steps
 
 def train_metarm(mrm, examples, epochs=3, lr=1e-5, warmup_frac=0.01, weight_decay=0.01, seed=0):
     """Cold-start training (Algorithm 1 line 9): fit with a fresh AdamW, linear warmup over
     warmup_frac of the steps (at least 1), then cosine decay to 0. -> the losses."""
-    total = math.ceil(len(examples) / mrm["batch_size"]) * epochs
+    total = math.ceil(len(examples) / (mrm["batch_size"] or max(1, len(examples)))) * epochs
     warmup = max(1, round(warmup_frac * total))
     def lr_at(t):
         return (t + 1) / warmup if t < warmup else 0.5 * (1.0 + math.cos(
             math.pi * (t - warmup) / max(1, total - warmup)))
     opt = torch.optim.AdamW(mrm["model"].parameters(), lr=lr, weight_decay=weight_decay)
-    return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at)]
+    return [loss for loss, _ in fit(mrm, examples, opt, epochs=epochs, seed=seed, lr_at=lr_at,
+                                    batch_size=mrm["batch_size"])]
 
 # ---- A RUN'S METARM; THE COLD START (Algorithm 1, lines 2-10) ---------------------------------
 # D_H is cut into batches of `batch_size` prompts, one sample() call each; batch b samples with
@@ -277,19 +282,19 @@ COUNTS = ("rollouts", "invalid", "judge_failures", "examples", "truncated")
 
 def setup_metarm(ckpt, *, mode, out_dir, model_path, lam, seed, dtype="float32", device="cpu",
                  wrap=None, gradient_checkpointing=False, batch_size=8, max_length=8192,
-                 online_lr=5e-6, online_epochs=1, **cold):
+                 online_lr=5e-6, online_epochs=1, online_batch_size=0, micro_batch_size=4, **cold):
     """A run's MetaRM (every rank calls) -> (mrm | None, source, cold-start stats | None): <ckpt>/
     metarm; a saved <out_dir>/metarm; else new_metarm, run_cold_start(**cold), saved there."""
     if mode == "none":
         return None, "none", None
     path = os.path.join(ckpt, "metarm") if ckpt else os.path.join(out_dir, "metarm")
     place = dict(dtype=dtype, device=device, wrap=wrap,
-                 gradient_checkpointing=gradient_checkpointing)
+                 gradient_checkpointing=gradient_checkpointing, micro_batch_size=micro_batch_size)
     if ckpt or os.path.isfile(os.path.join(path, "metarm.json")):
         return load_metarm(path, **place), path, None
     mrm = new_metarm(model_path, mode=mode, lam=lam, batch_size=batch_size, seed=seed,
                      max_length=max_length, online_lr=online_lr, online_epochs=online_epochs,
-                     **place)
+                     online_batch_size=online_batch_size, **place)
     stats = run_cold_start(mrm, folder=os.path.join(out_dir, "cold_start"), lam=lam, seed=seed,
                            **cold)
     save_metarm(mrm, path)
@@ -364,11 +369,12 @@ def record_cold_start(out_dir, stats, rollouts_per_prompt):
     return {f"metarm/cold_start_{k}": v for k, v in counts.items()}
 
 # ---- THE MODEL: a fresh head, a saved folder ------------------------------------------------
-SAVED = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay")
+SAVED = ("mode", "lam", "batch_size", "max_length", "online_lr", "online_epochs", "weight_decay",
+         "online_batch_size")  # a save made before online_batch_size loads with its default
 
 def new_metarm(base, *, mode, lam, dtype="float32", batch_size=8, max_length=1024,
                online_lr=5e-6, online_epochs=1, weight_decay=0.01, gradient_checkpointing=False,
-               device="cpu", seed=0, wrap=None):
+               device="cpu", seed=0, wrap=None, online_batch_size=0, micro_batch_size=4):
     """A MetaRM on the LM `base` (folder, hub id, gguf:...): a float32 sequence classifier (a 5e-6
     step on bf16 rounds to nothing), 1 output (classifier 3), head from `seed`; wrap: FSDP2."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -389,7 +395,8 @@ def new_metarm(base, *, mode, lam, dtype="float32", batch_size=8, max_length=102
         model.set_reshard_after_forward(True, recurse=False)
     return dict(model=model, tokenizer=tok, optimizer=None, mode=mode, lam=lam, dtype=dtype,
                 batch_size=batch_size, max_length=max_length, online_lr=online_lr, updates=0,
-                online_epochs=online_epochs, weight_decay=weight_decay, truncated=0)
+                online_epochs=online_epochs, weight_decay=weight_decay, truncated=0,
+                online_batch_size=online_batch_size, micro_batch_size=micro_batch_size)
 
 def save_metarm(mrm, path):
     """HF model + tokenizer, metarm.json, optimizer.pt to <path>.tmp, renamed to `path` (a crash
@@ -415,15 +422,14 @@ def save_metarm(mrm, path):
     if dist.is_initialized():
         dist.barrier()  # no rank reads `path` before the rename
 
-def load_metarm(path, dtype="float32", *, device="cpu", gradient_checkpointing=False, wrap=None):
-    """A MetaRM written by save_metarm (or its <path>.old) with its AdamW state; the rest
-    new_metarm's. Every rank calls it. SystemExit: none there."""
+def load_metarm(path, dtype="float32", **place):
+    """A MetaRM written by save_metarm (or its <path>.old) with its AdamW state; place: new_metarm's
+    device, wrap, gradient_checkpointing, micro_batch_size. Every rank calls. SystemExit: none."""
     p = path if os.path.isfile(os.path.join(path, "metarm.json")) else path.rstrip("/") + ".old"
     if not os.path.isfile(os.path.join(p, "metarm.json")):
         raise SystemExit(f"metarm: no saved MetaRM (metarm.json) in {path}")
     meta = json.load(open(os.path.join(p, "metarm.json")))
-    mrm = new_metarm(p, **{k: meta[k] for k in SAVED}, dtype=dtype, device=device, wrap=wrap,
-                     gradient_checkpointing=gradient_checkpointing)
+    mrm = new_metarm(p, **{k: meta[k] for k in SAVED if k in meta}, dtype=dtype, **place)
     mrm["updates"], model = meta["updates"], mrm["model"]
     if os.path.isfile(opt := os.path.join(p, "optimizer.pt")):
         mrm["optimizer"] = torch.optim.AdamW(model.parameters(), lr=mrm["online_lr"],

@@ -1,7 +1,8 @@
 """Rewards: RLVR and QA metrics, the RLME meta-evaluation reward, the RM-NLHF rewards and their
 critique judge.
 
-* RLVR (RLME §4.1): answer_reward (boxed number == label; SQuAD EM / F1 for string answers).
+* RLVR (RLME §4.1): answer_reward (boxed number == label; SQuAD EM / F1 for string answers:
+  docs/method.md §4.3, the QA setup from secondary notes).
 * RLME (RLME §3.1): rlme_reward, r = sum_j v_j sum_k w_k log p_{j,k} (Eq. 2-3), p_{j,k} evaluator
   j's teacher-forced probability of target a_k after meta-question q_k; local_evaluator (live,
   frozen_self, frozen: the K questions on one shared prefix, score_targets), remote_evaluator
@@ -22,10 +23,11 @@ import torch
 from transformers import DynamicCache
 
 import rollout
+from data import clean_number
 from rollout import chat_prompt, eval_mode, left_pad, token_logprobs
 
 
-# RLVR (RLME §4.1) and SQuAD EM / F1 (RLME §4 Tables 1-2)
+# RLVR (RLME §4.1) and SQuAD EM / F1 (docs/method.md §4.3: the QA tables per secondary notes)
 def extract_boxed(text):
     """The content of the LAST closed \\boxed{...} / \\fbox{...} (braces matched) or \\boxed 5."""
     for start in reversed([m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*", text or "")]):
@@ -44,13 +46,6 @@ def extract_boxed(text):
 def rlvr_reward(completion, label):
     """1.0 if the last boxed answer equals the label as a number, else 0.0 (RLME §4.1)."""
     return 1.0 if numeric_equal(extract_boxed(completion), label) else 0.0
-
-def clean_number(s):
-    """Strip ',', '$', spaces, a trailing '.', '%' and a wrapping \\text{...} from a number."""
-    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
-    for junk in ("\\$", "$", ",", " ", "\\%", "%", "\\!"):
-        s = s.replace(junk, "")
-    return s.rstrip(".")
 
 def to_number(s):
     """'42' -> 42, '3.50' -> 3.5, '1/2' or '\\frac{1}{2}' -> 0.5; None when not a number."""
@@ -116,7 +111,7 @@ DEFAULT_EVALUATOR_TEMPLATE = (
     "<<<BEGIN SOLUTION>>>\n{solution}\n<<<END SOLUTION>>>\n\n"
     "Final answer extracted from the solution: {extracted}\n\n"
     "Question about the solution above: {question}\nReply with Yes or No.")
-QA_EVALUATOR_TEMPLATE = (  # context QA (RLME §4 Tables 1-2): {problem} = context and question
+QA_EVALUATOR_TEMPLATE = (  # context QA (docs/method.md §4.2): {problem} = context + question
     "Below is a context (one or more passages), a question about it, and a proposed answer to the "
     "question.\n\n"
     "Context and question:\n{problem}\n\n"
@@ -331,20 +326,10 @@ def weighted_reward(logp, v, w):
     return (logp * v[None, :, None] * w[None, None, :]).sum((1, 2))
 
 def hybrid_reward(rlvr, rlme, rlvr_weight=1.0):
-    """rlvr_weight * r_RLVR + r_RLME, float32 [N] (RLME §4 Tables 1-2 "RLVR + RLME"; the additive
-    form is our choice)."""
+    """rlvr_weight * r_RLVR + r_RLME, float32 [N] ("RLVR + RLME" of RLME's QA tables per secondary
+    notes, docs/method.md §4.2; the additive form is our choice)."""
     rlvr, rlme = (torch.as_tensor(x, dtype=torch.float32) for x in (rlvr, rlme))
     return rlvr_weight * rlvr + rlme
-
-def meta_question_dicts(meta_questions, target="Yes"):
-    """[{"question", "weight", "target", "negative"}] (q_k, w_k, a_k of RLME Eq. 3; renormalize's
-    negative) from str or dicts; ValueError on none, a blank one or a repeat (metric names)."""
-    out = [{"question": m} if isinstance(m, str) else dict(m) for m in meta_questions]
-    qs = [m.get("question") for m in out]
-    if not qs or not all(isinstance(q, str) and q for q in qs) or len(set(qs)) != len(qs):
-        raise ValueError(f"meta_questions: need a non-empty list of distinct questions, got {qs}")
-    return [{"question": m["question"], "weight": float(m.get("weight", 1.0)),
-             "target": m.get("target", target), "negative": m.get("negative", "No")} for m in out]
 
 def logp_metric_name(evaluator, question):
     """The metric name of an evaluator's mean log p for one meta-question (ours and TRL's)."""
@@ -445,9 +430,6 @@ def dh_reward(valid, correct, f1, lam=0.5, threshold=0.5, gate_on_outcome=True, 
     r_proc = process_reward(f1, threshold, inclusive=inclusive)
     return (None, None) if r_proc is None else (outcome + lam * r_proc, r_proc)
 
-METARM_MODES = ("none", "offline", "online", "metarm_only", "binary", "binary_retrain",
-                "classifier")
-
 def do_reward(valid, correct, r_hat, lam=0.5, mode="online", gate_on_outcome=True, form="paper"):
     """A D_O reward from R_hat (Eq. 8, App. H.1): invalid -1; mode none: outcome; metarm_only:
     clip(R_hat, 0, 1 + lam); else wrong 0 (no gate: clip(R_hat, 0, lam)), right 1 +
@@ -504,7 +486,8 @@ def score_do(parsed, items, r_hat, lam=0.5, mode="online", gate_on_outcome=True,
 
 def do_training_samples(parsed, items, lam):
     """MetaRM labels for D_O ("w/ D_O for MetaRM", Table 3): right 1 + lam/2 (process unknown),
-    wrong 0 (our reading of the paper's order), invalid None (not trained on)."""
+    wrong 0, invalid None (not trained on). §4.3 gives correct 0, incorrect 1 + lam/2: read as
+    reversed (docs/method.md §5.4)."""
     return [{"valid": p["valid"], "critique": p["critique"], "reward": None if not p["valid"]
              else 1.0 + lam / 2 if p["choice"] == it["winner"] else 0.0, "outcome_label": True}
             for p, it in zip(parsed, items)]
@@ -575,11 +558,25 @@ META_JUDGE_PROMPT = (
     + PAIR_TEXT + "\n\n[Critique]\n{model}\n\n"
     "Think briefly, then end your answer with exactly this tag holding 1 or 0:\n"
     "<correct>...</correct>")
-JUDGE_VARIANTS = ("core", "all", "meta_judge")
+# authors: the release's Core-HC judge, verbatim (the object of study, like a paper's prompt):
+# prompt_f1_based_similarity_score, github.com/liudan193/Qwen-Character Character-GenRM-NLHF/verl/
+# recipe/rm_nlhf/reward_function.py lines 109-174; judge_prompt renders as its lines 216-238.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                       "rm_nlhf_release_judge.txt")) as _f:  # the text, byte for byte
+    AUTHORS_JUDGE_PROMPT = _f.read()
+JUDGE_VARIANTS = ("core", "all", "meta_judge", "authors")
 
 def judge_prompt(variant, human, model, item=None):
-    """The judge's request for GRM critique `model`: against the human critique (core, all) or
-    alone with the pair `item` (meta_judge)."""
+    """The judge's request for GRM critique `model`: against the human critique (core, all,
+    authors) or alone with the pair `item` (meta_judge). authors: each inside <critics>, the human
+    one as the item's parts (meta "critique_parts": <strengths_A>...</weaknesses_B>, the release's
+    processed_critique), else (HelpSteer3's reasoning) as its text."""
+    if variant == "authors":
+        parts = (item or {}).get("meta", {}).get("critique_parts")
+        human = "\n\n".join(f"<{k}_{x}>\n{parts[x][k]}\n</{k}_{x}>" for x in "AB" for k in (
+            "strengths", "weaknesses")) if parts else human.strip()
+        return AUTHORS_JUDGE_PROMPT.format(critiques=f"<critics>\n{model.strip()}\n</critics>",
+                                           reference_critiques=f"<critics>\n{human}\n</critics>")
     if variant == "meta_judge":
         return META_JUDGE_PROMPT.format(context=item["context"].strip(), model=model.strip(),
                                         response_a=item["response_a"].strip(),
@@ -596,33 +593,40 @@ def parse_meta_judge_output(text):
 
 _DECIMAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")  # not float()'s grammar: it accepts 'nan', 'inf'
 
-def parse_judge_output(text):
-    """The LAST <precision>, <recall>, <f1> -> floats in [0, 1] and why ''; else all None, why."""
+def parse_judge_output(text, authors=False):
+    """The LAST <precision>, <recall>, <f1> -> floats in [0, 1] and why ''; else all None, why.
+    authors (the release's parse_similarity_scores, reward_function.py lines 86-107, and line
+    283): each <critique_TAG>'s FIRST match of \\d+\\.?\\d* (re.search: ' 0.5', 'nan', '-1' never
+    match), only f1 checked in [0, 1]."""
     out, vals = {"precision": None, "recall": None, "f1": None, "why": ""}, {}
+    value = r"\d+\.?\d*" if authors else ".*?"
     for tag in ("precision", "recall", "f1"):
-        found = re.findall(rf"<{tag}>(.*?)</{tag}>", text or "", flags=re.S)
+        name = "critique_" * authors + tag
+        found = re.findall(rf"<{name}>({value})</{name}>", text or "", flags=re.S)
         if not found:
-            return dict(out, why=f"missing <{tag}> tag")
-        s = found[-1].strip()
+            return dict(out, why=f"missing <{name}> tag" + " with a number" * authors)
+        s = found[0 if authors else -1].strip()
         if not _DECIMAL.fullmatch(s):
             return dict(out, why=f"<{tag}> is not a plain decimal: {s[:40]!r}")
-        if not 0.0 <= float(s) <= 1.0:
-            return dict(out, why=f"<{tag}> outside [0, 1]: {s}")
+        if not 0.0 <= float(s) <= 1.0 and (tag == "f1" or not authors):
+            return dict(out, why=f"<{name}> outside [0, 1]: {s}")
         vals[tag] = float(s)
     return dict(vals, why="")
 
 def make_judge(*, backend="openai", variant="core", base_url="http://127.0.0.1:8000/v1",
                model=None, api_key_env=None, concurrency=8, timeout_s=60.0, max_retries=4,
-               temperature=0.0, max_tokens=512, probe=True):
+               temperature=0.0, max_tokens=512, probe=True, deadline_s=None):
     """judge(pairs [(human critique, GRM critique, item)]) -> [{"f1", "precision", "recall", "why",
     "attempts": HTTP requests, retries included}] in order, `concurrency` at a time; a failure is
     f1 None, never an exception. "openai": judge_prompt to a chat server (an answer that does not
     parse fails, not retried; None temperature / max_tokens are not sent); "proxy": proxy_f1.
-    SystemExit (one line): an unknown backend / variant; probe: a short start-up request fails."""
+    SystemExit (one line): an unknown backend / variant; probe: a short start-up request fails.
+    deadline_s: judge() returns by then, a pair still pending failed ("deadline"; its request ends
+    in the background): a stuck server must not outlast the ranks' collective timeout."""
     if backend not in ("openai", "proxy"):
         raise SystemExit(f"judge.backend: {backend!r} unknown; allowed: openai, proxy")
     if variant not in JUDGE_VARIANTS:
-        raise SystemExit(f"judge.variant: {variant!r} unknown; allowed: core, all, meta_judge")
+        raise SystemExit(f"judge.variant: {variant!r} unknown; allowed: {'|'.join(JUDGE_VARIANTS)}")
     if backend == "proxy":
         def one(pair):
             return dict(proxy_f1(pair[0], pair[1]), attempts=1)
@@ -632,7 +636,8 @@ def make_judge(*, backend="openai", variant="core", base_url="http://127.0.0.1:8
         tries = threading.local()  # the client retries in the calling thread: count per call
         client = _openai_client(base_url, api_key_env, timeout_s, max_retries, "judge.api_key_env",
                                 lambda request: setattr(tries, "n", getattr(tries, "n", 0) + 1))
-        parse = parse_meta_judge_output if variant == "meta_judge" else parse_judge_output
+        parse = parse_meta_judge_output if variant == "meta_judge" else lambda t: (
+            parse_judge_output(t, authors=variant == "authors"))
         fields = {k: v for k, v in (("temperature", temperature),
                                     ("max_completion_tokens", max_tokens)) if v is not None}
         short = {"max_completion_tokens": min(max_tokens, 8)} if max_tokens else {}
@@ -659,8 +664,13 @@ def make_judge(*, backend="openai", variant="core", base_url="http://127.0.0.1:8
             return dict(r, why=why, attempts=tries.n)
 
     def judge(pairs):
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
-            return list(pool.map(lambda pair: one(tuple(pair)), pairs))
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency)))
+        calls = [pool.submit(one, tuple(pair)) for pair in pairs]
+        concurrent.futures.wait(calls, timeout=deadline_s)
+        pool.shutdown(wait=False, cancel_futures=True)  # not yet started: never sent
+        late = {"precision": None, "recall": None, "f1": None, "attempts": 0,
+                "why": f"deadline: no answer within {deadline_s} s"}
+        return [c.result() if c.done() and not c.cancelled() else dict(late) for c in calls]
     return judge
 
 # The offline PROXY judge: a lexical stand-in for tests and laptops, not the paper's LLM judge.

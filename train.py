@@ -421,7 +421,7 @@ def step_metrics(state, records, upd, reward_metrics, times, *, group_size, step
         "advantage/abs_mean": sum(abs(r["advantage"]) for r in records) / n,
         "groups/zero_variance_frac": sum(len(g) <= 1 for g in groups) / len(groups),
         "completion/length_mean": lens.mean().item(), "completion/length_max": lens.max().item(),
-        # characters: the unit of RLME §4's conciseness meta-question ("200 to 500 characters")
+        # characters: the unit of the conciseness question (secondary notes: docs/method.md §10)
         "completion/chars_mean": sum(len(r["completion"]) for r in records) / n,
         "completion/truncated_frac": sum(r["truncated"] for r in records) / n,
         "is_weight/mean": sum(r["importance_weight"] for r in records) / n,
@@ -484,7 +484,7 @@ def finite(x):
     return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-# ---- 7. Validation, the reward-hacking monitor, the early stop (RLME §4; docs/method.md §4.6)
+# ---- 7. Validation, the reward-hacking monitor, the early stop (docs/method.md §4.6) -------
 
 
 def validate(state, step, records, *, task, reward, template, numeric, max_new_tokens, chunk,
@@ -615,8 +615,9 @@ def load_data(state, cfg):
     limit = ro["max_prompt_tokens"] or context - ro["max_new_tokens"]
     short = lambda items: [it for it in items if len(state["prompt"](it)) <= limit]  # noqa: E731
     if cfg["task"] == "rm_nlhf":
-        state["judge"] = R.make_judge(**{k: v for k, v in cfg["judge"].items()
-                                         if k != "on_failure"})
+        judge = {k: v for k, v in cfg["judge"].items() if k != "on_failure"}
+        state["judge"] = R.make_judge(  # λ = 0: never called; ends before the ranks' collective
+            **judge, deadline_s=COLLECTIVE_TIMEOUT_S / 2) if nl["lam"] > 0 else None
         dh, do, note = data.load_nlhf_items(nl["dh"], nl["do"], seed=seed,
                                             split_dh_fraction=nl["split_dh_fraction"])
         state["dh"], state["do"], state["val_items"] = short(dh), short(do), []
@@ -691,15 +692,15 @@ def load_models(state, cfg, ckpt, judging):
         ckpt, mode=mc["mode"], out_dir=run["out_dir"], model_path=m["policy"], seed=run["seed"],
         dtype=mc["dtype"], device=device, wrap=None if cfg["train"]["parallel"] != "fsdp2"
         or world == 1 else lambda model: wrap_policy(model, "fsdp2", world, device, mc["dtype"]),
-        gradient_checkpointing=mc["gradient_checkpointing"], batch_size=mc["batch_size"],
-        max_length=mc["max_length"], online_lr=mc["online_lr"], online_epochs=mc["online_epochs"],
+        **{k: mc[k] for k in ("gradient_checkpointing", "batch_size", "max_length", "online_lr",
+                              "online_epochs", "online_batch_size")},
         items=state["dh"][:mc["cold_start_items"] or None], prompt=state["prompt"],
         sample=lambda ids, **kw: sample(state, ids, **kw), judge=state["judge"],
         identity={"model.policy": m["policy"], "model.dtype": m["dtype"],
                   "judge": [j[k] for k in ("backend", "model", "variant")]},
         rollouts_per_prompt=mc["rollouts_per_prompt"], max_new_tokens=ro["max_new_tokens"],
         temperature=ro["temperature"], epochs=mc["epochs"], lr=1e-5, rank=rank, world=world,
-        **judging)
+        micro_batch_size=cfg["train"]["micro_batch_size"], **judging)
     if stats is not None and rank == 0:  # the cold start's counts: the first step's line
         state["first_metrics"] = metarm.record_cold_start(run["out_dir"], stats,
                                                           mc["rollouts_per_prompt"])
@@ -786,7 +787,7 @@ CHOICES = {
         "seq_sum", "seq_mean_token_mean", "token_mean", "micro_batch_token_mean", "dr_grpo"],
     "nlhf.threshold_rule": ["strict", "inclusive"], "nlhf.grm_prompt": ["ours", "authors"],
     "nlhf.similarity": ["f1", "precision", "recall"], "nlhf.do_reward": ["paper", "released"],
-    "judge.backend": ["openai", "proxy"], "judge.variant": ["core", "all", "meta_judge"],
+    "judge.backend": ["openai", "proxy"], "judge.variant": list(R.JUDGE_VARIANTS),
     "judge.on_failure": ["mask", "zero"], "metarm.mode": [
         "none", "offline", "online", "metarm_only", "binary", "binary_retrain", "classifier"],
     "metarm.dtype": ["float32", "bfloat16", "float16"], "train.parallel": ["ddp", "fsdp2"],
@@ -927,6 +928,8 @@ def _check(cfg, world):
             (not cfg["optim"]["lr"] > 0 or min(cfg["optim"][k] for k in (
                 "weight_decay", "grad_clip", "warmup_steps")) < 0,
              "optim: lr > 0; weight_decay, grad_clip, warmup_steps >= 0"),
+            (min(cfg["metarm"][k] for k in ("batch_size", "online_batch_size")) < 0,
+             "metarm.batch_size / online_batch_size: must be >= 0 (0 = all)"),
             (not all(0 <= nl[k] <= 1 for k in ("dh_per_step", "lam", "threshold")),
              "nlhf.dh_per_step / lam / threshold: must be in [0, 1]"),
             (ro["group_size"] < 2, "rollout.group_size: must be >= 2 (A = r - mean(group))"),
@@ -955,7 +958,10 @@ def _check(cfg, world):
 # ==== Processes: torchrun's environment, the process group, reductions over ranks =================
 
 
-def setup_process_group(device_setting, parallel, timeout_s=1800.0):
+COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default; a step's judge phase ends within half of it
+
+
+def setup_process_group(device_setting, parallel, timeout_s=COLLECTIVE_TIMEOUT_S):
     """The process group under torchrun (gloo | nccl; FSDP2 even alone): (rank, world, device)."""
     cuda = device_setting == "cuda" or device_setting == "auto" and torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -74,13 +74,6 @@ def test_ema_is_bias_corrected_hand_numbers():
     assert evaluate.ema([3.0, -1.0], 0.0) == [3.0, -1.0]  # alpha 0: the raw values
     assert evaluate.ema([], 0.9) == []
 
-def test_mean_std_and_sample_std():
-    assert evaluate.mean_std([1.0, 3.0]) == (2.0, 1.0)
-    assert evaluate.mean_std([7.0]) == (7.0, 0.0)
-    assert evaluate.sample_std([0.0, 2.0]) == pytest.approx(2 ** 0.5)
-    assert evaluate.sample_std([1.0, 2.0, 3.0]) == pytest.approx(1.0)
-    assert evaluate.sample_std([5.0]) is None
-
 # ---- tournaments ---------------------------------------------------------------------------------
 
 def lower_wins(pairs):

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -143,7 +144,8 @@ def test_metarm_loss_with_plain_numbers_hand_computed(tiny_mrm):
     """Eq. 7 with outputs ŷ = (0.5, 1, 2), R = (0, 1, 1.5), λ = 0.5: MSE = (0.25 + 0 + 0.25) / 3
     = 1/6, gradient 2 (ŷ - R) / 3 = (1/3, 0, 1/3); binary_retrain regresses 1[R > 1] = (0, 0, 1):
     (0.25 + 1 + 1) / 3 = 0.75; classifier, logits (ln 1, ln 1, ln 2), class 2: -log(2/4) = ln 2."""
-    reg = dict(tiny_mrm, model=FixedOutputs([[0.5], [1.0], [2.0]]), max_length=4096, batch_size=2)
+    reg = dict(tiny_mrm, model=FixedOutputs([[0.5], [1.0], [2.0]]), max_length=4096,
+               micro_batch_size=2)
     texts = ["a", "b c", "d"]
     loss = metarm.metarm_loss(reg, texts, [0.0, 1.0, 1.5])
     assert loss.item() == pytest.approx(1 / 6, rel=1e-6)
@@ -156,7 +158,8 @@ def test_metarm_loss_with_plain_numbers_hand_computed(tiny_mrm):
     # predict: R̂ = ŷ for a regressor; classifier Σ p_c value_c = (0 + 1 + 2 · 1.5) / 4 = 1
     r_hat, cut = metarm.predict(reg, [item(0), item(1), item(2)], ["c", None, "c"])
     assert r_hat == pytest.approx([0.5, None, 1.0]) and cut == 0  # the 2 valid: rows 0 and 1
-    assert metarm.predict(dict(clf, batch_size=1), [item(0)], ["c"])[0] == pytest.approx([1.0])
+    assert metarm.predict(dict(clf, micro_batch_size=1), [item(0)], ["c"])[0] == pytest.approx(
+        [1.0])
 
 def test_classifier_and_binary_predictions(tiny_model_path):
     clf = fresh(tiny_model_path, mode="classifier")
@@ -229,8 +232,8 @@ def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path)
     items = [item(0), item(1), item(2)]
     samples = [{"valid": True, "reward": r, "critique": f"critique {k}"}
                for k, r in enumerate([1.5, 0.0, 1.0])]
-    two = fresh(tiny_model_path, online_epochs=2, batch_size=2, online_lr=1e-3, seed=0)
-    one = fresh(tiny_model_path, batch_size=2, online_lr=1e-3, seed=0)
+    two = fresh(tiny_model_path, online_epochs=2, online_batch_size=2, online_lr=1e-3, seed=0)
+    one = fresh(tiny_model_path, online_batch_size=2, online_lr=1e-3, seed=0)
     start = flat(two).clone()
     assert torch.equal(start, flat(one))  # the same seed, the same fresh head
     m2 = metarm.online_update(two, items, samples, seed=3)
@@ -240,6 +243,83 @@ def test_online_epochs_are_passes_with_one_persistent_optimizer(tiny_model_path)
     torch.testing.assert_close(flat(two), flat(one))
     assert not torch.equal(flat(two), start)
     assert m2["metarm/loss"] == pytest.approx((a["metarm/loss"] + b["metarm/loss"]) / 2, rel=1e-5)
+
+# ---- optimizer steps and gradient accumulation (hand-counted) --------------------------------
+
+TEN = [{"text": f"example {i} " * (1 + i % 4), "r": [0.0, 1.0, 1.5][i % 3]} for i in range(10)]
+
+def adam_steps(opt):
+    """The AdamW steps taken, read from its state (one count per parameter: all equal)."""
+    return {int(s["step"]) for s in opt.state.values()}
+
+def count_forwards(monkeypatch):
+    """The sizes of the micro-batches metarm_loss is called on (one forward/backward each)."""
+    sizes, loss = [], metarm.metarm_loss
+
+    def counted(mrm, texts, rewards):
+        sizes.append(len(texts))
+        return loss(mrm, texts, rewards)
+    monkeypatch.setattr(metarm, "metarm_loss", counted)
+    return sizes
+
+@pytest.mark.parametrize("micro,forwards", [(1, [1] * 10), (3, [3, 3, 3, 1]), (10, [10])])
+def test_online_update_is_one_optimizer_step_per_call(tiny_model_path, monkeypatch, micro,
+                                                      forwards):
+    """metarm.online_batch_size 0 (the default, the release's): 10 D_H examples make ONE AdamW
+    step a call, in forwards of at most micro_batch_size; two calls: 2 steps in all."""
+    mrm = fresh(tiny_model_path, online_lr=1e-3, micro_batch_size=micro)
+    items = [item(i) for i in range(10)]
+    samples = [{"valid": True, "reward": e["r"], "critique": e["text"]} for e in TEN]
+    sizes = count_forwards(monkeypatch)
+    for call in (1, 2):
+        del sizes[:]
+        m = metarm.online_update(mrm, items, samples, seed=call)
+        assert adam_steps(mrm["optimizer"]) == {call} and sizes == forwards and m["metarm/n"] == 10
+
+def test_fit_steps_per_batch_size_in_micro_batches(tiny_model_path, monkeypatch):
+    """10 examples, batch_size 4, micro_batch_size 3, 2 epochs: ceil(10 / 4) = 3 AdamW steps an
+    epoch, on batches of 4, 4, 2, each in forwards of 3 + 1, 3 + 1, 2: 6 steps in all."""
+    mrm = fresh(tiny_model_path, micro_batch_size=3)
+    sizes = count_forwards(monkeypatch)
+    opt = torch.optim.AdamW(mrm["model"].parameters(), lr=1e-3)
+    steps = metarm.fit(mrm, TEN, opt, epochs=2, seed=0, batch_size=4)
+    assert [n for _, n in steps] == [4, 4, 2] * 2 and adam_steps(opt) == {6}
+    assert sizes == [3, 1, 3, 1, 2] * 2
+
+@pytest.mark.parametrize("batch_size,total", [(4, 3 * 3), (0, 1 * 3)])
+def test_cold_start_counts_its_steps_for_the_schedule(tiny_model_path, monkeypatch, batch_size,
+                                                      total):
+    """train_metarm, 10 examples, 3 epochs: batch_size 4 -> 3 steps an epoch, 0 (all) -> 1. The
+    cosine ends at lr 0 exactly after the last step only if `total` counted those steps."""
+    mrm = fresh(tiny_model_path, batch_size=batch_size, micro_batch_size=4)
+    opts, fit = [], metarm.fit
+
+    def spied(mrm, examples, optimizer, **kw):
+        opts.append(optimizer)
+        return fit(mrm, examples, optimizer, **kw)
+    monkeypatch.setattr(metarm, "fit", spied)
+    assert len(metarm.train_metarm(mrm, TEN, epochs=3, lr=1e-3)) == total
+    assert adam_steps(opts[0]) == {total} and opts[0].param_groups[0]["lr"] == 0.0
+
+def test_accumulated_gradient_equals_the_batch_mean_gradient(tiny_model_path, monkeypatch):
+    """One batch of 10 in micro-batches of 3 (3 + 3 + 3 + 1, each mean loss weighted 3/10 or 1/10):
+    the gradient AdamW would step on (read where fit clips it) is that of the mean loss over all
+    10 in one forward. Tolerance: the same 10 per-example float32 terms, summed in another order
+    and padded otherwise (masked: the same logits up to rounding), differ by rounding of the order
+    eps (1.2e-7) x the largest gradient (~3 here): ~5e-7 measured, so atol 1e-6, rtol 1e-5. A
+    wrong weight (1 instead of len(micro) / len(batch)) is off by a factor of ~3."""
+    acc, one = fresh(tiny_model_path, micro_batch_size=3), fresh(tiny_model_path)
+    got = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: got.append(
+        [p.grad.clone() for p in params]))
+    steps = metarm.fit(acc, TEN, torch.optim.AdamW(acc["model"].parameters(), lr=0.0), epochs=1,
+                       seed=0, batch_size=0)
+    one["model"].train()
+    loss = metarm.metarm_loss(one, [e["text"] for e in TEN], [e["r"] for e in TEN])
+    loss.backward()
+    assert len(got) == 1 and steps[0] == (pytest.approx(loss.item(), rel=1e-5), 10)
+    for g, p in zip(got[0], one["model"].parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("mode,raw", [
     ("online", [0.0, 1.0, 1.5]), ("offline", [0.0, 1.0, 1.5]), ("metarm_only", [0.0, 1.0, 1.5]),
@@ -338,7 +418,7 @@ def test_metarm_updated_before_it_scores_do(tiny_model_path):
 # ---- save / load -------------------------------------------------------------------------------
 
 def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
-    mrm = fresh(tiny_model_path, online_lr=1e-3)
+    mrm = fresh(tiny_model_path, online_lr=1e-3, online_batch_size=2)
     metarm.online_update(mrm, [item(0)], [{"valid": True, "reward": 1.5, "critique": "c"}], seed=0)
     out = str(tmp_path / "metarm")
     metarm.save_metarm(mrm, out)
@@ -346,6 +426,7 @@ def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["metarm"]
     back = metarm.load_metarm(out)
     assert back["updates"] == 1 and back["mode"] == "online" and back["online_lr"] == 1e-3
+    assert back["online_batch_size"] == 2
     assert back["model"].config.pad_token_id == mrm["tokenizer"].pad_token_id
     texts = ["abc", "longer text here"]
     assert predict_texts(back, texts) == pytest.approx(predict_texts(mrm, texts), abs=1e-6)
@@ -358,6 +439,10 @@ def test_save_load_roundtrip_is_atomic(tiny_model_path, tmp_path):
     torch.testing.assert_close(flat(back), flat(mrm))
     os.replace(out, out + ".old")  # as if a crash hit between the two renames
     assert metarm.load_metarm(out)["updates"] == 1
+    meta = json.load(open(f := os.path.join(out + ".old", "metarm.json")))
+    with open(f, "w") as fh:
+        json.dump({k: v for k, v in meta.items() if k != "online_batch_size"}, fh)
+    assert metarm.load_metarm(out)["online_batch_size"] == 0  # a save from before the key loads
     with pytest.raises(SystemExit, match="no saved MetaRM"):
         metarm.load_metarm(str(tmp_path / "nothing"))
 
@@ -514,7 +599,7 @@ def _rank(rank, port, path, out):
         return fully_shard(model, mesh=mesh)
     got = {}
     for name, wrap in (("replica", None), ("fsdp2", shard)):
-        mrm = fresh(path, online_lr=1e-2, batch_size=3, seed=0, wrap=wrap)
+        mrm = fresh(path, online_lr=1e-2, online_batch_size=3, seed=0, wrap=wrap)
         got[name] = metarm.online_update(mrm, *RANK_SAMPLES[rank], seed=5)
         got[name + "/do"] = metarm.predict(mrm, *RANK_DO[rank])[0]
         metarm.save_metarm(mrm, os.path.join(out, name))
@@ -535,7 +620,7 @@ def test_two_ranks_update_and_predict_as_one_process(tiny_model_path, tmp_path):
     from conftest import free_port
     mp.start_processes(_rank, args=(free_port(), tiny_model_path, str(tmp_path)), nprocs=2,
                        start_method="spawn")
-    one = fresh(tiny_model_path, online_lr=1e-2, batch_size=3, seed=0)
+    one = fresh(tiny_model_path, online_lr=1e-2, online_batch_size=3, seed=0)
     want = metarm.online_update(one, *[a + b for a, b in zip(RANK_SAMPLES[0], RANK_SAMPLES[1])],
                                 seed=5)
     for r in range(2):
@@ -546,3 +631,44 @@ def test_two_ranks_update_and_predict_as_one_process(tiny_model_path, tmp_path):
                                                       abs=1e-5)
     for name in ("replica", "fsdp2"):
         torch.testing.assert_close(flat(metarm.load_metarm(str(tmp_path / name))), flat(one))
+
+# ---- a judge that never answers on one rank: the step still ends (issue: a stuck judge server) --
+
+def _judged_rank(rank, port, path, hole, out, deadline_s):
+    import datetime
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=10))
+    judge = reward.make_judge(backend="proxy") if rank == 0 else reward.make_judge(
+        base_url=f"http://127.0.0.1:{hole}/v1", model="m", probe=False, timeout_s=15,
+        max_retries=0, deadline_s=deadline_s)  # rank 1's server accepts and never answers
+    items = [dict(item(k), set="dh") for k in (2 * rank, 2 * rank + 1)]
+    got = metarm.nlhf_reward_step(
+        items, [verdict(H, "A")] * 2, judge=judge, mrm=fresh(path, online_lr=1e-2), lam=0.5,
+        threshold=0.5, inclusive=False, similarity="f1", gate_on_outcome=True,
+        on_failure="mask", max_lines=4, max_chars=1500, style="ours", form="paper",
+        mode="online", train_on_do=False, seed=0, t0=time.perf_counter())
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+@pytest.mark.slow  # two spawned processes
+def test_a_hung_judge_on_one_rank_is_masked_by_the_deadline(tiny_model_path, tmp_path):
+    """Rank 1's judge server never answers (a socket that is never read; the client would wait
+    15 s, the ranks' collective 10 s): with a 3 s deadline both ranks end the step, rank 1's
+    two D_H samples masked ("deadline"), rank 0's judged, the MetaRM trained on rank 0's."""
+    import socket
+    import torch.multiprocessing as mp
+    from conftest import free_port
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # the kernel accepts the connections; nobody reads the requests
+    mp.start_processes(_judged_rank, args=(free_port(), tiny_model_path, hole.getsockname()[1],
+                                           str(tmp_path), 3.0), nprocs=2, start_method="spawn")
+    hole.close()
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["valid"].tolist() == [True, True] and r1["valid"].tolist() == [False, False]
+    assert all(s["judge_why"].startswith("deadline") and s["judge_failed"]
+               for s in r1["records"])
+    assert r1["metrics"]["order/judge_done_s"] < 3.0 + 2.0  # the deadline, + thread scheduling
+    assert r0["metrics"]["metarm/n"] == r1["metrics"]["metarm/n"] == 2

@@ -3,6 +3,7 @@ prefix) against one forward per row, the RM-NLHF rewards and parsers, the critiq
 HTTP (a local stub server, `transformers serve`), remote evaluators (a stub, vLLM's server).
 Every expected number is worked out by hand beside it."""
 import contextlib
+import hashlib
 import http.server
 import json
 import math
@@ -17,8 +18,12 @@ import pytest
 import torch
 
 from conftest import SMOLLM2, free_port
+import data
 import reward as R
 from rollout import load_model, resolve_model_path
+
+def mq(question, weight=1.0, target="Yes", negative="No"):  # a reward.meta_questions entry
+    return {"question": question, "weight": weight, "target": target, "negative": negative}
 
 # ---- RLVR: boxed extraction, numbers -------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
@@ -39,7 +44,7 @@ def test_extract_boxed(text, expected):
 def test_rlvr_reward(completion, label, expected):
     assert R.rlvr_reward(completion, label) == expected
 
-# ---- SQuAD normalisation, EM, F1 (RLME §4 Tables 1-2) -------------------------------------
+# ---- SQuAD normalisation, EM, F1 (docs/method.md §4.3: RLME's QA tables per secondary notes)
 @pytest.mark.parametrize("s, expected", [
     ("The Cat", "cat"),                                          # lower case, article dropped
     ("  An   apple,\n\ta day!  ", "apple day"),          # punctuation, articles, white space
@@ -233,19 +238,13 @@ def test_failed_scores_mask_the_sample():
     reward is NaN and valid False, never a number."""
     ev = {"name": "r", "weight": 1.0, "failures": ["", "HTTP 500"],
           "score": lambda texts, targets: torch.tensor([[-0.5], [math.nan]])}
-    out = R.rlme_reward([ev], R.meta_question_dicts(["q?"]), ["p", "p"], ["a", "b"])
+    out = R.rlme_reward([ev], [mq("q?")], ["p", "p"], ["a", "b"])
     assert out["reward"][0].item() == -0.5 and math.isnan(out["reward"][1].item())
     assert out["valid"].tolist() == [True, False]
     assert out["failed"][:, 0, 0].tolist() == [False, True]
     assert out["nonfinite"] == 0
 
-def test_meta_question_dicts_and_hybrid():
-    assert R.meta_question_dicts(["q?"]) == [{"question": "q?", "weight": 1.0, "target": "Yes",
-                                             "negative": "No"}]
-    with pytest.raises(ValueError, match="distinct questions"):
-        R.meta_question_dicts(["Is it right?", "Is it right?"])
-    with pytest.raises(ValueError, match="non-empty"):
-        R.meta_question_dicts([{"weight": 2.0}])
+def test_hybrid():
     rlvr, rlme = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([-0.5, -2.0, -0.1])
     # 2 * [1, 0, 1] + [-0.5, -2.0, -0.1] = [1.5, -2.0, 1.9]
     assert R.hybrid_reward(rlvr, rlme, rlvr_weight=2.0).tolist() == pytest.approx([1.5, -2.0, 1.9])
@@ -571,6 +570,80 @@ def test_judge_prompts_per_variant():
     assert "HUMAN says" not in meta and "MODEL says B is wrong." in meta and "What is 2+3?" in meta
     assert "[Response B]\n6" in meta and meta.index("Repetition check") < meta.index("fatal error")
 
+# the authors' judge (judge.variant authors): the release's answer format, its first-match parse
+def scores(f1, precision, recall, thinking="N_ref = 2, N_gen = 2, TP = 1."):
+    return (f"<thinking>\n    {thinking}\n</thinking>\n\n<scores>\n    <critique_f1>{f1}"
+            f"</critique_f1>\n    <critique_precision>{precision}</critique_precision>\n    "
+            f"<critique_recall>{recall}</critique_recall>\n</scores>")
+
+def test_parse_authors_judge_output():
+    parse = lambda text: R.parse_judge_output(text, authors=True)  # noqa: E731
+    assert parse(scores("0.5", "0.5", "0.5")) == {"precision": 0.5, "recall": 0.5, "f1": 0.5,
+                                                  "why": ""}
+    twice = scores("0.6667", "0.5", "1.0") + "\nOn reflection:\n" + scores("0.2", "0.2", "0.2")
+    assert parse(twice)["f1"] == 0.6667  # the FIRST match (the release's re.search) ...
+    assert R.parse_judge_output(twice.replace("critique_", ""))["f1"] == 0.2  # ours: the last
+    echo = scores("CritiqueScore", "Precision_critique", "Recall_critique") + scores("1", "1", "1")
+    assert parse(echo)["f1"] == 1.0  # the first NUMBER: the format's placeholders never match
+    repeated = scores("0", "0", "0", "Response A's flaw is stated three times.")  # Part 1
+    assert parse(repeated) == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "why": ""}
+    fatal = scores("0.6667", "0.5", "1", "The reference names a fatal error: Response B's "
+                   "wrong temperature. N_ref = 1. The candidate names it and one more: N_gen = 2, "
+                   "TP = 1.")
+    assert parse(fatal) == {"precision": 0.5, "recall": 1.0, "f1": 0.6667, "why": ""}
+    assert parse(scores("0.5", "1.5", "0.5"))["precision"] == 1.5  # the release checks f1 alone
+    for text, why in ((scores("0.5", "0.5", "0.5").replace("recall", "r"),
+                       "missing <critique_recall> tag with a number"),
+                      (scores("1.2", "1", "1"), "<critique_f1> outside [0, 1]: 1.2"),
+                      (scores("nan", "1", "1"), "missing <critique_f1> tag with a number"),
+                      (scores(" 0.5", "1", "1"), "missing <critique_f1> tag with a number"),
+                      (scores("-0.5", "1", "1"), "missing <critique_f1> tag with a number"),
+                      (scores("1e-1", "1", "1"), "missing <critique_f1> tag with a number"),
+                      ("", "missing <critique_precision> tag with a number")):
+        assert parse(text) == {"precision": None, "recall": None, "f1": None, "why": why}, text
+
+CRITICS_PARTS = {"A": {"strengths": "Response A gives the correct value.", "weaknesses": ""},
+                 "B": {"strengths": "Response B is concise.",
+                       "weaknesses": "Response B states a wrong temperature."}}
+
+def test_authors_judge_prompt_is_the_release_rendering():
+    # the release's prompt_f1_based_similarity_score, verbatim (its sha256)
+    assert hashlib.sha256(R.AUTHORS_JUDGE_PROMPT.encode()).hexdigest() == (
+        "66d07b42079a4d197a565a2393bc4787f746d79b7e0c172ff165918d42c31ac3")
+    item = {"critique": "(the parts as lines)", "meta": {"critique_parts": CRITICS_PARTS}}
+    p = R.judge_prompt("authors", item["critique"], "Response B gets the boiling point wrong.",
+                       item)
+    human = ("<critics>\n<strengths_A>\nResponse A gives the correct value.\n</strengths_A>\n\n"
+             "<weaknesses_A>\n\n</weaknesses_A>\n\n<strengths_B>\nResponse B is concise.\n"
+             "</strengths_B>\n\n<weaknesses_B>\nResponse B states a wrong temperature.\n"
+             "</weaknesses_B>\n</critics>")
+    assert p.startswith("I will provide you with a generated evaluation content")
+    assert p.endswith("\n\n<Generated Evaluation Content>\n<critics>\nResponse B gets the boiling "
+                      "point wrong.\n</critics>\n</Generated Evaluation Content>\n\n<Reference "
+                      "Evaluation Content>\n" + human + "\n</Reference Evaluation Content>")
+    plain = R.judge_prompt("authors", "@Response 1 is better.\nIt is right.", "A is right.", {})
+    assert plain.endswith("<Reference Evaluation Content>\n<critics>\n@Response 1 is better.\n"
+                          "It is right.\n</critics>\n</Reference Evaluation Content>")
+    # a release row loaded by data.py keeps its parts, under the final letters (A/B shuffled)
+    rows = data.load_pairwise(os.path.join(os.path.dirname(__file__), "fixtures",
+                                           "rm_nlhf_sample.jsonl"), seed=0)
+    for it in rows[:2]:
+        parts, p = it["meta"]["critique_parts"], R.judge_prompt("authors", it["critique"], "c", it)
+        assert all(f"Response {x} {k}: {parts[x][k]}" in it["critique"] for x in "AB"
+                   for k in ("strengths", "weaknesses") if parts[x][k])
+        assert f"<weaknesses_{it['winner']}>\n\n</weaknesses_{it['winner']}>" in p
+    assert "critique_parts" not in rows[2]["meta"]  # Tulu rows: no critique
+
+def test_authors_judge_over_http(stub):
+    stub["plan"] = [(200, {}, chat_body(scores("0.6667", "0.5", "1")))]
+    item = {"winner": "A", "critique": "lines", "meta": {"critique_parts": CRITICS_PARTS}}
+    judge = judge_at(stub["url"], variant="authors")
+    s = R.score_dh([R.parse_grm_output(CRITIC_A)], [item], judge)[0]
+    assert (s["f1"], s["precision"], s["recall"], s["reward"]) == (0.6667, 0.5, 1.0, 1.5)
+    msg = stub["requests"][0]["body"]["messages"][0]["content"]
+    assert msg == R.judge_prompt("authors", "lines", s["critique"], item)
+    assert "<strengths_B>\nResponse B is concise.\n</strengths_B>" in msg
+
 def test_proxy_f1_hand_numbers():
     human = "Response A gives the wrong total of 12 apples. Response B is polite but vague."
     model = "Response A computes the wrong total of apples. Response B is too long."
@@ -788,7 +861,7 @@ def test_remote_evaluator_reads_the_echoed_target_and_masks_failures(stub):
     ev = R.remote_evaluator(stub["url"], "m", name="far", weight=2.0, max_retries=0)
     body = stub["requests"][0]["body"]
     assert body["echo"] is True and body["max_tokens"] == 1
-    out = R.rlme_reward([ev], R.meta_question_dicts(["Is it right?"]), ["p", "BROKEN"], ["s", "t"])
+    out = R.rlme_reward([ev], [mq("Is it right?")], ["p", "BROKEN"], ["s", "t"])
     assert out["reward"][0].item() == pytest.approx(2.0 * -0.25) and math.isnan(out["reward"][1])
     assert out["valid"].tolist() == [True, False]
     assert ev["failures"][1].startswith("InternalServerError")
@@ -828,9 +901,8 @@ def test_remote_evaluator_against_vllm_serve(smollm2_path, smollm2, tmp_path):
                   R.remote_evaluator(url, "smol", tokenizer=tok, chat=chat, name="chat")]
         local = [R.local_evaluator(model, tok, name="plain"),
                  R.local_evaluator(model, tok, chat=chat, name="chat")]
-        mq = R.meta_question_dicts([{"question": "Is the answer correct?", "target": "Yes"},
-                                    {"question": "Is it short?", "target": "Yes, it is"}])
-        args = (mq, ["What is 2+3?", "What is 2+3?"], [r"\boxed{5}", "six"])
+        args = ([mq("Is the answer correct?"), mq("Is it short?", target="Yes, it is")],
+                ["What is 2+3?", "What is 2+3?"], [r"\boxed{5}", "six"])
         got, want = R.rlme_reward(remote, *args), R.rlme_reward(local, *args)
         assert got["valid"].all(), got["why"]
         assert torch.allclose(got["logp"], want["logp"], atol=1e-3), (got["logp"], want["logp"])
@@ -856,11 +928,11 @@ def test_renormalized_reward_by_hand():
         calls.append(list(targets))
         return torch.log(torch.tensor([[p[t] for t in targets] for _ in texts]))
     ev = {"name": "e", "weight": 1.0, "score": score}
-    mq = R.meta_question_dicts([{"question": "Is the answer correct?", "weight": 2.0}])
-    out = R.rlme_reward([ev], mq, ["1+1?"], ["2"], renormalize=True)
+    questions = [mq("Is the answer correct?", weight=2.0)]
+    out = R.rlme_reward([ev], questions, ["1+1?"], ["2"], renormalize=True)
     assert calls == [["Yes", "No"]]
     assert out["logp"].shape == (1, 1, 1)
     assert torch.allclose(out["logp"][0, 0, 0], torch.tensor(math.log(0.75)))
     assert torch.allclose(out["reward"], torch.tensor([2 * math.log(0.75)]))
-    plain = R.rlme_reward([ev], mq, ["1+1?"], ["2"])  # off: the paper's 2 log 0.6
+    plain = R.rlme_reward([ev], questions, ["1+1?"], ["2"])  # off: the paper's 2 log 0.6
     assert torch.allclose(plain["reward"], torch.tensor([2 * math.log(0.6)]))

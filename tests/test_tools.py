@@ -48,6 +48,47 @@ def test_memory_plan_by_hand(tmp_path, capsys):
     assert "peak" in capsys.readouterr().out
 
 
+def test_memory_plan_vllm_nvls_host_and_setup_by_hand(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    vllm = ["rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.25",
+            "rollout.max_prompt_tokens=10", "rollout.max_new_tokens=6"]
+    p = tiny_plan(tmp_path, *vllm, "run.eval_every=5", world=2)
+    items = {n: b for n, (b, _) in p["items"].items()}
+    assert items["vLLM share"] == 0.25 * 2**30 == 268435456  # tiny_plan's GPU: 1 GiB
+    assert items["vLLM asleep"] == memory_plan.VLLM_ASLEEP == 2**30  # the estimate, a constant
+    # NVLS: 2 communicators x 16 channels x 2 (reduce, broadcast) x 128 KiB x 8 steps x 2 heads
+    assert items["NCCL NVLS"] == 2 * 16 * 2 * 131072 * 8 * 2 == 128 * 2**20
+    # sleep level 1's pinned copy: 2 engines on the node x 1,992 parameters x 4 bytes (float32)
+    assert p["host"]["vLLM sleep backup"][0] == 2 * 1992 * 4 == 15936
+    # setup: the engine awake (share + residue) + NVLS + the float32 weights, no AdamW state yet;
+    # reserve 0.5 + 1.5 GiB (world 2) + 10 % of the torch bytes (the weights: 7,968)
+    setup, names = p["stages"]["setup"]
+    assert "AdamW state" not in names
+    assert setup == int(268435456 + 2**30 + 128 * 2**20 + 7968 + 2**29 + 3 * 2**29 + 796.8)
+    # validation (RLME, eval_every > 0): the engine awake + weights, AdamW and the evaluators'
+    # scoring KV cache (8 prompts x (10 + 6 + 128) tokens x L 2 x (K, V) x kv 1 x d_h 4 x B 4)
+    assert items["scoring KV cache"] == 8 * 144 * 2 * 2 * 1 * 4 * 4 == 73728
+    torch_bytes = 7968 + 8 * 1992 + 73728
+    assert p["stages"]["validation"][0] == int(268435456 + 2**30 + 128 * 2**20 + torch_bytes
+                                               + 2**31 + 0.1 * torch_bytes)
+    assert "validation" not in tiny_plan(tmp_path, *vllm, world=2)["stages"]  # eval_every 0
+    # two nodes: 8 heads and 8 engines a node; NCCL_NVLS_ENABLE=0: no NVLS buffers
+    p = tiny_plan(tmp_path, *vllm, world=16)
+    assert p["items"]["NCCL NVLS"][0] == 2 * 16 * 2 * 2**20 * 8 == 512 * 2**20
+    assert p["host"]["vLLM sleep backup"][0] == 8 * 1992 * 4
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert "NCCL NVLS" not in tiny_plan(tmp_path, *vllm, world=2)["items"]
+    # RM-NLHF: the MetaRM cold start runs at setup with the engine awake
+    p = tiny_plan(tmp_path, *vllm, "task=rm_nlhf", "metarm.max_length=16", world=1)
+    assert "MetaRM activations" in p["stages"]["setup"][1]
+    assert "NCCL NVLS" not in p["items"] and p["host"]["vLLM sleep backup"][0] == 1992 * 4
+    # the advice it corrects: expandable segments with vLLM's sleep mode
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    memory_plan.main(["--config", os.path.join(REPO, "config.yaml")])
+    out = capsys.readouterr().out
+    assert "vLLM sleep backup" in out and "warning: PYTORCH_CUDA_ALLOC_CONF" in out
+
+
 def test_memory_plan_lora_fsdp_and_real_count(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM
     # LoRA r 2 on q_proj, v_proj: 2 layers x 2 x ((8 + 8) + (8 + 4)) = 112 trained elements
@@ -146,6 +187,38 @@ def test_bench_and_gpu_check_arguments(tmp_path, tiny_model_path):
     assert gpu_check.main(["random-model", "--tiny", "--tokenizer", tiny_model_path,
                            "--out", str(tmp_path)]) == 0
     assert memory_plan.model_shape(str(tmp_path))["layers"] == gpu_check.TINY["num_hidden_layers"]
+
+
+def test_gpu_check_budget_hard_stop_and_preflight(tmp_path):
+    import subprocess
+    import time
+    # the default budget + the documented outer `timeout -k 10 450` end inside 10 minutes
+    assert gpu_check.BUDGET_S == 420 and gpu_check.MAX_BUDGET_S + 30 + 10 < 600
+    for budget in ("0", "481"):
+        with pytest.raises(SystemExit, match="--budget-s must be in"):
+            gpu_check.main(["run", "--budget-s", budget])
+    # the hard stop: train.py's process group killed, the report says so, exit 124
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    gpu_check.CHILDREN.append(child)
+    codes = []
+    try:
+        gpu_check.hard_stop(0.2, str(tmp_path), exit=codes.append)
+        assert child.wait(timeout=10) == -9
+        for _ in range(100):
+            if codes:
+                break
+            time.sleep(0.05)
+    finally:
+        gpu_check.CHILDREN.remove(child)
+        child.kill()
+    assert codes == [124]
+    assert "ran out" in json.loads((tmp_path / "gpu_check.json").read_text())["stopped"]
+    # the wheels a machine without a package index needs: transformers 5.24 and regex >= 2025.10.22
+    gpu_check.preflight()  # this machine: requirements.txt's
+    versions = {"transformers": "5.24.3", "regex": "2025.10.22"}
+    assert gpu_check.preflight(versions.get) is None
+    with pytest.raises(SystemExit, match=r"transformers 5.17.0 \(want 5.24.0\), regex 2025.10.21"):
+        gpu_check.preflight({"transformers": "5.17.0", "regex": "2025.10.21"}.get)
 
 
 def test_bench_check_loss_tiny(tiny_model_path, capsys):

@@ -343,6 +343,27 @@ def test_rm_nlhf_run_with_the_proxy_judge_and_resume(tiny_model_path, tmp_path):
     assert sets == {"dh", "do"}
 
 
+def test_rm_nlhf_lambda_0_runs_without_a_judge_server(tiny_model_path, tmp_path):
+    """λ = 0 (Table 3 "w/o process reward", Fig. 3's outcome-only arm): no judge is built, so a
+    judge.base_url where nothing listens stops nothing; the MetaRM cold start and a step run."""
+    args = ["task=rm_nlhf", "model.policy=" + tiny_model_path, "model.dtype=float32",
+            "nlhf.dh=" + data_path("mr_ben_math", "math.jsonl"),
+            "nlhf.do=" + data_path("hh_rlhf_harmless_base", "test.jsonl"), "nlhf.lam=0",
+            "judge.backend=openai", f"judge.base_url=http://127.0.0.1:{free_port()}/v1",
+            "judge.model=nobody", "rollout.backend=hf", "rollout.prompts_per_step=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=8",
+            "rollout.max_prompt_tokens=600", "algo.loss=grpo", "algo.advantage_std=true",
+            "metarm.cold_start_items=1", "metarm.rollouts_per_prompt=2", "metarm.epochs=1",
+            "metarm.batch_size=4", "metarm.max_length=256", "metarm.gradient_checkpointing=false",
+            "train.micro_batch_size=1", "train.device=cpu", "data.epochs=0",
+            "run.out_dir=" + str(tmp_path), "run.total_steps=1"]
+    T.main(args)
+    (line,) = _lines(tmp_path / "metrics.jsonl")
+    assert (line["step"], line["judge/calls"], line["metarm/cold_start_rollouts"]) == (1, 0, 2)
+    assert all(r["reward"] in (-1.0, 0.0, 1.0) for r in _lines(tmp_path / "samples.jsonl")
+               if r["set"] == "dh")
+
+
 def test_lora_validation_tensorboard_and_early_stop(tiny_model_path, gsm8k_file, tmp_path):
     """LoRA, validation every step from step 0 on a held-out draw, TensorBoard; then the early
     stop fires, writes early_stop.json, and the same command stops at start-up."""
@@ -481,7 +502,7 @@ def test_layering_and_overrides(tmp_path):
     (["rollout=5"], "config key rollout: must be a mapping"),
     (["algo.loss=ppo"], "config key algo.loss: expected one of ['cispo', 'grpo'], got 'ppo'"),
     (["model.gradient_checkpointing=true"], "expected one of ['none', 'full']"),
-    (["judge.variant=coarse"], "expected one of ['core', 'all', 'meta_judge'], got 'coarse'"),
+    (["judge.variant=coarse"], "expected one of ['core', 'all', 'meta_judge', 'authors'], got 'coarse'"),
     (["optim.lr"], "override 'optim.lr': expected key.sub=value"),
     (["configs/cpu.yaml"], "expected key.sub=value (files go after --config)"),
     (["reward.meta_questions=[{question: Is it right?, weight: 1}]"], "not valid YAML"),

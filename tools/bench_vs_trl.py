@@ -112,7 +112,9 @@ def self_evaluation_reward(model, tok, chat, cfg, problems, completions, micro_b
     import reward as R
     ev = [R.local_evaluator(model, tok, chat=chat, name="live", weight=1.0,
                             micro_batch_size=micro_batch)]
-    return R.rlme_reward(ev, R.meta_question_dicts(get(cfg, "reward.meta_questions")), problems,
+    mq = [dict({"weight": 1.0, "target": "Yes", "negative": "No"}, **m)  # config.yaml's defaults
+          for m in get(cfg, "reward.meta_questions")]
+    return R.rlme_reward(ev, mq, problems,
                          completions, template=get(cfg, "reward.evaluator_template")
                          or R.DEFAULT_EVALUATOR_TEMPLATE)["reward"]
 

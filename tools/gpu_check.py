@@ -14,7 +14,12 @@ and tools/memory_plan.py's peak for the same config on this GPU, beside the meas
 log-probs and the trainer's (rollout.completion_logprobs) on those samples, expected < 0.02;
 sleep(1) frees memory and wake gives the same greedy output; after the trainer's weights are
 perturbed, the gap without a push (> 0.1 expected) and after vllm_push_weights (< 0.02).
-Both write OUT/gpu_check.json. Simplified from scripts/gpu_check.py + gpu_check.sh (995 lines):
+Both write OUT/gpu_check.json. Every command stops itself after --budget-s seconds (default 420:
+train.py's process group killed, OUT/gpu_check.json saying so, exit 124), so that with an outer
+`timeout -k 10 450` it ends well inside a 10-minute remote command; before that, it checks that
+transformers is requirements.txt's version and regex new enough for it (tools/README.md says which
+wheels to bring to a machine without a package index).
+Simplified from scripts/gpu_check.py + gpu_check.sh (995 lines):
 the bare-mode stage runner and its report, the fast-vs-plain consistency check (no twins remain),
 the Qwen3-4B-shaped big update, the datasets stand-in and the fake-process-group plan check went.
 """
@@ -22,9 +27,12 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,6 +50,54 @@ SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_
              num_key_value_heads=3)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
+# The check's own hard stop, and the most it accepts: + the outer `timeout` of 30 s more and its
+# 10 s kill grace, 520 s at most, inside the 600 s of a remote command
+BUDGET_S, MAX_BUDGET_S = 420, 480
+REGEX_MIN = (2025, 10, 22)  # transformers 5.24's dependency_versions_table: checked at import
+CHILDREN = []  # the running train.py (torchrun) processes, each its own process group
+
+
+def hard_stop(budget_s, out_dir, exit=os._exit):
+    """Arm the budget: after budget_s seconds a timer thread kills the train.py process groups in
+    CHILDREN, writes OUT/gpu_check.json saying so and calls exit(124), whatever the main thread is
+    doing (a CUDA call, a wait). Returns the timer (cancel it when the check ends)."""
+    def stop():
+        for child in CHILDREN:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        print(f"[gpu_check] the budget of {budget_s:g} s ran out: stopped (exit 124)", flush=True)
+        dump({"stopped": f"--budget-s {budget_s:g} ran out"}, out_dir)
+        exit(124)
+    timer = threading.Timer(budget_s, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def preflight(version=None):
+    """SystemExit (one line) unless transformers is requirements.txt's major.minor (5.24) and
+    regex >= REGEX_MIN: a GPU machine's own transformers (5.17) lacks what rollout.py calls, and
+    transformers refuses an older regex at import. version: importlib.metadata.version."""
+    from importlib import metadata
+    version = version or metadata.version
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pin = re.search(r"^transformers\S*==(\S+)", f.read(), re.M).group(1)
+    have = {}
+    for name in ("transformers", "regex"):
+        try:
+            have[name] = tuple(int(x) for x in re.findall(r"\d+", version(name))[:3])
+        except metadata.PackageNotFoundError:
+            have[name] = ()
+    want = tuple(int(x) for x in pin.split(".")[:2])
+    bad = [f"transformers {'.'.join(map(str, have['transformers'])) or 'missing'} (want {pin})"
+           ] if have["transformers"][:2] != want else []
+    bad += [f"regex {'.'.join(map(str, have['regex'])) or 'missing'} (want >= 2025.10.22)"
+            ] if have["regex"] < REGEX_MIN else []
+    if bad:
+        raise SystemExit(f"gpu_check: {', '.join(bad)}: install the wheels tools/README.md names "
+                         "(\"Without a package index\")")
 
 
 def dump(res, out_dir):
@@ -63,7 +119,16 @@ def train_steps(a):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
            if a.torchrun else [sys.executable]) + [os.path.join(ROOT, "train.py"), *args]
     print("[gpu_check] " + " ".join(cmd), flush=True)
-    if subprocess.run(cmd, cwd=ROOT).returncode:
+    child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # killable with its workers
+    CHILDREN.append(child)
+    try:
+        rc = child.wait()
+    except BaseException:  # Ctrl-C: its own session does not get it
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
+    finally:
+        CHILDREN.remove(child)
+    if rc:
         raise SystemExit("gpu_check: train.py failed (its error is above)")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -213,15 +278,25 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="random-model: the folder `tokenizer` wrote")
     ap.add_argument("--tiny", action="store_true", help="random-model: tiny shapes (CPU smoke)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check"))
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help=f"hard stop after this many seconds (exit 124), at most {MAX_BUDGET_S}")
     ap.add_argument("overrides", nargs="*", help="run: key=value overrides for train.py")
     a = ap.parse_intermixed_args(argv)
     if a.steps < 2:
         raise SystemExit("gpu_check: --steps must be >= 2 (the first step is warm-up)")
     if a.what == "random-model" and not a.tokenizer:
         raise SystemExit("gpu_check: random-model needs --tokenizer DIR")
+    if not 0 < a.budget_s <= MAX_BUDGET_S:
+        raise SystemExit(f"gpu_check: --budget-s must be in (0, {MAX_BUDGET_S}] (with the outer "
+                         "timeout it must end inside a 10-minute command)")
     a.model = a.model or SMOLLM2
-    return {"run": run_check, "engine": engine_check, "tokenizer": save_tokenizer,
-            "random-model": random_model}[a.what](a)
+    preflight()
+    timer = hard_stop(a.budget_s, a.out)
+    try:
+        return {"run": run_check, "engine": engine_check, "tokenizer": save_tokenizer,
+                "random-model": random_model}[a.what](a)
+    finally:
+        timer.cancel()
 
 
 if __name__ == "__main__":

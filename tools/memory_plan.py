@@ -29,19 +29,33 @@ P parameters, L layers, h hidden, a / kv heads of d_h, i the MLP width, V the vo
   LM-head gradient  4 V h          the [V, h] float32 weight gradient
   KV cache          rows (prompt + new) L 2 kv d_h B   HF generate; rows = rollout.micro_batch_size
                                    or the rank's prompts x group
-  vLLM share        rollout.vllm_gpu_memory_utilization x GPU (its weights + KV cache)
+  vLLM share        rollout.vllm_gpu_memory_utilization x GPU (its weights + KV cache), awake
+  vLLM asleep       VLLM_ASLEEP in every stage: what sleep(level=1) leaves on the GPU (the
+                    CUDA-graph pool, the model runner's persistent buffers); an estimate (below)
+  NCCL NVLS         2 c k s h a communicator x NVLS_COMMS at world > 1 (c 16 channels on Hopper,
+                    k 128 KiB chunks x s 8 steps, h = the node's GPUs); 0 with NCCL_NVLS_ENABLE=0
   frozen copies     B P each       the GRPO reference (algo.kl_coef > 0), frozen evaluators
   MetaRM (rm_nlhf)  16 P_m         weights, gradients, AdamW (/ world under FSDP2) + activations
-                                   of metarm.batch_size / world rows x metarm.max_length tokens
+                                   of train.micro_batch_size rows x metarm.max_length tokens (a
+                                   forward of metarm.fit; every rank runs every example)
   reserve           0.5 GiB CUDA context (+ 1.5 GiB NCCL at world > 1) + 10 % of the stage's torch
-                    bytes (the caching allocator's fragmentation; reported figures, not measured)
-Stages: rollout, reward, MetaRM (rm_nlhf), update; each = resident + its own + reserve; peak = max.
+                    bytes (the caching allocator's fragmentation; reported figures, not measured).
+                    With vLLM, no PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against it:
+                    0.19.1's sleep-mode allocator asserts at engine start (docs/scale-out.md)
+  host RAM          B P per engine x min(world, 8) engines a node: sleep level 1 copies the
+                    weights to pinned CPU memory (vLLM's cumem.py); per node, in no stage
+Stages: setup (the engine awake from its start through the MetaRM cold start; no AdamW state
+yet), rollout (also a resume: AdamW loaded beside the awake engine), reward, validation (RLME,
+run.eval_every > 0: the evaluators score with the engine awake after the push), MetaRM (rm_nlhf),
+update; each = resident + its own + reserve; peak = max. Sources of the vLLM and NCCL figures:
+docs/scale-out.md, "Memory plan" (vLLM docs, source and issues; NCCL's src/transport/nvls.cc).
 
 Simplified from the old plumbing/plan.py (679 lines + 478 of plan_check + 106 of plan_tables): the
 exact autograd bookkeeping per tensor (q/k norms, masks, SDPA's log-sum-exp, the padded prompt
-pass), the cold-start, validation, setup and checkpoint stages, the host-RAM figures, the
-start-up stop, the doc-table generator and the fake-process-group measurement are gone; the terms
-above are within a few % of those for the shipped presets, which is what a plan is for.
+pass), the checkpoint stage, the trainer's host-RAM figures, the start-up stop, the doc-table
+generator and the fake-process-group measurement are gone (setup with the cold start,
+validation, vLLM's residue and host RAM, NVLS came back with issue 44); the terms above are
+within a few % of those for the shipped presets, which is what a plan is for.
 """
 import argparse
 import json
@@ -56,6 +70,15 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RESERVE_CONTEXT, RESERVE_NCCL, FRAGMENTATION = GiB // 2, 3 * GiB // 2, 0.10
 PROMPT_TOKENS = {"rlme": 256, "rm_nlhf": 2048}  # assumed when rollout.max_prompt_tokens is 0
 CHUNK = 1024  # positions per log-prob chunk: rollout.completion_logprobs' chunk_tokens
+# What vLLM keeps on the GPU asleep: the CUDA-graph pool and persistent buffers stay (its sleep
+# releases only the weights and KV cache pools, vllm-project/vllm PR #56373). No figure for our
+# models is documented: an ESTIMATE from vLLM's log "Estimated CUDA graph memory: 0.52 GiB" (an
+# 8B model, default capture sizes; LMCache issue #3430) and sglang's ~0.8 GB a rank (PR #32718)
+VLLM_ASLEEP = GiB
+# NCCL >= 2.21 NVLS buffers (src/transport/nvls.cc, ncclNvlsBufferSetup): nChannels (16 on SM90)
+# x 2 x NCCL_NVLS_CHUNKSIZE (128 KiB) x NCCL_STEPS (8) x nHeads (the node's GPUs) a communicator;
+# NVLS_COMMS: torch's default group and vLLM's world group (its first collective makes one)
+NVLS_CHANNELS, NVLS_CHUNK, NVLS_STEPS, NVLS_COMMS, NODE_GPUS = 16, 128 * 1024, 8, 2, 8
 # (layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, tied, qkv bias) of the hub ids
 # the presets name, from each model's config.json on the hub; the plan never goes online.
 SHAPES = {
@@ -192,7 +215,8 @@ def memory_plan(cfg, *, world=8, gpu_bytes=80 * GiB, prompt_tokens=None):
     """The per-GPU plan of config dict `cfg` on `world` GPUs of `gpu_bytes` each.
 
     Returns dict: model, params, world, gpu_bytes, prompt_tokens, items {name: (bytes, note)},
-    stages {stage: (bytes incl. reserve, [item names])}, peak_stage, peak_bytes, fits.
+    host {name: (bytes per node, note)}, stages {stage: (bytes incl. reserve, [item names])},
+    peak_stage, peak_bytes, fits.
     """
     task = get(cfg, "task", "rlme")
     s = model_shape(get(cfg, "model.policy"))
@@ -229,9 +253,14 @@ def memory_plan(cfg, *, world=8, gpu_bytes=80 * GiB, prompt_tokens=None):
     add("logits chunk", c * s["vocab"] * (B + 8), f"{c} positions x {s['vocab']} vocab")
     add("LM-head gradient", 4 * s["vocab"] * s["hidden"], "[V, h] float32")
     kv_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * B
-    if get(cfg, "rollout.backend", "vllm") == "vllm":
+    vllm, host = get(cfg, "rollout.backend", "vllm") == "vllm", {}
+    if vllm:
         util = get(cfg, "rollout.vllm_gpu_memory_utilization", 0.3)
         add("vLLM share", util * gpu_bytes, f"{util} x GPU: its weights + KV cache")
+        add("vLLM asleep", VLLM_ASLEEP, "CUDA-graph pool + buffers sleep keeps (estimate)")
+        engines = min(world, NODE_GPUS)
+        host["vLLM sleep backup"] = (B * P * engines, f"{engines} engines x the weights in "
+                                     f"{get(cfg, 'model.dtype', 'bfloat16')}, pinned, per node")
     else:
         m = min(get(cfg, "rollout.micro_batch_size", 0) or rows, rows)
         add("KV cache", m * (tp + tn) * kv_token, f"HF generate, {m} rows x {tp + tn} tokens")
@@ -243,19 +272,26 @@ def memory_plan(cfg, *, world=8, gpu_bytes=80 * GiB, prompt_tokens=None):
         sc = get(cfg, "reward.micro_batch_size", 8)
         add("scoring KV cache", sc * (tp + tn + 128) * kv_token, f"{sc} evaluator prompts, no grad")
     add("frozen copies", B * frozen / shard, "GRPO reference / frozen evaluators")
+    if world > 1 and os.environ.get("NCCL_NVLS_ENABLE", "") != "0":
+        heads = min(world, NODE_GPUS)
+        add("NCCL NVLS", NVLS_COMMS * NVLS_CHANNELS * 2 * NVLS_CHUNK * NVLS_STEPS * heads,
+            f"{NVLS_COMMS} communicators x {heads} heads (NVSwitch; NCCL_NVLS_ENABLE=0: none)")
     if task == "rm_nlhf" and get(cfg, "metarm.mode", "online") != "offline":
         ms = s  # the MetaRM's base is the policy's (model.policy)
         Pm, mw = param_count(ms), world if fsdp else 1
         add("MetaRM state", 16 * Pm / mw, "float32 weights + gradients + AdamW")
-        mrows = -(-get(cfg, "metarm.batch_size", 8) // mw)
+        mrows = get(cfg, "train.micro_batch_size", 4)  # a forward: metarm.fit's micro-batch
         mB = BYTES[get(cfg, "metarm.dtype", "float32")]
         length, mck = get(cfg, "metarm.max_length", 8192), get(cfg, "metarm.gradient_checkpointing")
         add("MetaRM activations", activation_bytes(ms, rows=mrows, tokens=length, B=mB, r=4,
                                                    checkpointing="full" if mck else None),
             f"{mrows} rows x {length} tokens")
-    resident = ["policy weights", "AdamW state", "frozen copies", "MetaRM state"]
-    stage_items = {"rollout": resident + ["vLLM share", "KV cache"],
+    base = ["policy weights", "frozen copies", "MetaRM state", "vLLM asleep", "NCCL NVLS"]
+    resident = base + ["AdamW state"]
+    stage_items = {"setup": base + ["vLLM share", "MetaRM activations"],
+                   "rollout": resident + ["vLLM share", "KV cache"],
                    "reward": resident + ["scoring KV cache"],
+                   "validation": resident + ["vLLM share", "scoring KV cache"],
                    "MetaRM": resident + ["MetaRM activations"],
                    "update": resident + ["gradients", "grad buckets", "gathered weights",
                                          "activations", "logits chunk", "LM-head gradient"]}
@@ -266,12 +302,15 @@ def memory_plan(cfg, *, world=8, gpu_bytes=80 * GiB, prompt_tokens=None):
             continue  # no MetaRM (RLME, or metarm.mode offline)
         if stage == "reward" and task != "rlme":
             continue  # RM-NLHF's reward is the judge's (a server) and the MetaRM's
-        torch_bytes = sum(items[n][0] for n in names if n != "vLLM share")
+        if stage == "validation" and not (vllm and get(cfg, "run.eval_every", 0)
+                                          and "scoring KV cache" in names):
+            continue  # the engine sleeps before every other scoring
+        torch_bytes = sum(items[n][0] for n in names if not n.startswith(("vLLM", "NCCL")))
         reserve = RESERVE_CONTEXT + (RESERVE_NCCL if world > 1 else 0) + FRAGMENTATION * torch_bytes
         stages[stage] = (int(sum(items[n][0] for n in names) + reserve), names)
     peak = max(stages, key=lambda k: stages[k][0])
     return {"model": get(cfg, "model.policy"), "params": P, "world": world, "gpu_bytes": gpu_bytes,
-            "prompt_tokens": tp, "items": items, "stages": stages, "peak_stage": peak,
+            "prompt_tokens": tp, "items": items, "host": host, "stages": stages, "peak_stage": peak,
             "peak_bytes": stages[peak][0], "fits": stages[peak][0] <= gpu_bytes}
 
 
@@ -281,6 +320,7 @@ def plan_table(p):
              f"{p['params'] / 1e9:.3f} B parameters, prompts of {p['prompt_tokens']} tokens",
              f"{'item':20} {'GiB':>8}  note"]
     lines += [f"{n:20} {b / GiB:8.3f}  {note}" for n, (b, note) in p["items"].items() if b]
+    lines += [f"{n:20} {b / GiB:8.3f}  host RAM: {note}" for n, (b, note) in p["host"].items()]
     lines.append(f"{'stage':20} {'GiB':>8}  = resident + its own + reserve")
     for stage, (b, names) in p["stages"].items():
         own = ", ".join(n for n in names if p["items"][n][0])
@@ -304,6 +344,10 @@ def main(argv=None):
     p = memory_plan(read_config(a.config, a.overrides), world=a.world,
                     gpu_bytes=int(a.gpu_gib * GiB), prompt_tokens=a.prompt_tokens)
     print(plan_table(p))
+    if "vLLM share" in p["items"] and "expandable_segments:True" in os.environ.get(
+            "PYTORCH_CUDA_ALLOC_CONF", ""):
+        print("warning: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: vLLM 0.19.1's sleep "
+              "mode asserts at engine start (docs/scale-out.md, Memory plan): unset it")
     return 0 if p["fits"] else 1
 
 

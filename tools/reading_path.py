@@ -218,7 +218,7 @@ def print_step(label, f, show):
 
 COPIES = {  # issue 42's two cases and budgets (lines pasted; edits: 0)
     "RLME reward (one local evaluator, weighted meta-questions)": (
-        ["reward.py:local_evaluator", "reward.py:rlme_reward", "reward.py:meta_question_dicts",
+        ["reward.py:local_evaluator", "reward.py:rlme_reward",
          "reward.py:DEFAULT_EVALUATOR_TEMPLATE"], 120),
     "D_H reward (your judge callable) + the MetaRM loss and predict": (
         ["reward.py:parse_grm_output", "reward.py:score_dh",
